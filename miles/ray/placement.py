@@ -1,0 +1,73 @@
+"""Placement groups for training actors and rollout engines.
+
+One bundle per worker. With GPUs a bundle is {GPU: 1, CPU: 1}; without, it is {CPU: 1} and the `--*-num-gpus*`
+flags count CPU worker processes. Colocated mode shares one set of bundles between the training actors and the
+engines (each takes a fraction of the bundle); disaggregated mode gives the engines bundles of their own after the
+training ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from miles.ray.utils import ray_get
+
+# Fractions of a shared bundle in colocated mode: both fit in one bundle at once.
+COLOCATED_ACTOR_SHARE = 0.4
+COLOCATED_ENGINE_SHARE = 0.2
+
+
+@dataclass(frozen=True)
+class Placement:
+    pg: PlacementGroup
+    use_gpu: bool
+    actor_bundles: list[int]  # bundle index of training rank i
+    engine_bundles: list[int]  # bundle index of rollout worker j (one engine spans num_gpus_per_engine of them)
+    colocate: bool
+
+    def actor_options(self, rank: int) -> dict:
+        share = COLOCATED_ACTOR_SHARE if self.colocate else 1.0
+        return self._options(self.actor_bundles[rank], share)
+
+    def engine_options(self, engine_index: int, gpus_per_engine: int) -> dict:
+        share = COLOCATED_ENGINE_SHARE if self.colocate else 1.0
+        return self._options(self.engine_bundles[engine_index * gpus_per_engine], share)
+
+    def _options(self, bundle: int, share: float) -> dict:
+        strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
+        if self.use_gpu:
+            return {"num_gpus": share, "num_cpus": share, "scheduling_strategy": strategy}
+        return {"num_cpus": share, "scheduling_strategy": strategy}
+
+
+def cluster_has_gpus() -> bool:
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def create_placement(
+    num_actor_workers: int, num_rollout_workers: int, colocate: bool, use_gpu: bool, timeout_s: float = 300.0
+) -> Placement:
+    """Reserve bundles for `num_actor_workers` training ranks and `num_rollout_workers` engine workers."""
+    if num_actor_workers < 1 or num_rollout_workers < 1:
+        raise ValueError(
+            f"need at least one training and one rollout worker, got {num_actor_workers} and {num_rollout_workers}"
+        )
+    if colocate and num_rollout_workers > num_actor_workers:
+        raise ValueError(
+            f"--colocate shares bundles, so --rollout-num-gpus ({num_rollout_workers}) cannot exceed the "
+            f"training workers ({num_actor_workers})"
+        )
+    total = num_actor_workers if colocate else num_actor_workers + num_rollout_workers
+    bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+    pg = placement_group([dict(bundle) for _ in range(total)], strategy="PACK")
+    ray_get(pg.ready(), timeout_s, phase=f"reserving {total} placement-group bundles of {bundle}")
+    actor_bundles = list(range(num_actor_workers))
+    if colocate:
+        engine_bundles = list(range(num_rollout_workers))
+    else:
+        engine_bundles = list(range(num_actor_workers, num_actor_workers + num_rollout_workers))
+    return Placement(pg, use_gpu, actor_bundles, engine_bundles, colocate)

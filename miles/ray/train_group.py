@@ -1,0 +1,121 @@
+"""RayTrainGroup: one Ray actor per training process, fanning each call out to all of them.
+
+The actor is thin: it exports the process-group environment and delegates to the backend class registered under
+`--train-backend` (see miles/backends/base.py).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+
+from miles.ray.placement import Placement
+from miles.ray.utils import get_free_port, get_node_ip, ray_get
+
+
+class TrainWorker:
+    """Body of the training Ray actor (wrapped with ray.remote in RayTrainGroup)."""
+
+    def __init__(self, config_dict: dict, rank: int, world_size: int, env_vars: dict[str, str]) -> None:
+        os.environ.update(env_vars)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from miles.config import Config
+
+        self.config = Config.from_dict(config_dict)
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = None
+
+    def master_address(self) -> tuple[str, int]:
+        return get_node_ip(), get_free_port()
+
+    def init(self, master_addr: str, master_port: int, role: str, with_ref: bool) -> int:
+        os.environ.update(
+            {
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(master_port),
+                "RANK": str(self.rank),
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": "0",  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+            }
+        )
+        from miles.backends import get_backend_class
+
+        cls = get_backend_class(self.config.train.train_backend)
+        self.backend = cls(self.config, self.rank, self.world_size)
+        return self.backend.init(role, with_ref)
+
+    def train(self, rollout_id: int, rollout_data: list[dict]) -> dict[str, float]:
+        return self.backend.train(rollout_id, rollout_data)
+
+    def save(self, rollout_id: int) -> None:
+        self.backend.save(rollout_id)
+
+    def sleep(self) -> None:
+        self.backend.sleep()
+
+    def wake_up(self) -> None:
+        self.backend.wake_up()
+
+    def update_weights(self, engine_urls: list[str], weight_version: str) -> None:
+        self.backend.update_weights(engine_urls, weight_version)
+
+
+class RayTrainGroup:
+    """Creates `num_workers` training actors on the placement and fans calls out to all of them."""
+
+    def __init__(self, config: Any, placement: Placement, num_workers: int, env_vars: dict[str, str]) -> None:
+        self.config = config
+        self.timeout = float(config.train.train_timeout)
+        self.num_workers = num_workers
+        self.cp_size = int(config.train.context_parallel_size)
+        remote_cls = ray.remote(TrainWorker)
+        config_dict = config.to_dict()
+        self.workers = [
+            remote_cls.options(**placement.actor_options(rank)).remote(config_dict, rank, num_workers, env_vars)
+            for rank in range(num_workers)
+        ]
+
+    @property
+    def dp_size(self) -> int:
+        return self.num_workers // self.cp_size
+
+    def _all(self, phase: str, method: str, *args: Any) -> list[Any]:
+        return ray_get([getattr(w, method).remote(*args) for w in self.workers], self.timeout, phase)
+
+    def init(self, with_ref: bool) -> int:
+        addr, port = ray_get(self.workers[0].master_address.remote(), self.timeout, "train init: master address")
+        starts = self._all("train init", "init", addr, port, "actor", with_ref)
+        if len(set(starts)) != 1:
+            raise RuntimeError(f"training ranks disagree on the resume rollout id: {starts}")
+        return starts[0]
+
+    def train(self, rollout_id: int, per_dp_rank: list[list[dict]]) -> dict[str, float]:
+        """Train on one rollout; `per_dp_rank[d]` goes to every CP rank of data-parallel rank d."""
+        if len(per_dp_rank) != self.dp_size:
+            raise ValueError(f"expected data for {self.dp_size} DP ranks, got {len(per_dp_rank)}")
+        refs = [ray.put(d) for d in per_dp_rank]
+        results = ray_get(
+            [w.train.remote(rollout_id, refs[rank // self.cp_size]) for rank, w in enumerate(self.workers)],
+            self.timeout,
+            f"train rollout {rollout_id}",
+        )
+        return results[0]
+
+    def save(self, rollout_id: int) -> None:
+        self._all(f"save checkpoint {rollout_id}", "save", rollout_id)
+
+    def sleep(self) -> None:
+        self._all("offload training state", "sleep")
+
+    def wake_up(self) -> None:
+        self._all("onload training state", "wake_up")
+
+    def update_weights(self, engine_urls: list[str], weight_version: str) -> None:
+        self._all(f"weight refit {weight_version}", "update_weights", engine_urls, weight_version)
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)

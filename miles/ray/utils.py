@@ -1,0 +1,58 @@
+"""Ray helpers: starting/joining a cluster, and waits that have a deadline and name their phase."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+
+class PhaseTimeoutError(TimeoutError):
+    """A blocking wait passed its deadline; the message names the phase it was in."""
+
+
+def ray_get(refs: Any, timeout: float, phase: str) -> Any:
+    """`ray.get` with a deadline. On expiry raises PhaseTimeoutError naming `phase` and the timeout."""
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.GetTimeoutError as e:
+        raise PhaseTimeoutError(f"timed out after {timeout:.0f}s waiting for phase '{phase}'") from e
+
+
+def init_ray(min_cpus: int, env_vars: dict[str, str] | None = None) -> None:
+    """Join the cluster named by RAY_ADDRESS (or a `ray job submit` job), or start one in-process.
+
+    A local instance gets at least `min_cpus` logical CPUs so that CPU-only runs can place one bundle per worker even
+    on a 2-core machine (the workers mostly wait on each other; oversubscription is intended).
+    """
+    if ray.is_initialized():
+        return
+    runtime_env = {"env_vars": dict(env_vars)} if env_vars else None
+    if os.environ.get("RAY_ADDRESS"):
+        logger.info("joining Ray cluster at %s", os.environ["RAY_ADDRESS"])
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env)
+        return
+    num_cpus = max(min_cpus, os.cpu_count() or 1)
+    logger.info("starting a local Ray instance with %d logical CPUs", num_cpus)
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        runtime_env=runtime_env,
+        log_to_driver=True,
+        logging_level=logging.WARNING,
+    )
+
+
+def get_node_ip() -> str:
+    return ray.util.get_node_ip_address()
+
+
+def get_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
