@@ -1,0 +1,302 @@
+"""Advantage estimators: per-sample scalar rewards (+ optional KL penalty) -> per-token advantages.
+
+Every estimator is a function ``fn(inputs: AdvantageInputs) -> AdvantageOutputs`` registered by name with
+``@register_advantage(name)``; ``compute_advantages(name, inputs)`` dispatches through the registry. Outputs are
+per sample, aligned with ``loss_masks`` (one tensor of length L_i per sample). Values at positions with
+loss mask 0 carry no meaning; the loss ignores them.
+
+Batch-level whitening (reinforce_plus_plus*, and ``--normalize-advantages`` for any estimator) needs statistics
+over the whole data-parallel batch, which this package cannot collect (no collectives here). The backend does:
+
+    stats = local_moments(advantages, loss_masks)       # Tensor[3] (sum, sum_sq, count), float64
+    all_reduce(stats, SUM) over the DP group
+    advantages = masked_whiten(advantages, loss_masks, stats)
+
+``get_advantage_estimator(name).whiten`` says whether an estimator expects that step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from miles.algo import _ops
+from miles.algo.kl import KL_TYPES, compute_approx_kl
+from miles.algo.registry import Registry
+from miles.utils.misc import load_function
+
+
+@dataclass
+class AdvantageInputs:
+    """Everything an estimator may use, for B samples (all prompts' samples of one rollout, or a DP shard
+    holding whole prompt groups: group statistics are taken only over the samples passed in)."""
+
+    rewards: Tensor  # [B] float: one scalar reward per sample
+    group_ids: Tensor  # [B] long: samples generated from the same prompt share an id
+    loss_masks: list[Tensor]  # B x [L_i]: 1 for response tokens trained on, 0 otherwise
+    log_probs: list[Tensor] | None = None  # B x [L_i]: policy (old / rollout) log-probs; for the KL penalty
+    ref_log_probs: list[Tensor] | None = None  # B x [L_i]: reference-model log-probs; for the KL penalty
+    kl_coef: float = 0.0  # weight of the per-token KL penalty in the reward (reinforce_plus_plus*)
+    kl_type: str = "k1"  # KL estimator for that penalty, see miles.algo.kl
+    gamma: float = 1.0  # discount per loss token (reinforce_plus_plus*)
+    std_normalize: bool = True  # grpo/gspo: divide by the group std (False: Dr.GRPO, mean-centring only)
+    eps: float = 1e-6  # added to the group std before dividing
+
+    def __post_init__(self) -> None:
+        if self.rewards.dim() != 1:
+            raise ValueError(f"rewards must be 1-D [B], got shape {tuple(self.rewards.shape)}")
+        if self.group_ids.shape != self.rewards.shape:
+            raise ValueError(
+                f"group_ids shape {tuple(self.group_ids.shape)} != rewards shape {tuple(self.rewards.shape)}"
+            )
+        if self.group_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"group_ids must be an integer tensor, got dtype {self.group_ids.dtype}")
+        if len(self.loss_masks) != self.rewards.numel():
+            raise ValueError(f"{len(self.loss_masks)} loss_masks for {self.rewards.numel()} rewards")
+        for name in ("log_probs", "ref_log_probs"):
+            values = getattr(self, name)
+            if values is not None:
+                _ops.check_aligned(name, values, self.loss_masks)
+        if self.kl_type not in KL_TYPES:
+            raise ValueError(f"kl_type={self.kl_type!r}; choose one of {list(KL_TYPES)}")
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"gamma={self.gamma} must be in [0, 1]")
+        if self.eps < 0:
+            raise ValueError(f"eps={self.eps} must be >= 0")
+
+    @property
+    def response_lengths(self) -> list[int]:
+        """L_i per sample (the length of each loss mask)."""
+        return _ops.lengths_of(self.loss_masks)
+
+
+@dataclass
+class AdvantageOutputs:
+    advantages: list[Tensor]  # B x [L_i] float32
+    returns: list[Tensor]  # B x [L_i] float32 (the un-normalised target; equal to advantages for grpo/rloo)
+
+
+AdvantageFn = Callable[[AdvantageInputs], AdvantageOutputs]
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    name: str
+    fn: AdvantageFn
+    whiten: bool  # the estimator's advantages are meant to be whitened over the DP batch afterwards
+
+
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+
+
+def register_advantage(name: str, *, whiten: bool = False) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Decorator registering an estimator ``fn(inputs: AdvantageInputs) -> AdvantageOutputs`` under `name`.
+
+    `whiten=True` records that its advantages must be whitened over the DP batch (see the module docstring).
+    """
+
+    def decorator(fn: AdvantageFn) -> AdvantageFn:
+        ADVANTAGE_ESTIMATORS.add(name, AdvantageEstimator(name=name, fn=fn, whiten=whiten))
+        return fn
+
+    return decorator
+
+
+def get_advantage_estimator(name: str) -> AdvantageEstimator:
+    """The registered estimator `name` (ValueError listing the choices on a miss)."""
+    return ADVANTAGE_ESTIMATORS.get(name)
+
+
+def load_custom_advantage(path: str) -> AdvantageFn:
+    """Load ``--custom-advantage-function-path`` (``module.path:fn``).
+
+    The function must have the signature ``fn(inputs: AdvantageInputs) -> AdvantageOutputs`` and return one
+    tensor of length L_i per sample in both fields. The returned callable validates that shape contract.
+    """
+    fn = load_function(path, "--custom-advantage-function-path")
+
+    def checked(inputs: AdvantageInputs) -> AdvantageOutputs:
+        out = fn(inputs)
+        if not isinstance(out, AdvantageOutputs):
+            raise ValueError(
+                f"custom advantage function {path!r} returned {type(out).__name__}, expected AdvantageOutputs"
+            )
+        _ops.check_aligned(f"{path} advantages", out.advantages, inputs.loss_masks)
+        _ops.check_aligned(f"{path} returns", out.returns, inputs.loss_masks)
+        return out
+
+    return checked
+
+
+def compute_advantages(name: str, inputs: AdvantageInputs) -> AdvantageOutputs:
+    """Run the registered estimator `name` on `inputs` (no batch whitening; see the module docstring)."""
+    return get_advantage_estimator(name).fn(inputs)
+
+
+# ----------------------------------------------------------------------------------------------- group stats
+
+
+def _group_index(group_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """(inverse [B]: dense group index per sample, counts [G]: samples per group)."""
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    return inverse, counts
+
+
+def group_mean(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """Tensor[B]: the mean reward of each sample's prompt group (float32)."""
+    rewards = rewards.float()
+    inverse, counts = _group_index(group_ids)
+    sums = torch.zeros(counts.numel(), dtype=rewards.dtype, device=rewards.device).index_add(
+        0, inverse, rewards
+    )
+    return (sums / counts.to(rewards.dtype))[inverse]
+
+
+def group_std(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """Tensor[B]: the UNBIASED (Bessel-corrected, divide by n-1) std of each sample's group; 0 for groups of
+    size 1 (where the unbiased std is undefined)."""
+    rewards = rewards.float()
+    inverse, counts = _group_index(group_ids)
+    centred = rewards - group_mean(rewards, group_ids)
+    sq = torch.zeros(counts.numel(), dtype=rewards.dtype, device=rewards.device).index_add(
+        0, inverse, centred.square()
+    )
+    var = sq / (counts.to(rewards.dtype) - 1).clamp(min=1)
+    return var.sqrt()[inverse]
+
+
+def _broadcast(values: Tensor, loss_masks: list[Tensor]) -> list[Tensor]:
+    return [
+        torch.full(m.shape, float(v), dtype=torch.float32, device=m.device)
+        for v, m in zip(values.tolist(), loss_masks)
+    ]
+
+
+def _group_sizes(group_ids: Tensor) -> Tensor:
+    inverse, counts = _group_index(group_ids)
+    return counts[inverse]
+
+
+# ----------------------------------------------------------------------------------------------- estimators
+
+
+@register_advantage("grpo")
+def grpo_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
+    """GRPO: A_i = (r_i - mean_g) / (std_g + eps), statistics over sample i's prompt group g ONLY (never over
+    the batch). std_g is the unbiased (n-1) group std. ``std_normalize=False`` gives Dr.GRPO: A_i = r_i - mean_g.
+    A sample alone in its group gets advantage 0 (there is nothing to compare it with). The scalar is
+    broadcast to every token of the response; returns == advantages."""
+    rewards = inputs.rewards.float()
+    adv = rewards - group_mean(rewards, inputs.group_ids)
+    if inputs.std_normalize:
+        adv = adv / (group_std(rewards, inputs.group_ids) + inputs.eps)
+    adv = torch.where(_group_sizes(inputs.group_ids) > 1, adv, torch.zeros_like(adv))
+    per_token = _broadcast(adv, inputs.loss_masks)
+    return AdvantageOutputs(advantages=per_token, returns=[t.clone() for t in per_token])
+
+
+@register_advantage("gspo")
+def gspo_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
+    """GSPO uses GRPO's group-normalised advantages unchanged (only its policy loss differs)."""
+    return grpo_advantages(inputs)
+
+
+@register_advantage("rloo")
+def rloo_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
+    """RLOO: A_i = r_i - mean_{j != i, j in group(i)} r_j  (= n/(n-1) * (r_i - mean_g)); 0 for groups of size 1.
+    Broadcast to every response token; returns == advantages."""
+    rewards = inputs.rewards.float()
+    n = _group_sizes(inputs.group_ids).to(rewards.dtype)
+    centred = rewards - group_mean(rewards, inputs.group_ids)
+    adv = torch.where(n > 1, centred * n / (n - 1).clamp(min=1), torch.zeros_like(centred))
+    per_token = _broadcast(adv, inputs.loss_masks)
+    return AdvantageOutputs(advantages=per_token, returns=[t.clone() for t in per_token])
+
+
+def _token_kl(inputs: AdvantageInputs) -> list[Tensor]:
+    if inputs.kl_coef == 0.0:
+        return [torch.zeros(m.shape, dtype=torch.float32, device=m.device) for m in inputs.loss_masks]
+    if inputs.log_probs is None or inputs.ref_log_probs is None:
+        raise ValueError(f"kl_coef={inputs.kl_coef} needs log_probs and ref_log_probs (got None)")
+    return [
+        compute_approx_kl(lp.detach(), ref.detach(), inputs.kl_type)
+        for lp, ref in zip(inputs.log_probs, inputs.ref_log_probs)
+    ]
+
+
+def discounted_returns(token_rewards: Tensor, loss_mask: Tensor, gamma: float) -> Tensor:
+    """G_t = r_t + gamma * G_next over the loss tokens of one sample, walking backwards; positions with mask 0
+    are skipped (they get G = 0 and do not consume a discount step)."""
+    values = token_rewards.detach().double().tolist()
+    mask = loss_mask.bool().tolist()
+    returns = [0.0] * len(values)
+    running = 0.0
+    for t in range(len(values) - 1, -1, -1):
+        if mask[t]:
+            running = values[t] + gamma * running
+            returns[t] = running
+    return torch.tensor(returns, dtype=torch.float32, device=token_rewards.device)
+
+
+def _reinforce_returns(inputs: AdvantageInputs, rewards: Tensor) -> AdvantageOutputs:
+    kls = _token_kl(inputs)
+    returns = []
+    for reward, kl, mask in zip(rewards.tolist(), kls, inputs.loss_masks):
+        token_rewards = -inputs.kl_coef * kl * mask.float()
+        positions = torch.nonzero(mask.bool()).flatten()
+        if positions.numel() > 0:
+            token_rewards[positions[-1]] += reward
+        returns.append(discounted_returns(token_rewards, mask, inputs.gamma))
+    return AdvantageOutputs(advantages=[r.clone() for r in returns], returns=returns)
+
+
+@register_advantage("reinforce_plus_plus", whiten=True)
+def reinforce_plus_plus_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
+    """REINFORCE++: token reward r_t = -kl_coef * kl_t on every loss token, plus the scalar reward on the LAST
+    loss token (the last response token whose mask is 1); advantages = returns = discounted returns with
+    `gamma` (masked positions skipped, see `discounted_returns`). Whitening over the DP batch is left to the
+    backend (`whiten=True`)."""
+    return _reinforce_returns(inputs, inputs.rewards.float())
+
+
+@register_advantage("reinforce_plus_plus_baseline", whiten=True)
+def reinforce_plus_plus_baseline_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
+    """REINFORCE++ with a group baseline: as reinforce_plus_plus on r_i - mean_g (the group-mean reward is
+    subtracted first; a sample alone in its group thus gets reward 0). Whitened afterwards by the backend."""
+    rewards = inputs.rewards.float()
+    return _reinforce_returns(inputs, rewards - group_mean(rewards, inputs.group_ids))
+
+
+# -------------------------------------------------------------------------------------- batch whitening
+
+
+def local_moments(values: list[Tensor], masks: list[Tensor]) -> Tensor:
+    """Tensor[3] float64 = (sum, sum of squares, count) of `values` over mask==1 tokens of this rank.
+
+    All-reduce (SUM) it over the DP group and pass it to `masked_whiten`.
+    """
+    _ops.check_aligned("values", values, masks)
+    flat = _ops.cat(values).detach().double()
+    mask = _ops.cat(masks).double()
+    return torch.stack([(flat * mask).sum(), (flat.square() * mask).sum(), mask.sum()])
+
+
+def masked_whiten(
+    values: list[Tensor], masks: list[Tensor], stats: Tensor, eps: float = 1e-8
+) -> list[Tensor]:
+    """(v - mean) / sqrt(var + eps) with mean and the BIASED (population, divide by count) variance from the
+    global `stats` = (sum, sum_sq, count), e.g. all-reduced `local_moments`. Positions with mask 0 are set to
+    0. Raises ValueError if the count is 0."""
+    _ops.check_aligned("values", values, masks)
+    if stats.shape != (3,):
+        raise ValueError(f"stats must be Tensor[3] (sum, sum_sq, count), got shape {tuple(stats.shape)}")
+    total, total_sq, count = (float(x) for x in stats.double())
+    if count <= 0:
+        raise ValueError(f"cannot whiten over {count} loss tokens")
+    mean = total / count
+    var = max(total_sq / count - mean * mean, 0.0)
+    scale = (var + eps) ** -0.5
+    return [((v.float() - mean) * scale) * m.float() for v, m in zip(values, masks)]

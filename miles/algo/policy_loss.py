@@ -1,0 +1,191 @@
+"""Clipped policy-gradient losses (PPO token ratio, GSPO sequence ratio) and OPSM sequence masking.
+
+All functions return PER-TOKEN values; how they are reduced to a scalar (and what that divides by) is the job
+of miles.algo.reductions. Sign convention: ``ppo_kl = old_log_probs - log_probs`` (log pi_old - log pi_theta at
+the sampled tokens), so ``ratio = exp(-ppo_kl) = pi_theta / pi_old``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from miles.algo import _ops
+from miles.algo.registry import Registry
+
+
+def compute_policy_loss(
+    ppo_kl: Tensor,
+    advantages: Tensor,
+    eps_clip: float,
+    eps_clip_high: float,
+    eps_clip_c: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Per-token PPO clipped surrogate loss and clip indicator (same shape as the inputs).
+
+    ratio = exp(-ppo_kl);  loss = max(-A * ratio, -A * clip(ratio, 1 - eps_clip, 1 + eps_clip_high)).
+    Dual clip (``eps_clip_c`` > 1, Ye et al. 2020): for tokens with A < 0 the loss is further capped,
+    loss = min(loss, -A * eps_clip_c), so a huge ratio on a bad token cannot produce an unbounded update.
+
+    Returns ``(per_token_loss, per_token_clipfrac)`` where clipfrac is 1.0 where the clipped term is strictly
+    larger than the unclipped one (the ratio is outside the trust region in the direction that matters, so the
+    token gets no gradient), else 0.0. Gradient flows through `ppo_kl` only.
+    """
+    if ppo_kl.shape != advantages.shape:
+        raise ValueError(f"ppo_kl shape {tuple(ppo_kl.shape)} != advantages shape {tuple(advantages.shape)}")
+    if eps_clip < 0 or eps_clip_high < 0:
+        raise ValueError(f"eps_clip={eps_clip} and eps_clip_high={eps_clip_high} must be >= 0")
+    if eps_clip_c is not None and eps_clip_c <= 1.0:
+        raise ValueError(f"eps_clip_c={eps_clip_c} must be > 1 (dual-clip bound on the ratio) or None")
+    advantages = advantages.detach().float()
+    ratio = torch.exp(-ppo_kl.float())
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    clipfrac = (clipped > unclipped).float()
+    if eps_clip_c is not None:
+        capped = torch.minimum(loss, -advantages * eps_clip_c)
+        loss = torch.where(advantages < 0, capped, loss)
+    return loss, clipfrac
+
+
+@dataclass
+class PolicyLossOutputs:
+    loss: list[Tensor]  # B x [L_i] per-token loss (differentiable)
+    clipfrac: list[Tensor]  # B x [L_i] 1.0 where clipped
+    ppo_kl: list[Tensor]  # B x [L_i] the (detached) old - new log-ratio the clip acted on
+
+
+class PolicyLossFn(Protocol):
+    def __call__(
+        self,
+        log_probs: list[Tensor],
+        old_log_probs: list[Tensor],
+        advantages: list[Tensor],
+        loss_masks: list[Tensor],
+        *,
+        eps_clip: float,
+        eps_clip_high: float,
+        eps_clip_c: float | None,
+    ) -> PolicyLossOutputs: ...
+
+
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator registering a per-token policy loss under `name` (``--policy-loss``).
+
+    Signature: ``fn(log_probs, old_log_probs, advantages, loss_masks, *, eps_clip, eps_clip_high, eps_clip_c)
+    -> PolicyLossOutputs``, all arguments per-sample lists ``B x [L_i]``.
+    """
+    return POLICY_LOSSES.register(name)
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    """The registered policy loss `name` (ValueError listing the choices on a miss)."""
+    return POLICY_LOSSES.get(name)
+
+
+def _check(
+    log_probs: list[Tensor], old_log_probs: list[Tensor], advantages: list[Tensor], masks: list[Tensor]
+):
+    _ops.check_aligned("log_probs", log_probs, masks)
+    _ops.check_aligned("old_log_probs", old_log_probs, masks)
+    _ops.check_aligned("advantages", advantages, masks)
+
+
+@register_policy_loss("ppo")
+def ppo_policy_loss(
+    log_probs: list[Tensor],
+    old_log_probs: list[Tensor],
+    advantages: list[Tensor],
+    loss_masks: list[Tensor],
+    *,
+    eps_clip: float,
+    eps_clip_high: float,
+    eps_clip_c: float | None = None,
+) -> PolicyLossOutputs:
+    """PPO/GRPO: token-level ratio pi_theta(x_t) / pi_old(x_t), clipped per token (`compute_policy_loss`)."""
+    _check(log_probs, old_log_probs, advantages, loss_masks)
+    lengths = _ops.lengths_of(loss_masks)
+    ppo_kl = _ops.cat(old_log_probs).detach().float() - _ops.cat(log_probs).float()
+    loss, clipfrac = compute_policy_loss(ppo_kl, _ops.cat(advantages), eps_clip, eps_clip_high, eps_clip_c)
+    return PolicyLossOutputs(
+        loss=_ops.split(loss, lengths),
+        clipfrac=_ops.split(clipfrac, lengths),
+        ppo_kl=_ops.split(ppo_kl.detach(), lengths),
+    )
+
+
+@register_policy_loss("gspo")
+def gspo_policy_loss(
+    log_probs: list[Tensor],
+    old_log_probs: list[Tensor],
+    advantages: list[Tensor],
+    loss_masks: list[Tensor],
+    *,
+    eps_clip: float,
+    eps_clip_high: float,
+    eps_clip_c: float | None = None,
+) -> PolicyLossOutputs:
+    """GSPO (Zheng et al. 2025): one ratio per sequence, s_i = exp(mean_t (log pi_theta - log pi_old)) with the
+    mean over sample i's loss tokens, clipped per sequence (GSPO uses much smaller eps than PPO).
+
+    Stop-gradient trick (GSPO-token): each token uses
+    ``log s_i,t = log pi_theta(x_t) - sg[log pi_theta(x_t)] + sg[log s_i]``, whose VALUE is log s_i for every
+    token while its gradient is that of log pi_theta(x_t). Hence d s_i,t = s_i * d log pi_theta(x_t) per token,
+    and a per-sample token mean of the loss has exactly the gradient of the sequence-level objective
+    -A_i * s_i (for advantages constant over the sequence) while advantages may still vary per token.
+    Reported ppo_kl is the per-sequence value -log s_i broadcast to the tokens.
+    """
+    _check(log_probs, old_log_probs, advantages, loss_masks)
+    lengths = _ops.lengths_of(loss_masks)
+    new = _ops.cat(log_probs).float()
+    old = _ops.cat(old_log_probs).detach().float()
+    mask = _ops.cat(loss_masks)
+    seq_log_ratio = _ops.per_sample_masked_mean((new - old).detach(), mask, lengths)
+    token_log_ratio = new - new.detach() + seq_log_ratio[_ops.sample_ids(lengths, new.device)]
+    ppo_kl = -token_log_ratio
+    loss, clipfrac = compute_policy_loss(ppo_kl, _ops.cat(advantages), eps_clip, eps_clip_high, eps_clip_c)
+    return PolicyLossOutputs(
+        loss=_ops.split(loss, lengths),
+        clipfrac=_ops.split(clipfrac, lengths),
+        ppo_kl=_ops.split(ppo_kl.detach(), lengths),
+    )
+
+
+def compute_opsm_mask(
+    log_probs: list[Tensor],
+    behaviour_log_probs: list[Tensor],
+    advantages: list[Tensor],
+    loss_masks: list[Tensor],
+    delta: float,
+) -> list[Tensor]:
+    """Off-policy sequence masking (OPSM, DeepSeek-V3.2): per-token 0/1 weights, constant within a sample.
+
+    For sample i, with the means taken over its loss tokens (mask == 1) and everything detached:
+      seq_kl_i = mean_t (behaviour_log_probs - log_probs)   (log pi_behaviour - log pi_theta: a sampled
+                                                              estimate of KL(pi_behaviour || pi_theta))
+      adv_i    = mean_t advantages
+    the whole sample is masked (weight 0) iff ``adv_i < 0`` and ``seq_kl_i > delta``; otherwise weight 1.
+    `behaviour_log_probs` is the policy that generated the tokens: the rollout log-probs when available, else
+    the old (pre-update) log-probs. Rationale: negative samples that drifted far off-policy give the most
+    harmful, high-variance updates, while positive ones are kept. Samples without loss tokens get weight 1.
+    """
+    _check(log_probs, behaviour_log_probs, advantages, loss_masks)
+    if delta < 0:
+        raise ValueError(f"opsm_delta={delta} must be >= 0")
+    lengths = _ops.lengths_of(loss_masks)
+    if not lengths:
+        return []
+    mask = _ops.cat(loss_masks)
+    diff = (_ops.cat(behaviour_log_probs).float() - _ops.cat(log_probs).float()).detach()
+    seq_kl = _ops.per_sample_masked_mean(diff, mask, lengths)
+    seq_adv = _ops.per_sample_masked_mean(_ops.cat(advantages).detach().float(), mask, lengths)
+    keep = ~((seq_adv < 0) & (seq_kl > delta))
+    return _ops.split(keep.float()[_ops.sample_ids(lengths, mask.device)], lengths)

@@ -1,0 +1,159 @@
+"""Named reductions of per-token losses to the scalar a micro-batch backpropagates.
+
+Data-parallel scaling, once for all reductions. An optimizer step covers a global batch of N samples (T loss
+tokens) split over `dp_size` ranks and, on each rank, over micro-batches. Each micro-batch calls backward on
+``numerator(mb) / denominator``; gradients are SUMMED over a rank's micro-batches (accumulation) and then
+AVERAGED over ranks by FSDP's reduce-scatter (divide by dp_size). The applied gradient is therefore
+
+    (1 / dp_size) * sum_{all micro-batches} grad numerator(mb) / denominator,
+
+which equals the gradient of the single-process objective sum_{all} numerator / D exactly when
+``denominator = D / dp_size``. `reduction_denominator` computes that value; D is the global count named in each
+reduction's docstring, so the backend must all-reduce its sample / token counts for the step BEFORE the first
+micro-batch. With dp_size = 1 and one micro-batch this is the plain mean.
+
+Metrics: `reduction_metric_count` is the local count whose global sum is D, so a metric pair
+``(numerator(mb), count(mb))`` summed over micro-batches and ranks gives exactly the step's objective value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from miles.algo import _ops
+from miles.algo.registry import Registry
+
+
+@dataclass(frozen=True)
+class Reduction:
+    name: str
+    numerator: Callable[[list[Tensor], list[Tensor]], Tensor]  # (losses, masks) -> local differentiable sum
+    local_count: Callable[[list[Tensor], float | None], float]  # (masks, constant) -> this mb's share of D
+    global_count: Callable[[int, int, float | None], float]  # (num_samples, num_tokens, constant) -> D
+
+
+REDUCTIONS: Registry[Reduction] = Registry("loss reduction")
+
+
+def _masked_flat(losses: list[Tensor], masks: list[Tensor]) -> tuple[Tensor, Tensor, list[int]]:
+    _ops.check_aligned("losses", losses, masks)
+    lengths = _ops.lengths_of(masks)
+    if not lengths:
+        raise ValueError("cannot reduce an empty micro-batch (no samples)")
+    flat = _ops.cat([x.float() for x in losses])
+    return flat, _ops.cat(masks).to(flat.dtype), lengths
+
+
+def _sample_mean_numerator(losses: list[Tensor], masks: list[Tensor]) -> Tensor:
+    flat, mask, lengths = _masked_flat(losses, masks)
+    return _ops.per_sample_masked_mean(flat, mask, lengths).sum()
+
+
+def _token_sum(losses: list[Tensor], masks: list[Tensor]) -> Tensor:
+    flat, mask, _ = _masked_flat(losses, masks)
+    return (flat * mask).sum()
+
+
+def _num_tokens(masks: list[Tensor]) -> float:
+    return float(sum(float(m.float().sum()) for m in masks))
+
+
+def _constant(constant: float | None) -> float:
+    if constant is None or constant <= 0:
+        raise ValueError(
+            f"reduction constant_sum needs a constant > 0 (e.g. the max response length), got {constant}"
+        )
+    return float(constant)
+
+
+REDUCTIONS.add(
+    "sample_mean",
+    Reduction(
+        name="sample_mean",
+        numerator=_sample_mean_numerator,
+        local_count=lambda masks, c: float(len(masks)),
+        global_count=lambda n, t, c: float(n),
+    ),
+)
+REDUCTIONS.add(
+    "token_mean",
+    Reduction(
+        name="token_mean",
+        numerator=_token_sum,
+        local_count=lambda masks, c: _num_tokens(masks),
+        global_count=lambda n, t, c: float(t),
+    ),
+)
+REDUCTIONS.add(
+    "constant_sum",
+    Reduction(
+        name="constant_sum",
+        numerator=_token_sum,
+        local_count=lambda masks, c: _constant(c) * len(masks),
+        global_count=lambda n, t, c: _constant(c) * n,
+    ),
+)
+
+
+def reduction_denominator(
+    name: str, *, global_num_samples: int, global_num_tokens: int, dp_size: int, constant: float | None = None
+) -> float:
+    """The `denominator` to pass to `reduce_loss` for reduction `name`: D / dp_size (module docstring), with
+    D = global_num_samples (sample_mean), global_num_tokens (token_mean) or constant * global_num_samples
+    (constant_sum). Counts are over the whole optimizer step on all DP ranks."""
+    if dp_size < 1:
+        raise ValueError(f"dp_size={dp_size} must be >= 1")
+    if global_num_samples < 1:
+        raise ValueError(f"global_num_samples={global_num_samples} must be >= 1")
+    if global_num_tokens < 0:
+        raise ValueError(f"global_num_tokens={global_num_tokens} must be >= 0")
+    d = REDUCTIONS.get(name).global_count(global_num_samples, global_num_tokens, constant)
+    # A step without a single loss token still needs a finite scale (its numerators are all 0).
+    return max(d, 1.0) / dp_size
+
+
+def reduce_loss(name: str, losses: list[Tensor], masks: list[Tensor], denominator: float) -> Tensor:
+    """Scalar loss of one micro-batch: ``numerator / denominator`` where numerator is, per reduction:
+
+    - ``sample_mean``: sum over samples of each sample's mean over its loss tokens (a sample with no loss
+      token contributes 0). Divided by `denominator` = global number of samples / dp_size.
+    - ``token_mean``: sum of all masked token losses. Divided by `denominator` = global number of loss
+      tokens / dp_size. Every token weighs the same, however long its sequence.
+    - ``constant_sum`` (Dr.GRPO): sum of all masked token losses. Divided by `denominator` = constant *
+      global number of samples / dp_size, i.e. a per-sample token SUM normalised by a fixed length.
+
+    Get `denominator` from `reduction_denominator`; see the module docstring for why it carries 1/dp_size.
+    """
+    if not denominator > 0:
+        raise ValueError(f"denominator={denominator} must be > 0")
+    return REDUCTIONS.get(name).numerator(losses, masks) / denominator
+
+
+def reduction_metric(
+    name: str, losses: list[Tensor], masks: list[Tensor], constant: float | None = None
+) -> Tensor:
+    """(numerator, local count) pair of these losses under reduction `name` (see miles.algo.metrics): summed
+    over all micro-batches and ranks, numerator / count is the step's objective as `reduce_loss` defines it
+    (local count: samples for sample_mean, loss tokens for token_mean, constant * samples for constant_sum)."""
+    reduction = REDUCTIONS.get(name)
+    num = reduction.numerator([x.detach() for x in losses], masks)
+    count = reduction.local_count(masks, constant)
+    return torch.stack(
+        [num.double().reshape(()), torch.tensor(count, dtype=torch.float64, device=num.device)]
+    )
+
+
+def reduce_loss_and_metric(
+    name: str, losses: list[Tensor], masks: list[Tensor], denominator: float, constant: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """`reduce_loss` and `reduction_metric` together, computing the numerator once."""
+    if not denominator > 0:
+        raise ValueError(f"denominator={denominator} must be > 0")
+    reduction = REDUCTIONS.get(name)
+    num = reduction.numerator(losses, masks)
+    count = torch.tensor(reduction.local_count(masks, constant), dtype=torch.float64, device=num.device)
+    return num / denominator, torch.stack([num.detach().double().reshape(()), count])
