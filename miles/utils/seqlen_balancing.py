@@ -16,6 +16,7 @@ import itertools
 from collections.abc import Sequence
 
 __all__ = [
+    "check_lengths_fit",
     "first_fit_decreasing",
     "get_minimum_num_micro_batch_size",
     "get_seqlen_balanced_partitions",
@@ -104,7 +105,8 @@ def get_seqlen_balanced_partitions(
     return parts
 
 
-def _check_cap(lengths: Sequence[int], cap: int, cap_name: str) -> None:
+def check_lengths_fit(lengths: Sequence[int], cap: int, cap_name: str) -> None:
+    """Raise ValueError when `cap < 1` or a length is negative or above `cap` (naming index, length, flag)."""
     if cap < 1:
         raise ValueError(f"{cap_name} must be >= 1, got {cap}")
     for i, length in enumerate(lengths):
@@ -122,7 +124,7 @@ def first_fit_decreasing(lengths: Sequence[int], cap: int) -> list[list[int]]:
 
     Raises ValueError when a single length exceeds `cap` (naming its index and length) or `cap < 1`.
     """
-    _check_cap(lengths, cap, "cap")
+    check_lengths_fit(lengths, cap, "cap")
     bins: list[list[int]] = []
     loads: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -143,7 +145,7 @@ def get_minimum_num_micro_batch_size(lengths: Sequence[int], max_tokens_per_gpu:
     Returns 0 for no sequences. Raises ValueError when one sequence alone exceeds the cap, naming its index
     and length, or when the cap is < 1.
     """
-    _check_cap(lengths, max_tokens_per_gpu, "max_tokens_per_gpu")
+    check_lengths_fit(lengths, max_tokens_per_gpu, "max_tokens_per_gpu")
     return len(first_fit_decreasing(lengths, max_tokens_per_gpu))
 
 
@@ -179,7 +181,7 @@ def partition_to_packs(lengths: Sequence[int], k: int, cap: int | None) -> list[
         raise ValueError(f"cannot make {k} non-empty packs from {n} sequences; allowed: 1 <= packs <= {n}")
     if cap is None:
         return get_seqlen_balanced_partitions(lengths, k, equal_size=False)
-    _check_cap(lengths, cap, "max_tokens_per_pack")
+    check_lengths_fit(lengths, cap, "max_tokens_per_pack")
 
     def load(p: list[int]) -> int:
         return sum(lengths[i] for i in p)
