@@ -1,0 +1,187 @@
+"""Load a HuggingFace causal LM, shard it with FSDP2, build the reference model and the optimizer.
+
+Efficient loading (`build_fsdp_model`): only rank 0 reads the checkpoint from disk; the other ranks build the
+model on the meta device (no memory). After sharding, every rank materialises its (empty) shards and rank 0's
+full state dict is broadcast into them. Non-persistent buffers (e.g. rotary ``inv_freq``) are not part of the
+state dict, so they are broadcast from rank 0 separately.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+logger = logging.getLogger(__name__)
+
+_ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+_OPTIMIZERS = ("adam", "sgd")
+
+
+def _check_attn(attn_implementation: str) -> None:
+    if attn_implementation not in _ATTN_IMPLEMENTATIONS:
+        raise ValueError(
+            f"--attn-implementation={attn_implementation!r} is not supported; allowed: {_ATTN_IMPLEMENTATIONS}"
+        )
+
+
+def load_hf_model(
+    path: str,
+    attn_implementation: str = "sdpa",
+    dtype: torch.dtype = torch.float32,
+    gradient_checkpointing: bool = False,
+    on_meta: bool = False,
+) -> nn.Module:
+    """Build ``AutoModelForCausalLM`` from the HF directory ``path`` (weights on CPU, ``use_cache`` off).
+
+    ``on_meta=True`` reads only ``config.json`` and builds the model on the meta device (no weights, no memory);
+    `build_fsdp_model` uses this on every rank but 0. Tied embeddings stay tied in both cases.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _check_attn(attn_implementation)
+    if on_meta:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                config, attn_implementation=attn_implementation, dtype=dtype, trust_remote_code=True
+            )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, attn_implementation=attn_implementation, dtype=dtype, trust_remote_code=True
+        )
+    model.config.use_cache = False  # packed forwards silently ignore packing with a KV cache
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks (``model.model.layers``) that FSDP2 shards one by one."""
+    try:
+        layers = model.model.layers
+    except AttributeError as e:
+        raise ValueError(
+            f"{type(model).__name__} has no `model.layers`; apply_fsdp2 supports decoder-only HF causal LMs"
+        ) from e
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"{type(model).__name__}.model.layers is a {type(layers).__name__}, not an nn.ModuleList"
+        )
+    return layers
+
+
+def apply_fsdp2(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    cpu_offload: bool,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard every decoder layer, then the root, over the 1-D ``mesh``; returns the (same) model.
+
+    Gradients are *averaged* over the mesh ranks by FSDP's reduce-scatter: a loss that is a sum over the global
+    batch must be scaled by the mesh size on each rank. ``cpu_offload`` keeps parameters, gradients and the
+    optimizer step on CPU (CPUOffloadPolicy).
+    """
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"apply_fsdp2 expects a 1-D mesh (ParallelState.fsdp_mesh), got {mesh.ndim}-D {mesh}"
+        )
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # pinned host memory needs an accelerator; a CPU-only run keeps ordinary pages
+    pin = torch.cuda.is_available()
+    offload_policy: OffloadPolicy = CPUOffloadPolicy(pin_memory=pin) if cpu_offload else OffloadPolicy()
+    kwargs = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    return model
+
+
+def _broadcast_buffers(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Copy every buffer (persistent or not) from rank 0; FSDP2 does not shard buffers."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    for _, buf in model.named_buffers():
+        dist.broadcast(buf, src=src, group=group)
+
+
+def build_fsdp_model(
+    path: str,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    cpu_offload: bool = False,
+    attn_implementation: str = "sdpa",
+    gradient_checkpointing: bool = False,
+    device: torch.device | str = "cpu",
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Load ``path`` on mesh rank 0 only, shard it with `apply_fsdp2` and broadcast the weights to all ranks.
+
+    The master weights are fp32 (``param_dtype`` is the compute dtype). ``device`` is where the shards live
+    (CPU when ``cpu_offload``). Collective: every rank of ``mesh`` must call it.
+    """
+    is_src = mesh.get_local_rank() == 0
+    model = load_hf_model(
+        path, attn_implementation, torch.float32, gradient_checkpointing, on_meta=not is_src
+    )
+    full_sd = model.state_dict() if is_src else {}
+    shard_device = torch.device("cpu") if cpu_offload else torch.device(device)
+    if is_src:
+        model.to(shard_device)
+    apply_fsdp2(model, mesh, param_dtype, reduce_dtype, cpu_offload, reshard_after_forward)
+    if not is_src:
+        model.to_empty(device=shard_device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=cpu_offload)
+    set_model_state_dict(model, full_sd, options=options)
+    _broadcast_buffers(model, mesh.get_group())
+    del full_sd
+    return model
+
+
+def build_reference_model(
+    path: str,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+) -> nn.Module:
+    """A frozen FSDP2 copy of ``path`` for reference log-probs: CPUOffloadPolicy, eval mode, no grads.
+
+    Its parameters live on CPU and are copied to the compute device layer by layer during the forward.
+    """
+    model = build_fsdp_model(
+        path, mesh, param_dtype, reduce_dtype, cpu_offload=True, attn_implementation=attn_implementation
+    )
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def build_optimizer(
+    params: Iterable[nn.Parameter],
+    name: str = "adam",
+    lr: float = 1e-6,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+) -> torch.optim.Optimizer:
+    """``adam`` -> AdamW (decoupled weight decay), ``sgd`` -> SGD (no momentum). Only trainable params."""
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        raise ValueError("build_optimizer: no parameters require grad")
+    if lr < 0:
+        raise ValueError(f"--lr={lr}: must be >= 0")
+    if name == "adam":
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"--optimizer={name!r} is not supported; allowed: {_OPTIMIZERS}")

@@ -1,0 +1,125 @@
+"""FSDP2 on 2 gloo CPU ranks: sharded logits, reference model, DP=2 step == DP=1 step, CPU offload no-op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _util import run_distributed, save_tiny_qwen3
+
+from miles.backends.fsdp_utils.model import (
+    build_fsdp_model,
+    build_optimizer,
+    build_reference_model,
+    load_hf_model,
+)
+from miles.backends.fsdp_utils.offload import load_to_device, offload_to_cpu
+from miles.backends.fsdp_utils.parallel import ParallelDims, init_distributed
+
+VOCAB = 96
+
+
+def _batch(seed: int = 1, n: int = 4, length: int = 12) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n, length), generator=g)
+
+
+def _token_ce_sum(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Sum over all predicted tokens of the next-token cross entropy."""
+    logits = model(input_ids=tokens).logits.float()
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1), reduction="sum"
+    )
+
+
+def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    return out
+
+
+def _sharded_logits_body(rank: int, world_size: int, path: str) -> None:
+    state = init_distributed("gloo", timeout_s=60)
+    assert (state.dp_size, state.cp_size, state.dp_rank, state.is_cuda) == (2, 1, rank, False)
+    plain = load_hf_model(path)
+    tokens = _batch()
+    with torch.no_grad():
+        expected = plain(input_ids=tokens).logits
+
+    model = build_fsdp_model(path, state.fsdp_mesh, torch.float32, torch.float32, cpu_offload=False)
+    assert model.lm_head.weight is model.model.embed_tokens.weight, "tied embeddings came untied"
+    assert model.config.use_cache is False
+    with torch.no_grad():
+        got = model(input_ids=tokens).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for name, p in _full_params(model).items():
+        torch.testing.assert_close(p, plain.get_parameter(name).detach(), atol=0, rtol=0, msg=name)
+
+    ref_model = build_reference_model(path, state.fsdp_mesh)
+    assert not ref_model.training and not any(p.requires_grad for p in ref_model.parameters())
+    with torch.no_grad():
+        ref_logits = ref_model(input_ids=tokens).logits
+    torch.testing.assert_close(ref_logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def _dp_step_body(rank: int, world_size: int, path: str) -> None:
+    state = init_distributed(None, timeout_s=60)
+    tokens = _batch(n=4)
+    n_pred = tokens[:, 1:].numel()
+
+    # Adam's first step is ~lr * g / (|g| + eps): for near-zero grads it amplifies fp32 reduction-order noise
+    # by lr / eps, so eps is 1e-6 here (with 1e-8 a few gate_proj entries differ by ~1e-5).
+    # DP=1 reference: the unsharded model, one AdamW step on the full batch (token mean over the batch).
+    plain = load_hf_model(path)
+    opt = build_optimizer(plain.parameters(), "adam", lr=1e-3, weight_decay=0.1, eps=1e-6)
+    (_token_ce_sum(plain, tokens) / n_pred).backward()
+    opt.step()
+
+    # DP=2: each rank half the batch; FSDP averages gradients over 2 ranks, so scale the rank's sum by dp_size.
+    model = build_fsdp_model(path, state.fsdp_mesh, torch.float32, torch.float32, cpu_offload=False)
+    fopt = build_optimizer(model.parameters(), "adam", lr=1e-3, weight_decay=0.1, eps=1e-6)
+    local = tokens.chunk(state.dp_size)[state.dp_rank]
+    offload_to_cpu(model, fopt)  # no-op on CPU: must not change the numbers
+    load_to_device(model, fopt, state.device)
+    (_token_ce_sum(model, local) * state.dp_size / n_pred).backward()
+    # Adam's step is nearly scale-invariant, so check the averaged gradients themselves (catches loss scaling).
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), plain.get_parameter(name).grad, atol=1e-6, rtol=1e-5)
+    fopt.step()
+    offload_to_cpu(model, fopt)
+    load_to_device(model, fopt, state.device)
+
+    got = _full_params(model)
+    for name, p in plain.named_parameters():
+        diff = (got[name] - p.detach()).abs().max().item()
+        assert diff <= 1e-5, f"{name}: DP=2 and DP=1 updates differ by {diff}"
+    moved = max((got[n] - load_hf_model(path).get_parameter(n)).abs().max().item() for n in got)
+    assert moved > 5e-4, "the optimizer step did not change the weights"
+    dist.barrier()
+
+
+def test_parallel_dims_validation() -> None:
+    dims = ParallelDims(world_size=8, cp_size=2)
+    assert dims.dp_size == 4 and dims.coords(5) == (2, 1)
+    with pytest.raises(ValueError, match="context-parallel-size=3"):
+        ParallelDims(world_size=8, cp_size=3)
+    with pytest.raises(ValueError, match="cp-size|context-parallel-size=0"):
+        ParallelDims(world_size=2, cp_size=0)
+    with pytest.raises(ValueError, match="rank=8"):
+        dims.coords(8)
+
+
+def test_build_optimizer_rejects_unknown() -> None:
+    with pytest.raises(ValueError, match="--optimizer='lion'"):
+        build_optimizer([torch.nn.Parameter(torch.zeros(2))], "lion")
+
+
+def test_sharded_logits_equal_unsharded(tmp_path) -> None:
+    path = save_tiny_qwen3(str(tmp_path / "tiny"), vocab_size=VOCAB)
+    run_distributed(_sharded_logits_body, 2, path, init_pg=False)
+
+
+def test_dp2_step_equals_dp1_step(tmp_path) -> None:
+    path = save_tiny_qwen3(str(tmp_path / "tiny"), vocab_size=VOCAB)
+    run_distributed(_dp_step_body, 2, path, init_pg=False)
