@@ -1,0 +1,134 @@
+"""`Config`: the frozen, resolved run configuration, and `ConfigError`."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterator, Mapping
+from dataclasses import field
+from typing import Any
+
+from miles.config.sections import (
+    AlgoConfig,
+    CheckpointConfig,
+    ClusterConfig,
+    DataConfig,
+    EngineConfig,
+    EvalConfig,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    TrainConfig,
+    opt,
+    section,
+)
+
+
+def _section_name(cfg: Config, owner: Any) -> str:
+    return next(f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) is owner)
+
+
+class ConfigError(ValueError):
+    """Every violation found in one configuration, one per line."""
+
+    def __init__(self, violations: list[str]) -> None:
+        self.violations = list(violations)
+        count = len(self.violations)
+        lines = "\n".join(f"  - {v}" for v in self.violations)
+        super().__init__(f"invalid configuration ({count} problem{'s' if count != 1 else ''}):\n{lines}")
+
+
+@section
+class Config:
+    """The whole run configuration: run-wide settings plus one frozen section per concern.
+
+    Build it with `miles.config.parse_config(argv)` or `Config.from_dict(d)`; both merge, resolve derived
+    values and validate. Constructing it directly skips validation (fine for tests of one component).
+    """
+
+    seed: int = opt(1234, "global random seed", ge=0)
+    dry_run: bool = opt(False, "print the resolved config as YAML and exit")
+    config: str | None = opt(None, "YAML file of flag values; merged under the command line")
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def _leaves(self) -> Iterator[tuple[Any, dataclasses.Field]]:
+        """(owner, field) for every flag-level field: run-wide ones first, then each section's."""
+        for f in dataclasses.fields(self):
+            if "help" in f.metadata:
+                yield self, f
+        for f in dataclasses.fields(self):
+            if "help" not in f.metadata:
+                owner = getattr(self, f.name)
+                for g in dataclasses.fields(owner):
+                    yield owner, g
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict: run-wide keys, then `{section: {field: value}}`; lists and dicts are copies."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if "help" in f.metadata:
+                out[f.name] = copy.deepcopy(value)
+            else:
+                out[f.name] = {
+                    g.name: copy.deepcopy(getattr(value, g.name)) for g in dataclasses.fields(value)
+                }
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Config:
+        """Build a validated Config from `to_dict()` output (or any flat/nested mapping of flag names).
+
+        Unset fields take their defaults; derived values are resolved and everything is validated.
+        """
+        from miles.config.parser import build_config
+
+        return build_config([("from_dict", d)])
+
+    def to_yaml(self, redact_secrets: bool = True) -> str:
+        """The resolved config as YAML, nested by section (what `--dry-run` prints).
+
+        Fields marked secret (API keys) print as "<redacted>" unless `redact_secrets=False`.
+        """
+        import yaml
+
+        data = self.to_dict()
+        if redact_secrets:
+            for owner, f in self._leaves():
+                if f.metadata.get("secret") and getattr(owner, f.name) is not None:
+                    target = data if owner is self else data[_section_name(self, owner)]
+                    target[f.name] = "<redacted>"
+        return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+
+    def unimplemented_flags(self) -> list[str]:
+        """`--flag=value` for every not-yet-implemented flag set to a non-default value."""
+        found = []
+        for owner, f in self._leaves():
+            if f.metadata.get("implemented", True):
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            value = getattr(owner, f.name)
+            if value != default:
+                found.append(f"--{f.name.replace('_', '-')}={value!r}")
+        return found
+
+    def raise_if_unimplemented(self) -> None:
+        """Raise NotImplementedError naming every not-yet-implemented flag set to a non-default value."""
+        found = self.unimplemented_flags()
+        if found:
+            raise NotImplementedError(
+                "these flags are accepted but not implemented yet: "
+                + ", ".join(found)
+                + " (see NOT_IMPLEMENTED in miles/config/sections.py)"
+            )

@@ -1,0 +1,273 @@
+"""Command line + YAML -> a frozen, validated Config, merged in one place: defaults < YAML < CLI.
+
+The argparse parser is generated from the field declarations in `miles.config.sections`. Every option takes
+its value as a string (booleans use `--x/--no-x`); typing, choices and bounds are checked after merging so
+that one `ConfigError` lists every problem. `--sglang-NAME VALUE` for any NAME is collected into
+`cfg.engine.sglang_args[NAME]` (dashes -> underscores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from miles.config.core import Config, ConfigError
+from miles.config.schema import BOOL, FIELDS, LIST_INT, LIST_STR, SECTION_OF, scalar_to_str, to_str_dict
+from miles.config.sections import SECTIONS
+from miles.config.validate import CLI, DEFAULT, Values, resolve_and_validate
+
+_SGLANG_PREFIX = "--sglang-"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser that raises ConfigError instead of exiting on a malformed command line."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError([message])
+
+
+def _metavar(spec: Any) -> str:
+    choices = spec.choices
+    if choices is not None:
+        return "{" + ",".join(choices) + "}"
+    return {"int": "INT", "float": "FLOAT", "dict": "JSON", LIST_INT: "INT"}.get(spec.kind, "STR")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser for every declared flag, grouped by section (parses to raw strings).
+
+    Options default to "not given" (argparse.SUPPRESS) so the namespace holds only what the command line
+    set; defaults are applied by the merge in `parse_config`.
+    """
+    parser = _Parser(
+        prog="python -m miles.train",
+        usage="%(prog)s [--config RUN.yaml] [--FLAG VALUE ...] [--sglang-NAME VALUE ...]",
+        description="miles: RL post-training with FSDP2 training actors and SGLang-protocol rollout engines.",
+        epilog="Any --sglang-NAME VALUE is passed to the SGLang server as --NAME VALUE "
+        "(collected into engine.sglang_args).",
+        allow_abbrev=False,
+        argument_default=argparse.SUPPRESS,
+    )
+    groups = {None: parser.add_argument_group("run")}
+    for name, cls in SECTIONS.items():
+        groups[name] = parser.add_argument_group(name, (cls.__doc__ or "").strip().splitlines()[0])
+    for name, spec in FIELDS.items():
+        if not spec.meta("cli", True):
+            continue
+        group = groups[spec.section]
+        help_text = f"{spec.help} (default: {spec.default!r})".replace("%", "%%")
+        if spec.kind == BOOL:
+            group.add_argument(spec.flag, dest=name, action=argparse.BooleanOptionalAction, help=help_text)
+        elif spec.kind in (LIST_STR, LIST_INT):
+            group.add_argument(spec.flag, dest=name, nargs="+", metavar=_metavar(spec), help=help_text)
+        else:
+            group.add_argument(spec.flag, dest=name, metavar=_metavar(spec), help=help_text)
+    return parser
+
+
+@dataclass
+class Layer:
+    """Values from one source, keyed by field name, plus SGLang pass-through args."""
+
+    source: str
+    values: dict[str, Any] = field(default_factory=dict)
+    sglang: dict[str, str] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
+def _cli_flags() -> list[str]:
+    flags = ["--help"]
+    for spec in FIELDS.values():
+        if spec.meta("cli", True):
+            flags.append(spec.flag)
+            if spec.kind == BOOL:
+                flags.append("--no-" + spec.flag[2:])
+    return flags
+
+
+def _hint(word: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(word, candidates, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _split_sglang(argv: list[str], known: set[str], layer: Layer) -> list[str]:
+    """Move undeclared `--sglang-NAME [VALUE]` out of argv into `layer.sglang`; return the rest.
+
+    A flag with no value (followed by another `--flag` or the end) is recorded as "true".
+    """
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        flag, eq, inline = token.partition("=")
+        if not token.startswith(_SGLANG_PREFIX) or flag in known:
+            rest.append(token)
+            i += 1
+            continue
+        key = flag[len(_SGLANG_PREFIX) :].replace("-", "_")
+        if eq:
+            value = inline
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            value = argv[i + 1]
+            i += 1
+        else:
+            value = "true"
+        if key:
+            layer.sglang[key] = value
+        else:
+            layer.problems.append(f"{token!r}: expected --sglang-NAME VALUE")
+        i += 1
+    return rest
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+def _unknown_cli(extras: list[str], known: list[str]) -> list[str]:
+    problems = []
+    after_flag = False
+    for token in extras:
+        if token.startswith("-") and not _is_number(token):
+            name = token.split("=", 1)[0]
+            problems.append(f"{name}: unknown flag{_hint(name, known)}")
+            after_flag = "=" not in token
+        elif after_flag:
+            after_flag = False  # the value of the unknown flag just reported
+        else:
+            problems.append(f"unexpected argument {token!r} (flags start with --)")
+    return problems
+
+
+def _assign(layer: Layer, name: str, value: Any, key: str, allow_config: bool) -> None:
+    if name == "sglang_args":
+        try:
+            layer.sglang.update(to_str_dict(value))
+        except ValueError as e:
+            layer.problems.append(f"{layer.source}: key {key!r}: {e}")
+    elif name == "config" and not allow_config:
+        layer.problems.append(f"{layer.source}: key {key!r}: --config cannot be set inside a config file")
+    elif name in layer.values:
+        layer.problems.append(f"{layer.source}: key {key!r} sets {FIELDS[name].flag} a second time")
+    else:
+        layer.values[name] = value
+
+
+def _assign_sglang(layer: Layer, name: str, value: Any, key: str) -> None:
+    try:
+        layer.sglang[name[len("sglang_") :]] = scalar_to_str(value)
+    except ValueError as e:
+        layer.problems.append(f"{layer.source}: key {key!r}: {e}")
+
+
+def normalize_mapping(data: Mapping[str, Any], source: str, allow_config: bool = False) -> Layer:
+    """Read a flat or section-nested mapping of flag names (dashes or underscores) into a Layer.
+
+    Unknown keys become problems naming `source` and the key.
+    """
+    layer = Layer(source)
+    known = sorted(FIELDS) + sorted(SECTIONS)
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name in SECTIONS:
+            if not isinstance(value, Mapping):
+                layer.problems.append(f"{source}: key {key!r}: expected a mapping of {name} flags")
+                continue
+            for sub_key, sub_value in value.items():
+                sub = str(sub_key).replace("-", "_")
+                path = f"{key}.{sub_key}"
+                if sub in FIELDS and SECTION_OF[sub] == name:
+                    _assign(layer, sub, sub_value, path, allow_config)
+                elif name == "engine" and sub.startswith("sglang_") and sub not in FIELDS:
+                    _assign_sglang(layer, sub, sub_value, path)
+                elif sub in FIELDS:
+                    where = SECTION_OF[sub] or "the top level"
+                    layer.problems.append(f"{source}: unknown key {path!r} ({sub} belongs in {where})")
+                else:
+                    hint = _hint(sub, [n for n, s in SECTION_OF.items() if s == name])
+                    layer.problems.append(f"{source}: unknown key {path!r}{hint}")
+        elif name in FIELDS:
+            _assign(layer, name, value, str(key), allow_config)
+        elif name.startswith("sglang_"):
+            _assign_sglang(layer, name, value, str(key))
+        else:
+            layer.problems.append(f"{source}: unknown key {key!r}{_hint(name, known)}")
+    return layer
+
+
+def load_yaml(path: str) -> Layer:
+    """Read a `--config` YAML file into a Layer; an unreadable or non-mapping file is a ConfigError."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError([f"--config={path!r}: cannot read the file: {e.strerror or e}"]) from e
+    except yaml.YAMLError as e:
+        raise ConfigError([f"--config={path!r}: invalid YAML: {e}"]) from e
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError([f"--config={path!r}: expected a mapping of flag names, got {type(data).__name__}"])
+    return normalize_mapping(data, source=path)
+
+
+def assemble(layers: list[Layer]) -> Config:
+    """Merge layers over the defaults (later wins), resolve, validate, and freeze into a Config."""
+    values = {name: spec.default for name, spec in FIELDS.items()}
+    sources = dict.fromkeys(FIELDS, DEFAULT)
+    sglang: dict[str, str] = {}
+    problems: list[str] = []
+    for layer in layers:
+        problems.extend(layer.problems)
+        for name, value in layer.values.items():
+            values[name] = value
+            sources[name] = layer.source
+        if layer.sglang:
+            sglang.update(layer.sglang)
+            sources["sglang_args"] = layer.source
+    values["sglang_args"] = sglang
+    v = Values(values, sources)
+    v.violations.extend(problems)
+    resolve_and_validate(v)
+    if v.violations:
+        raise ConfigError(v.violations)
+    top = {name: v.values[name] for name, spec in FIELDS.items() if spec.section is None}
+    sections = {
+        section: cls(**{name: v.values[name] for name, spec in FIELDS.items() if spec.section == section})
+        for section, cls in SECTIONS.items()
+    }
+    return Config(**top, **sections)
+
+
+def build_config(mappings: list[tuple[str, Mapping[str, Any]]]) -> Config:
+    """Config from (source name, mapping) layers, e.g. `[("from_dict", cfg.to_dict())]`."""
+    return assemble([normalize_mapping(data, source, allow_config=True) for source, data in mappings])
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    """Parse `argv` (default: sys.argv[1:]) and the `--config` YAML it names into a validated Config.
+
+    Raises ConfigError listing every violation; `--help` prints usage and exits 0.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    known = _cli_flags()
+    cli = Layer(CLI)
+    rest = _split_sglang(argv, set(known), cli)
+    namespace, extras = parser.parse_known_args(rest)
+    cli.values = vars(namespace)
+    cli.problems.extend(_unknown_cli(extras, known))
+    layers = [cli]
+    if cli.values.get("config") is not None:
+        layers.insert(0, load_yaml(cli.values["config"]))
+    return assemble(layers)

@@ -1,0 +1,312 @@
+"""The configuration sections: every flag is declared exactly once here, with a one-line doc.
+
+A field `rollout_batch_size` in section `rollout` is the CLI flag `--rollout-batch-size`, the YAML key
+`rollout-batch-size` (or `rollout_batch_size`, flat or under `rollout:`) and the attribute
+`cfg.rollout.rollout_batch_size`. The argparse parser (`miles.config.parser`) is generated from these
+declarations; field metadata carries the help line, choices, bounds (`gt`/`ge`/`lt`/`le`, checked after
+merging), `required` and `implemented`.
+
+Nothing here imports torch, ray or transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, TypeVar
+
+from miles.backends import available_backends
+
+# Flags the parser accepts but whose feature is not built yet. `Config.raise_if_unimplemented()` raises
+# NotImplementedError when any of them is set to a non-default value. Remove a name here once it lands.
+NOT_IMPLEMENTED: frozenset[str] = frozenset({"use_fault_tolerance"})
+
+_T = TypeVar("_T")
+
+
+def opt(
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence[str] | Callable[[], Sequence[str]] | None = None,
+    required: bool = False,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+    cli: bool = True,
+    secret: bool = False,
+) -> Any:
+    """Declare one config field: its default, a one-line help, and the checks applied after merging.
+
+    `choices` may be a callable (evaluated lazily, e.g. the backend registry). Bounds apply when the value is
+    not None. `cli=False` keeps the field out of the generated argparse parser (it is still a YAML key).
+    `secret=True` redacts the value in `Config.to_yaml()`.
+    """
+    metadata: dict[str, Any] = {
+        "help": help,
+        "implemented": True,
+        "required": required,
+        "cli": cli,
+        "secret": secret,
+    }
+    if choices is not None:
+        metadata["choices"] = choices
+    for key, bound in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le)):
+        if bound is not None:
+            metadata[key] = bound
+    if isinstance(default, (dict, list)):
+        snapshot = default
+
+        def factory() -> Any:
+            return type(snapshot)(snapshot)
+
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def section(cls: type[_T]) -> type[_T]:
+    """Make `cls` a frozen dataclass section, marking the fields listed in NOT_IMPLEMENTED."""
+    for name in NOT_IMPLEMENTED:
+        spec = cls.__dict__.get(name)
+        if isinstance(spec, dataclasses.Field):
+            spec.metadata = MappingProxyType({**spec.metadata, "implemented": False})
+    return dataclass(frozen=True)(cls)
+
+
+@section
+class ClusterConfig:
+    """Cluster layout: training actors and rollout engines."""
+
+    actor_num_nodes: int = opt(1, "number of nodes running training actors", ge=1)
+    actor_num_gpus_per_node: int = opt(1, "training actors (GPUs, or CPU workers) per node", ge=1)
+    rollout_num_gpus: int | None = opt(
+        None, "GPUs for rollout engines in total; None: the actor total when --colocate, else required", ge=1
+    )
+    rollout_num_gpus_per_engine: int = opt(1, "GPUs per rollout engine (its tensor-parallel size)", ge=1)
+    colocate: bool = opt(False, "run rollout engines on the training GPUs, offloading each side in turn")
+    use_fault_tolerance: bool = opt(False, "restart rollout engines that stop answering health checks")
+    train_env_vars: dict[str, str] = opt({}, "JSON object of extra environment variables for training actors")
+
+
+@section
+class ModelConfig:
+    """The policy model."""
+
+    hf_checkpoint: str | None = opt(
+        None, "HuggingFace checkpoint dir of the policy (and tokenizer)", required=True
+    )
+    attn_implementation: str = opt(
+        "sdpa",
+        "attention kernel of the trained model",
+        choices=("eager", "sdpa", "flash_attention_2", "flash_attention_3", "miles_varlen"),
+    )
+    gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
+    train_dtype: str = opt(
+        "auto",
+        "parameter dtype for training; auto: bfloat16 on GPU, float32 on CPU (resolved by the backend)",
+        choices=("auto", "float32", "bfloat16"),
+    )
+
+
+@section
+class CheckpointConfig:
+    """Loading and saving checkpoints."""
+
+    load: str | None = opt(None, "directory to resume training from (DCP checkpoints written by --save)")
+    ref_load: str | None = opt(None, "checkpoint of the reference model; None: --hf-checkpoint")
+    save: str | None = opt(None, "directory to write checkpoints to")
+    save_interval: int | None = opt(None, "save every N rollouts (requires --save)", ge=1)
+    keep_last: int | None = opt(None, "keep only the newest N checkpoints; None: keep all", ge=1)
+
+
+@section
+class DataConfig:
+    """The prompt dataset."""
+
+    prompt_data: str | None = opt(None, "prompt dataset file (.jsonl or .parquet)", required=True)
+    input_key: str = opt("input", "dataset key holding the prompt")
+    label_key: str | None = opt(None, "dataset key holding the label passed to the reward function")
+    metadata_key: str = opt("metadata", "dataset key holding per-sample metadata")
+    apply_chat_template: bool = opt(False, "wrap prompts with the tokenizer's chat template")
+    rollout_shuffle: bool = opt(False, "shuffle prompts each epoch (seeded by --rollout-seed)")
+
+
+@section
+class RolloutConfig:
+    """Generation and reward."""
+
+    rollout_engine: str = opt(
+        "auto",
+        "rollout engine; auto: sglang where it can run, else local",
+        choices=("auto", "sglang", "local"),
+    )
+    num_rollout: int | None = opt(None, "number of rollout (generate + train) steps", required=True, ge=1)
+    rollout_batch_size: int | None = opt(None, "prompts per rollout step", required=True, ge=1)
+    n_samples_per_prompt: int = opt(1, "responses sampled per prompt (a group)", ge=1)
+    rollout_max_response_len: int = opt(1024, "max new tokens per response", ge=1)
+    rollout_max_prompt_len: int | None = opt(None, "drop prompts longer than this many tokens", ge=1)
+    rollout_temperature: float = opt(
+        1.0, "sampling temperature (> 0: log-probs are temperature-scaled)", gt=0
+    )
+    rollout_top_p: float = opt(1.0, "nucleus sampling threshold", gt=0, le=1)
+    rollout_top_k: int = opt(-1, "top-k sampling; -1: disabled", ge=-1)
+    rollout_stop: list[str] | None = opt(None, "stop strings")
+    rollout_stop_token_ids: list[int] | None = opt(None, "stop token ids", ge=0)
+    rollout_skip_special_tokens: bool = opt(False, "drop special tokens from the decoded response text")
+    rollout_seed: int = opt(42, "seed for data shuffling and sampling", ge=0)
+    rm_type: str | None = opt(None, "built-in reward function name (checked by the reward hub)")
+    custom_rm_path: str | None = opt(None, "user reward function, 'module:function'")
+    rm_error_as_zero: bool = opt(
+        False, "score a sample whose reward function raised as 0 and count it, instead of failing the run"
+    )
+    rollout_request_timeout: float = opt(600.0, "seconds to wait for one generate request", gt=0)
+
+
+@section
+class EngineConfig:
+    """Rollout engine servers. Any `--sglang-NAME VALUE` is passed to the server as `--NAME VALUE`."""
+
+    engine_host: str = opt("127.0.0.1", "address rollout engines bind to")
+    engine_api_key: str | None = opt(
+        None, "API key for engine admin endpoints (needed off localhost)", secret=True
+    )
+    engine_max_running_requests: int = opt(64, "max concurrent requests per engine", ge=1)
+    sglang_mem_fraction_static: float | None = opt(
+        None, "SGLang: fraction of GPU memory for weights + KV cache", gt=0, lt=1
+    )
+    sglang_decode_log_interval: int | None = opt(None, "SGLang: decode steps between log lines", ge=1)
+    sglang_chunked_prefill_size: int | None = opt(None, "SGLang: chunked prefill size in tokens; -1: off")
+    sglang_attention_backend: str | None = opt(None, "SGLang: attention backend (e.g. fa3, flashinfer)")
+    sglang_args: dict[str, str] = opt(
+        {}, "all SGLang server args by server-arg name (collected from --sglang-* flags)", cli=False
+    )
+
+
+@section
+class TrainConfig:
+    """Training actors."""
+
+    train_backend: str = opt("fsdp", "training backend", choices=available_backends)
+    global_batch_size: int | None = opt(None, "samples per optimizer step", required=True, ge=1)
+    micro_batch_size: int = opt(1, "samples per forward/backward (static batching)", ge=1)
+    use_dynamic_batch_size: bool = opt(False, "pack micro-batches up to --max-tokens-per-gpu tokens")
+    max_tokens_per_gpu: int | None = opt(None, "token budget of one packed micro-batch per GPU", ge=1)
+    balance_data: bool = opt(False, "balance tokens across data-parallel ranks when splitting a rollout")
+    context_parallel_size: int = opt(1, "ranks that split one sequence (context parallelism)", ge=1)
+    fsdp_cpu_offload: bool = opt(False, "keep FSDP parameters, gradients and optimizer state on CPU")
+    update_weight_buffer_size: int = opt(512 * 1024**2, "bytes per weight-refit bucket", ge=1)
+    ref_update_interval: int | None = opt(
+        None, "copy policy weights into the reference every N rollouts", ge=1
+    )
+    train_timeout: float = opt(1800.0, "seconds to wait for a collective or a Ray call", gt=0)
+
+
+@section
+class OptimConfig:
+    """Optimizer and learning-rate schedule."""
+
+    optimizer: str = opt("adam", "optimizer (adam is AdamW)", choices=("adam", "sgd"))
+    lr: float = opt(1e-6, "peak learning rate", ge=0)
+    min_lr: float = opt(0.0, "learning rate at the end of decay", ge=0)
+    lr_decay_style: str = opt("constant", "decay schedule", choices=("constant", "linear", "cosine"))
+    lr_decay_iters: int | None = opt(None, "optimizer steps to decay over; None: all steps of the run", ge=1)
+    lr_warmup_iters: int = opt(0, "optimizer steps of linear warmup", ge=0)
+    lr_warmup_fraction: float | None = opt(None, "warmup as a fraction of --lr-decay-iters", ge=0, le=1)
+    weight_decay: float = opt(0.0, "decoupled weight decay", ge=0)
+    adam_beta1: float = opt(0.9, "Adam beta1", ge=0, lt=1)
+    adam_beta2: float = opt(0.999, "Adam beta2", ge=0, lt=1)
+    adam_eps: float = opt(1e-8, "Adam epsilon", gt=0)
+    clip_grad: float = opt(1.0, "max global gradient norm; 0: no clipping", ge=0)
+
+
+@section
+class AlgoConfig:
+    """Advantages and the policy loss."""
+
+    advantage_estimator: str = opt(
+        "grpo",
+        "advantage estimator",
+        choices=("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"),
+    )
+    custom_advantage_function_path: str | None = opt(None, "user advantage function, 'module:function'")
+    disable_grpo_std_normalization: bool = opt(False, "GRPO: subtract the group mean only (Dr. GRPO)")
+    normalize_advantages: bool = opt(False, "whiten advantages over the batch's response tokens")
+    gamma: float = opt(1.0, "discount factor (REINFORCE++)", ge=0, le=1)
+    eps_clip: float = opt(0.2, "PPO clip range, lower side", gt=0)
+    eps_clip_high: float | None = opt(None, "PPO clip range, upper side; None: --eps-clip", gt=0)
+    eps_clip_c: float | None = opt(None, "dual-clip constant for negative advantages (> 1); None: off", gt=1)
+    use_opsm: bool = opt(False, "off-policy sequence masking")
+    opsm_delta: float = opt(1e-4, "OPSM threshold on the sequence KL", gt=0)
+    use_kl_loss: bool = opt(False, "add a KL(policy || reference) term to the loss")
+    kl_loss_coef: float = opt(0.0, "weight of the KL loss term", ge=0)
+    kl_loss_type: str = opt("k1", "KL estimator for the loss", choices=("k1", "k2", "k3", "low_var_kl"))
+    kl_coef: float = opt(0.0, "KL penalty folded into the reward", ge=0)
+    use_unbiased_kl: bool = opt(False, "importance-weight the KL estimate by policy / old policy")
+    entropy_coef: float = opt(0.0, "weight of the entropy bonus")
+    use_tis: bool = opt(False, "truncated importance sampling against rollout log-probs")
+    tis_clip: float = opt(2.0, "TIS upper truncation", ge=0)
+    tis_clip_low: float = opt(0.0, "TIS lower truncation", ge=0)
+    use_mis: bool = opt(False, "masked importance sampling: drop tokens/sequences outside bounds")
+    mis_level: str = opt("token", "MIS granularity", choices=("token", "sequence"))
+    mis_lower: float = opt(0.5, "MIS lower bound on the ratio", ge=0)
+    mis_upper: float = opt(2.0, "MIS upper bound on the ratio", gt=0)
+    custom_tis_function_path: str | None = opt(None, "user TIS/MIS weight function, 'module:function'")
+    use_rollout_logprobs: bool = opt(False, "use the engine's log-probs as old log-probs")
+    calculate_per_token_loss: bool = opt(False, "shorthand for --loss-reduction token_mean")
+    loss_reduction: str = opt(
+        "sample_mean",
+        "loss reduction: per-sample token mean, token mean over the batch, or sum / constant",
+        choices=("sample_mean", "token_mean", "constant_sum"),
+    )
+    loss_reduction_constant: float | None = opt(
+        None, "constant_sum divisor; None: --rollout-max-response-len", gt=0
+    )
+    custom_loss_function_path: str | None = opt(None, "user policy-loss function, 'module:function'")
+
+
+@section
+class EvalConfig:
+    """Periodic evaluation."""
+
+    eval_prompt_data: list[str] | None = opt(None, "pairs of NAME PATH, e.g. aime /data/aime.jsonl")
+    eval_interval: int | None = opt(None, "evaluate every N rollouts (requires --eval-prompt-data)", ge=1)
+    n_samples_per_eval_prompt: int = opt(1, "responses sampled per eval prompt", ge=1)
+    eval_max_response_len: int | None = opt(
+        None, "max new tokens in eval; None: --rollout-max-response-len", ge=1
+    )
+    eval_temperature: float | None = opt(None, "eval sampling temperature; None: --rollout-temperature", ge=0)
+
+
+@section
+class LogConfig:
+    """Metrics and logging."""
+
+    use_wandb: bool = opt(False, "log metrics to Weights & Biases")
+    wandb_project: str | None = opt(None, "wandb project")
+    wandb_group: str | None = opt(None, "wandb group")
+    wandb_key: str | None = opt(None, "wandb API key", secret=True)
+    wandb_mode: str | None = opt(None, "wandb mode", choices=("online", "offline", "disabled"))
+    run_dir: str | None = opt(None, "output dir (metrics.jsonl, ...); None: runs/<UTC timestamp>")
+    dump_details: str | None = opt(None, "directory to dump rollout and training details to")
+    log_level: str = opt(
+        "INFO", "Python logging level", choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+    )
+
+
+# section attribute name on Config -> section class, in the order they print
+SECTIONS: dict[str, type] = {
+    "cluster": ClusterConfig,
+    "model": ModelConfig,
+    "checkpoint": CheckpointConfig,
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "engine": EngineConfig,
+    "train": TrainConfig,
+    "optim": OptimConfig,
+    "algo": AlgoConfig,
+    "eval": EvalConfig,
+    "log": LogConfig,
+}

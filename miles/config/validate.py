@@ -1,0 +1,294 @@
+"""Resolve derived values and collect every violation, on the merged (not yet frozen) values.
+
+Order: per-field type/choices/bounds/required -> derived values -> cross-field rules. A field that failed an
+earlier check is "bad": later rules that read it are skipped, so one mistake yields one message.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any
+
+from miles.config.schema import FIELDS, check_field, coerce
+
+DEFAULT = "default"
+CLI = "command line"
+DERIVED = "derived"
+
+_FUNCTION_PATH = re.compile(r"^[A-Za-z_][\w.]*(:|\.)[A-Za-z_]\w*$")
+
+
+class _Skip(Exception):
+    """A rule read a field that already has a violation."""
+
+
+class Values:
+    """Merged raw values with their sources, the set of bad fields and the violations found so far."""
+
+    def __init__(self, values: dict[str, Any], sources: dict[str, str]) -> None:
+        self.values = values
+        self.sources = sources
+        self.bad: set[str] = set()
+        self.violations: list[str] = []
+
+    def __getitem__(self, name: str) -> Any:
+        if name in self.bad:
+            raise _Skip(name)
+        return self.values[name]
+
+    def set_derived(self, name: str, value: Any) -> None:
+        self.values[name] = value
+        self.sources[name] = DERIVED
+
+    def is_set(self, name: str) -> bool:
+        """Whether the value came from the user (CLI, YAML or a dict), not a default or a derivation."""
+        return self.sources[name] not in (DEFAULT, DERIVED)
+
+    def describe(self, name: str) -> str:
+        """`--flag=value`, plus where the value came from unless that was the command line."""
+        text = f"{FIELDS[name].flag}={self.values[name]!r}"
+        source = self.sources[name]
+        return text if source == CLI else f"{text} [{source}]"
+
+    def missing(self, name: str, why: str) -> None:
+        self.violations.append(f"{FIELDS[name].flag} is required {why}")
+        self.bad.add(name)
+
+    def fail(self, name: str, problem: str) -> None:
+        self.violations.append(f"{self.describe(name)}: {problem}")
+        self.bad.add(name)
+
+
+def check_fields(v: Values) -> None:
+    """Coerce each value to its declared type, then check choices, bounds and `required`."""
+    for name, spec in FIELDS.items():
+        try:
+            v.values[name] = coerce(spec, v.values[name])
+        except ValueError as e:
+            v.fail(name, str(e))
+            continue
+        problem = check_field(spec, v.values[name])
+        if problem:
+            v.fail(name, problem)
+        elif spec.meta("required") and v.values[name] is None:
+            v.missing(name, f"(pass {spec.flag} or set it in the --config YAML)")
+
+
+def _run(v: Values, rules: list[Callable[[Values], None]]) -> None:
+    for rule in rules:
+        with suppress(_Skip):
+            rule(v)
+
+
+# ---- derived values ---------------------------------------------------------------------------------
+
+
+def _loss_reduction(v: Values) -> None:
+    if v["calculate_per_token_loss"]:
+        if v.is_set("loss_reduction") and v["loss_reduction"] != "token_mean":
+            v.fail(
+                "loss_reduction",
+                "conflicts with --calculate-per-token-loss (which means token_mean); drop one of them",
+            )
+            return
+        v.set_derived("loss_reduction", "token_mean")
+    if v["loss_reduction"] == "token_mean" and not v.values["calculate_per_token_loss"]:
+        v.set_derived("calculate_per_token_loss", True)
+
+
+def _fallbacks(v: Values) -> None:
+    for name, parent in (
+        ("eps_clip_high", "eps_clip"),
+        ("eval_temperature", "rollout_temperature"),
+        ("eval_max_response_len", "rollout_max_response_len"),
+        ("loss_reduction_constant", "rollout_max_response_len"),
+    ):
+        if v.values[name] is None and name not in v.bad and parent not in v.bad:
+            value = v.values[parent]
+            v.set_derived(name, float(value) if name == "loss_reduction_constant" else value)
+
+
+def _rollout_gpus(v: Values) -> None:
+    if v["rollout_num_gpus"] is None and v["colocate"]:
+        v.set_derived("rollout_num_gpus", v["actor_num_nodes"] * v["actor_num_gpus_per_node"])
+
+
+def _lr_decay_iters(v: Values) -> None:
+    if v["lr_decay_iters"] is not None:
+        return
+    samples = v["rollout_batch_size"] * v["n_samples_per_prompt"]
+    gbs = v["global_batch_size"]
+    if v["num_rollout"] is not None and gbs and samples % gbs == 0:
+        v.set_derived("lr_decay_iters", v["num_rollout"] * (samples // gbs))
+
+
+def _run_dir(v: Values) -> None:
+    if v["run_dir"] is None:
+        v.set_derived("run_dir", "runs/" + time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+
+
+def _sglang_args(v: Values) -> None:
+    """Keep declared `--sglang-*` fields and `sglang_args` consistent; a declared field wins when set."""
+    args = dict(v["sglang_args"])
+    for name, spec in FIELDS.items():
+        if spec.section != "engine" or not name.startswith("sglang_") or name == "sglang_args":
+            continue
+        key = name[len("sglang_") :]
+        if v[name] is not None:
+            args[key] = str(v[name])
+        elif key in args:
+            try:
+                v.set_derived(name, coerce(spec, args[key]))
+            except ValueError as e:
+                v.violations.append(f"sglang_args[{key!r}]={args[key]!r}: {e}")
+                v.bad.add("sglang_args")
+                return
+    v.values["sglang_args"] = args
+
+
+RESOLVERS: list[Callable[[Values], None]] = [
+    _loss_reduction,
+    _fallbacks,
+    _rollout_gpus,
+    _lr_decay_iters,
+    _run_dir,
+    _sglang_args,
+]
+
+
+# ---- cross-field rules --------------------------------------------------------------------------------
+
+
+def _batch_sizes(v: Values) -> None:
+    samples = v["rollout_batch_size"] * v["n_samples_per_prompt"]
+    if samples % v["global_batch_size"]:
+        v.fail(
+            "global_batch_size",
+            f"must divide --rollout-batch-size * --n-samples-per-prompt = {v['rollout_batch_size']} * "
+            f"{v['n_samples_per_prompt']} = {samples} (samples per rollout)",
+        )
+
+
+def _parallelism(v: Values) -> None:
+    world = v["actor_num_nodes"] * v["actor_num_gpus_per_node"]
+    cp = v["context_parallel_size"]
+    if world % cp:
+        v.fail("context_parallel_size", f"must divide the actor world size {world} (nodes * gpus per node)")
+        return
+    dp = world // cp
+    if v["use_dynamic_batch_size"]:
+        if v["max_tokens_per_gpu"] is None:
+            v.missing("max_tokens_per_gpu", "with --use-dynamic-batch-size (token budget per micro-batch)")
+        return
+    gbs = v["global_batch_size"]
+    if gbs % dp:
+        v.fail(
+            "global_batch_size",
+            f"must be a multiple of the data-parallel size {dp} (world {world} / cp {cp})",
+        )
+    elif (gbs // dp) % v["micro_batch_size"]:
+        v.fail(
+            "micro_batch_size",
+            f"must divide the per-rank batch {gbs // dp} (--global-batch-size {gbs} / data-parallel size {dp})",
+        )
+
+
+def _rollout_placement(v: Values) -> None:
+    world = v["actor_num_nodes"] * v["actor_num_gpus_per_node"]
+    gpus = v["rollout_num_gpus"]
+    if gpus is None:
+        v.missing("rollout_num_gpus", "without --colocate (GPUs for the rollout engines)")
+        return
+    if v["colocate"] and gpus > world:
+        v.fail("rollout_num_gpus", f"with --colocate must be <= the actor world size {world}")
+    if gpus % v["rollout_num_gpus_per_engine"]:
+        v.fail(
+            "rollout_num_gpus",
+            f"must be a multiple of --rollout-num-gpus-per-engine={v['rollout_num_gpus_per_engine']}",
+        )
+
+
+def _requires(v: Values) -> None:
+    for name, needed, why in (
+        ("save_interval", "save", "a directory to save to"),
+        ("keep_last", "save", "a directory to save to"),
+        ("eval_interval", "eval_prompt_data", "eval datasets"),
+    ):
+        with suppress(_Skip):
+            if v[name] is not None and v[needed] is None:
+                v.fail(name, f"requires {FIELDS[needed].flag} ({why})")
+    with suppress(_Skip):
+        if v["use_wandb"] and v["wandb_project"] is None:
+            v.fail("use_wandb", "requires --wandb-project")
+    with suppress(_Skip):
+        if v["kl_loss_coef"] > 0 and not v["use_kl_loss"]:
+            v.fail("kl_loss_coef", "has no effect without --use-kl-loss")
+
+
+def _eval_data(v: Values) -> None:
+    pairs = v["eval_prompt_data"]
+    if pairs is None:
+        return
+    if not pairs or len(pairs) % 2:
+        v.fail("eval_prompt_data", "expected pairs of NAME PATH (an even, non-zero number of items)")
+        return
+    names = pairs[0::2]
+    if len(set(names)) != len(names):
+        v.fail("eval_prompt_data", f"dataset names must be unique, got {names}")
+
+
+def _algo(v: Values) -> None:
+    with suppress(_Skip):
+        if v["tis_clip"] < v["tis_clip_low"]:
+            v.fail("tis_clip", f"must be >= --tis-clip-low={v['tis_clip_low']}")
+    with suppress(_Skip):
+        if v["mis_lower"] >= v["mis_upper"]:
+            v.fail("mis_lower", f"must be < --mis-upper={v['mis_upper']}")
+    with suppress(_Skip):
+        if v["advantage_estimator"] == "rloo" and v["n_samples_per_prompt"] < 2:
+            v.fail("advantage_estimator", "rloo needs --n-samples-per-prompt >= 2 (leave-one-out baseline)")
+
+
+def _optim(v: Values) -> None:
+    with suppress(_Skip):
+        if v["min_lr"] > v["lr"]:
+            v.fail("min_lr", f"must be <= --lr={v['lr']}")
+    with suppress(_Skip):
+        if v["lr_warmup_fraction"] is not None and v["lr_warmup_iters"] > 0:
+            v.fail(
+                "lr_warmup_fraction", f"conflicts with --lr-warmup-iters={v['lr_warmup_iters']}; set only one"
+            )
+    with suppress(_Skip):
+        decay = v["lr_decay_iters"]
+        if decay is not None and v["lr_warmup_iters"] > decay:
+            v.fail("lr_warmup_iters", f"must be <= --lr-decay-iters={decay}")
+
+
+def _function_paths(v: Values) -> None:
+    for name in FIELDS:
+        if name.startswith("custom_") and name.endswith("_path"):
+            with suppress(_Skip):
+                if v[name] is not None and not _FUNCTION_PATH.match(v[name]):
+                    v.fail(name, "expected 'module.path:function' (or 'module.path.function')")
+
+
+RULES: list[Callable[[Values], None]] = [
+    _batch_sizes,
+    _parallelism,
+    _rollout_placement,
+    _requires,
+    _eval_data,
+    _algo,
+    _optim,
+    _function_paths,
+]
+
+
+def resolve_and_validate(v: Values) -> None:
+    """Run every check and derivation on `v` in place; violations accumulate in `v.violations`."""
+    check_fields(v)
+    _run(v, RESOLVERS)
+    _run(v, RULES)
