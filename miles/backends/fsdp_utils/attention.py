@@ -1,0 +1,198 @@
+"""Variable-length (packed) attention for HF models, registered as the attention implementation "miles_varlen".
+
+A pack is one row of several sequences; every token attends causally to the earlier tokens of its own
+sequence only. Boundaries come from `cu_seq_lens_q` (HF's flash-attention kwarg name, passed to the model
+forward) or, when absent, from `position_ids` restarting at 0; never from token values.
+
+Kernels:
+- CPU (and CUDA with backend "sdpa"): one `scaled_dot_product_attention(is_causal=True)` per sequence, so
+  the work is sum(L_i^2) and each sequence computes exactly what an unpacked forward would;
+- CUDA with flash-attn importable: `flash_attn_varlen_func` over the whole row;
+- context parallel (a `miles_cp` kwarg, see context_parallel.py): all-gathered K/V with a block-diagonal
+  causal mask in global positions.
+
+Because "miles_varlen" is not a mask-interface name, HF builds no 4D mask for it (`attention_mask` is None),
+which is what a packed row needs. Select it with `enable_varlen_attention(model)`; `forward_packed` does so.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+__all__ = [
+    "VARLEN_ATTENTION",
+    "cu_seqlens_from_position_ids",
+    "enable_varlen_attention",
+    "set_varlen_backend",
+    "varlen_attention_forward",
+]
+
+VARLEN_ATTENTION = "miles_varlen"
+_BACKENDS = ("auto", "sdpa", "flash")
+_backend = os.environ.get("MILES_VARLEN_BACKEND", "auto")
+
+
+def set_varlen_backend(name: str) -> None:
+    """Choose the kernel: "auto" (flash-attn on CUDA, SDPA on CPU), "sdpa" (always), "flash" (CUDA only).
+
+    The default comes from the environment variable MILES_VARLEN_BACKEND, else "auto".
+    """
+    global _backend
+    if name not in _BACKENDS:
+        raise ValueError(f"varlen attention backend {name!r} is not one of {_BACKENDS}")
+    _backend = name
+
+
+def _import_flash_varlen() -> Callable[..., torch.Tensor]:
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError as e:
+        raise ImportError(
+            "miles_varlen attention on CUDA uses flash-attn, which is not importable "
+            f"({e}); install the GPU extra: pip install 'miles[gpu]' (or set MILES_VARLEN_BACKEND=sdpa)"
+        ) from e
+    return flash_attn_varlen_func
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """[T] positions -> [n+1] int32 boundaries: a sequence starts wherever the position is not previous + 1."""
+    pos = position_ids.reshape(-1)
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[1:] = pos[1:] != pos[:-1] + 1
+    idx = torch.nonzero(starts).reshape(-1)
+    return torch.cat([idx, idx.new_tensor([pos.numel()])]).to(torch.int32)
+
+
+def _sdpa_per_sequence(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bounds: list[int],
+    scaling: float | None,
+    dropout: float,
+) -> torch.Tensor:
+    """query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, H, T, D], causal within each [bounds[i], bounds[i+1])."""
+    gqa = query.shape[1] != key.shape[1]
+    outs = []
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        if e > s:
+            outs.append(
+                F.scaled_dot_product_attention(
+                    query[:, :, s:e],
+                    key[:, :, s:e],
+                    value[:, :, s:e],
+                    dropout_p=dropout,
+                    is_causal=True,
+                    scale=scaling,
+                    enable_gqa=gqa,
+                )
+            )
+    return torch.cat(outs, dim=2)
+
+
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    position_ids: torch.Tensor | None = None,
+    miles_cp: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """HF attention-interface function: query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None).
+
+    Block-diagonal causal attention over the packed row (see the module docstring for where boundaries
+    come from and which kernel runs). Raises ValueError for a 4D attention mask or a batch other than 1
+    with boundaries, NotImplementedError for sliding-window layers.
+    """
+    if attention_mask is not None:
+        raise ValueError(
+            "miles_varlen attention takes sequence boundaries from cu_seq_lens_q/position_ids, not an "
+            f"attention_mask (got shape {tuple(attention_mask.shape)}); do not pass attention_mask"
+        )
+    if sliding_window is not None:
+        raise NotImplementedError(
+            f"miles_varlen does not implement sliding-window attention ({sliding_window})"
+        )
+    if miles_cp is not None:
+        from miles.backends.fsdp_utils.context_parallel import cp_attention
+
+        return cp_attention(query, key, value, miles_cp, scaling=scaling, dropout=dropout), None
+    if (
+        cu_seq_lens_k is not None
+        and cu_seq_lens_q is not None
+        and not torch.equal(cu_seq_lens_q, cu_seq_lens_k)
+    ):
+        raise ValueError("miles_varlen packs self-attention: cu_seq_lens_q and cu_seq_lens_k must be equal")
+
+    batch, _, t, _ = query.shape
+    if cu_seq_lens_q is not None:
+        cu = cu_seq_lens_q
+    elif position_ids is not None and position_ids.shape[0] == 1:
+        cu = cu_seqlens_from_position_ids(position_ids)
+    else:
+        cu = None
+    if cu is not None and batch != 1:
+        raise ValueError(f"packed attention expects batch size 1 (one packed row), got {batch}")
+    if cu is not None and int(cu[-1]) != t:
+        raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but the packed row has {t} tokens")
+
+    use_flash = _backend == "flash" or (_backend == "auto" and query.is_cuda)
+    if use_flash:
+        if not query.is_cuda:
+            raise ValueError("MILES_VARLEN_BACKEND=flash needs CUDA tensors; use 'sdpa' or 'auto' on CPU")
+        flash_varlen = _import_flash_varlen()
+        cu32 = (cu if cu is not None else torch.tensor([0, t])).to(device=query.device, dtype=torch.int32)
+        max_len = max_length_q or int((cu32[1:] - cu32[:-1]).max())
+        rows = []
+        for b in range(batch):  # batch > 1 only without boundaries: each row is one sequence
+            out = flash_varlen(
+                query[b].transpose(0, 1),
+                key[b].transpose(0, 1),
+                value[b].transpose(0, 1),
+                cu32,
+                cu32,
+                max_len,
+                max_len,
+                dropout_p=dropout,
+                softmax_scale=scaling,
+                causal=True,
+            )
+            rows.append(out)
+        return torch.stack(rows), None
+
+    if cu is None:
+        out = F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            dropout_p=dropout,
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1],
+        )
+    else:
+        out = _sdpa_per_sequence(query, key, value, cu.tolist(), scaling, dropout)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
+
+
+def enable_varlen_attention(model: torch.nn.Module) -> None:
+    """Switch an HF model (plain or FSDP2-wrapped, which is the same module) to "miles_varlen". Idempotent."""
+    if getattr(model.config, "_attn_implementation", None) != VARLEN_ATTENTION:
+        model.set_attn_implementation(VARLEN_ATTENTION)

@@ -1,0 +1,83 @@
+"""Forward a packed batch through an HF causal LM and read off per-response-token log-probs and entropy."""
+
+from __future__ import annotations
+
+import torch
+
+from miles.algo.logprobs import compute_entropy, compute_log_probs
+from miles.backends.fsdp_utils.attention import enable_varlen_attention
+from miles.backends.fsdp_utils.context_parallel import CPContext, all_gather_autograd, shard_for_cp
+from miles.backends.fsdp_utils.data_packing import PackedBatch, unpack_sequences
+
+__all__ = ["forward_packed"]
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def forward_packed(
+    model: torch.nn.Module,
+    packed: PackedBatch,
+    temperature: float,
+    cp: CPContext | None = None,
+    with_entropy: bool = False,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Log-probs (and optionally entropy) of every response token of every sequence in `packed`.
+
+    Runs `model` (an HF causal LM, plain or FSDP2-wrapped) on the packed row with "miles_varlen" attention
+    (switched on here if needed), `use_cache=False`. The logits at row position t predict token t+1, so
+    response token j of sequence i (row position cu_seqlens[i] + prompt_length_i + j) is scored from the
+    logits one position earlier, always inside the same sequence; both use
+    `compute_log_probs(logits, next_ids, temperature)` / `compute_entropy(logits, temperature)` (fp32,
+    temperature-scaled). Differentiable with respect to the model parameters.
+
+    With `cp` (size > 1) the row is padded and split across the CP group (see context_parallel.py); every CP
+    rank must call this with the same pack and gets the same full results.
+
+    Returns (log_probs, entropy): lists over the pack's sequences (order of `packed.sample_indices`) of
+    [response_length_i] float32 tensors; entropy is None unless `with_entropy`.
+    """
+    if packed.num_sequences == 0:
+        raise ValueError("forward_packed got an empty pack (no sequences)")
+    enable_varlen_attention(model)
+    device = _model_device(model)
+    tokens = packed.tokens.to(device)
+    positions = packed.logit_positions().to(device)  # [R] rows whose logits predict response tokens
+
+    if cp is None or cp.size == 1:
+        cu = packed.cu_seqlens.to(device)
+        max_len = packed.max_seqlen
+        out = model(
+            input_ids=tokens[None],
+            position_ids=packed.position_ids.to(device)[None],
+            use_cache=False,
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=max_len,
+            max_length_k=max_len,
+        )
+        logits = out.logits[0].index_select(0, positions)  # [R, V]
+        log_probs = compute_log_probs(logits, tokens.index_select(0, positions + 1), temperature)
+        entropy = compute_entropy(logits, temperature) if with_entropy else None
+    else:
+        shard = shard_for_cp(tokens, packed.position_ids.to(device), packed.cu_seqlens.to(device), cp)
+        out = model(
+            input_ids=shard.local_tokens[None],
+            position_ids=shard.local_position_ids[None],
+            use_cache=False,
+            miles_cp=shard,
+        )
+        local_logits = out.logits[0]  # [C, V]
+        local_lp = compute_log_probs(local_logits, shard.local_next_tokens(), temperature)
+        log_probs = all_gather_autograd(local_lp, cp).index_select(0, positions)  # [T_pad] -> [R]
+        entropy = None
+        if with_entropy:
+            local_ent = compute_entropy(local_logits, temperature)
+            entropy = all_gather_autograd(local_ent, cp).index_select(0, positions)
+
+    lp_list = unpack_sequences(log_probs, packed)
+    ent_list = unpack_sequences(entropy, packed) if entropy is not None else None
+    return lp_list, ent_list

@@ -1,0 +1,193 @@
+"""Packed varlen attention and forward_packed against per-sequence forwards of a tiny random Qwen3 (fp32)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+from miles.algo.logprobs import compute_entropy, compute_log_probs  # noqa: E402
+from miles.backends.fsdp_utils.attention import (  # noqa: E402
+    VARLEN_ATTENTION,
+    cu_seqlens_from_position_ids,
+    set_varlen_backend,
+    varlen_attention_forward,
+)
+from miles.backends.fsdp_utils.data_packing import pack_sequences  # noqa: E402
+from miles.backends.fsdp_utils.forward import forward_packed  # noqa: E402
+
+TEMPERATURE = 0.7
+
+
+def tiny_model(seed: int = 0) -> Qwen3ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    model = Qwen3ForCausalLM(cfg).float()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def samples_with_zero_tokens() -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for prompt_len, resp_len in [(5, 7), (2, 1), (9, 12), (1, 4), (3, 3)]:
+        tokens = torch.randint(1, 96, (prompt_len + resp_len,), generator=g).tolist()
+        out.append({"tokens": tokens, "response_length": resp_len})
+    out[0]["tokens"][-2:] = [0, 0]  # response ends in token id 0
+    out[2]["tokens"] = [0] * len(out[2]["tokens"])  # sequence made only of id 0
+    return out
+
+
+def reference(model, samples, temperature):
+    """Each sequence alone, HF's own sdpa attention: per-response-token log-probs and entropy."""
+    lps, ents = [], []
+    for s in samples:
+        ids = torch.tensor(s["tokens"])
+        p = len(ids) - s["response_length"]
+        logits = model(input_ids=ids[None], use_cache=False).logits[0]
+        rows = logits[p - 1 : len(ids) - 1]
+        lps.append(compute_log_probs(rows, ids[p:], temperature))
+        ents.append(compute_entropy(rows, temperature))
+    return lps, ents
+
+
+def _loss(lps, ents):
+    return sum((lp * (k + 1)).sum() for k, lp in enumerate(lps)) + 0.3 * sum(e.sum() for e in ents)
+
+
+@pytest.mark.parametrize("num_packs", [1, 2])
+def test_packed_equals_per_sequence(num_packs):
+    ref_model = tiny_model()
+    model = copy.deepcopy(ref_model)
+    samples = samples_with_zero_tokens()
+    packs = pack_sequences(samples, num_packs=num_packs)
+    assert model.config._attn_implementation == "sdpa"
+
+    ref_lp, ref_ent = reference(ref_model, samples, TEMPERATURE)
+    _loss(ref_lp, ref_ent).backward()
+
+    got_lp: dict[int, torch.Tensor] = {}
+    got_ent: dict[int, torch.Tensor] = {}
+    for p in packs:
+        lps, ents = forward_packed(model, p, TEMPERATURE, with_entropy=True)
+        for idx, lp, ent in zip(p.sample_indices.tolist(), lps, ents):
+            got_lp[idx], got_ent[idx] = lp, ent
+    assert model.config._attn_implementation == VARLEN_ATTENTION
+    for i, s in enumerate(samples):
+        assert got_lp[i].shape == (s["response_length"],)
+        torch.testing.assert_close(got_lp[i], ref_lp[i], atol=1e-5, rtol=0)
+        torch.testing.assert_close(got_ent[i], ref_ent[i], atol=1e-5, rtol=0)
+    _loss([got_lp[i] for i in range(len(samples))], [got_ent[i] for i in range(len(samples))]).backward()
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_no_cross_sequence_leak():
+    model = tiny_model()
+    samples = samples_with_zero_tokens()
+    (p,) = pack_sequences(samples, num_packs=1)
+    base, _ = forward_packed(model, p, 1.0)
+    perturbed = [dict(s) for s in samples]
+    perturbed[1] = {
+        "tokens": [7] * len(samples[1]["tokens"]),
+        "response_length": samples[1]["response_length"],
+    }
+    perturbed[3] = {"tokens": [(t + 5) % 96 for t in samples[3]["tokens"]], "response_length": 4}
+    (q,) = pack_sequences(perturbed, num_packs=1)
+    after, _ = forward_packed(model, q, 1.0)
+    for i in (0, 2, 4):
+        torch.testing.assert_close(after[i], base[i], atol=1e-6, rtol=0)
+    assert not torch.allclose(after[3], base[3])
+
+
+def _loop_attention(q, k, v, bounds, scale):
+    """Plain-loop reference: q [H, T, D], k/v [Hkv, T, D] -> [T, H, D]."""
+    h, t, d = q.shape
+    rep = h // k.shape[0]
+    out = torch.zeros(t, h, d, dtype=torch.float64)
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        for i in range(s, e):
+            for head in range(h):
+                kh = k[head // rep]
+                vh = v[head // rep]
+                scores = [float(q[head, i] @ kh[j]) * scale for j in range(s, i + 1)]
+                m = max(scores)
+                w = [math.exp(x - m) for x in scores]
+                z = sum(w)
+                for j, wj in zip(range(s, i + 1), w):
+                    out[i, head] += (wj / z) * vh[j].double()
+    return out.float()
+
+
+def test_attention_function_matches_loop_reference():
+    torch.manual_seed(0)
+    bounds = [0, 3, 4, 9, 13]
+    q = torch.randn(1, 4, 13, 8)
+    k = torch.randn(1, 2, 13, 8)
+    v = torch.randn(1, 2, 13, 8)
+    module = torch.nn.Module()
+    want = _loop_attention(q[0], k[0], v[0], bounds, 0.3)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    got, _ = varlen_attention_forward(module, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu)
+    torch.testing.assert_close(got[0], want, atol=1e-5, rtol=0)
+    pos = torch.cat([torch.arange(e - s) for s, e in zip(bounds[:-1], bounds[1:])])[None]
+    assert cu_seqlens_from_position_ids(pos).tolist() == bounds
+    got_pos, _ = varlen_attention_forward(module, q, k, v, None, scaling=0.3, position_ids=pos)
+    torch.testing.assert_close(got_pos, got, atol=0, rtol=0)
+
+
+def test_attention_errors():
+    q = torch.randn(1, 2, 4, 8)
+    module = torch.nn.Module()
+    with pytest.raises(ValueError, match="not an attention_mask"):
+        varlen_attention_forward(module, q, q, q, torch.ones(1, 1, 4, 4, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        varlen_attention_forward(module, q, q, q, None, sliding_window=2)
+    with pytest.raises(ValueError, match="cu_seqlens ends at 5 but the packed row has 4 tokens"):
+        varlen_attention_forward(module, q, q, q, None, cu_seq_lens_q=torch.tensor([0, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match="not one of"):
+        set_varlen_backend("triton")
+    set_varlen_backend("flash")
+    try:
+        with pytest.raises(ValueError, match="needs CUDA tensors"):
+            varlen_attention_forward(module, q, q, q, None)
+    finally:
+        set_varlen_backend("auto")
+
+
+def test_flash_import_error_names_gpu_extra():
+    pytest.importorskip("torch")
+    try:
+        import flash_attn  # noqa: F401
+
+        pytest.skip("flash-attn is installed")
+    except ImportError:
+        pass
+    from miles.backends.fsdp_utils.attention import _import_flash_varlen
+
+    with pytest.raises(ImportError, match=r"miles\[gpu\]"):
+        _import_flash_varlen()
+
+
+def test_forward_packed_rejects_empty_pack():
+    from miles.backends.fsdp_utils.data_packing import _build_pack
+
+    with pytest.raises(ValueError, match="empty pack"):
+        forward_packed(tiny_model(), _build_pack([], []), 1.0)
