@@ -1,0 +1,77 @@
+"""`python -m miles.engines.local --model-path DIR [--host 127.0.0.1] [--port N] ...`: run the embedded engine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the server flags (names follow `sglang.launch_server` where they overlap)."""
+    p = argparse.ArgumentParser(prog="python -m miles.engines.local", description=__doc__)
+    p.add_argument("--model-path", required=True, help="HF model directory (config, weights, tokenizer)")
+    p.add_argument("--tokenizer-path", default=None, help="tokenizer directory (default: --model-path)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address; anything but loopback needs --api-key")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument(
+        "--api-key", default=None, help="required as 'Authorization: Bearer KEY' on admin endpoints"
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-running-requests", type=int, default=64, help="requests decoded together at most")
+    p.add_argument(
+        "--max-total-tokens", type=int, default=None, help="KV token budget (prompt + max_new_tokens)"
+    )
+    p.add_argument(
+        "--random-seed", type=int, default=0, help="with the request id, seeds each request's sampler"
+    )
+    p.add_argument("--weight-version", default="default", help="initial weight version reported")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a /generate call may take")
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = p.parse_args(argv)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        p.error(f"--host {args.host} is not loopback: --api-key is required to protect the admin endpoints")
+    if not 0 <= args.port < 65536:
+        p.error(f"--port {args.port} must be in [0, 65535]")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Load the model and serve until interrupted."""
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="[%(asctime)s] %(name)s %(levelname)s: %(message)s"
+    )
+    import torch
+    import uvicorn
+
+    from miles.engines.local.engine import EngineConfig, LocalEngine
+    from miles.engines.local.server import create_app
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    engine = LocalEngine(
+        EngineConfig(
+            model_path=args.model_path,
+            tokenizer_path=args.tokenizer_path,
+            dtype=args.dtype,
+            max_running_requests=args.max_running_requests,
+            max_total_tokens=args.max_total_tokens,
+            random_seed=args.random_seed,
+            weight_version=args.weight_version,
+        )
+    )
+    engine.start()
+    app = create_app(engine, args.host, args.port, args.api_key, args.request_timeout)
+    logging.getLogger(__name__).info(
+        "embedded engine serving %s on %s:%d", args.model_path, args.host, args.port
+    )
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.stop()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,100 @@
+"""Weight refit over a torch.distributed group between trainer rank 0 and the engine (disaggregated mode).
+
+The group is created the way SGLang creates it, so one trainer-side helper serves both engine kinds: a TCP
+rendezvous at `tcp://master_address:master_port` with `world_size` members (trainer = rank 0, engine = rank
+`rank_offset`), then a process group named `group_name` built on that store, without touching the default group
+of either process. Tensors arrive by `broadcast(src=0)`, one per name, in the order of `names`.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from miles.engines.local.weights import WeightStore
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+def init_custom_process_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+) -> dist.ProcessGroup:
+    """Join a process group that lives beside (not inside) the default group; every member calls this."""
+    from torch.distributed.distributed_c10d import _new_process_group_helper, _world, rendezvous
+
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend {backend!r} not supported; allowed: 'gloo', 'nccl'")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world_size {world_size}")
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(
+        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
+    pg, _ = _new_process_group_helper(
+        world_size, rank, [], backend, store, group_name=group_name, timeout=timeout
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def init_update_group(
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    group_name: str = "weight_update_group",
+    backend: str = "gloo",
+) -> dist.ProcessGroup:
+    """Engine side of /init_weights_update_group (TP=1: the engine is rank `rank_offset`)."""
+    if backend != "gloo":
+        raise ValueError(f"backend {backend!r}: the embedded engine runs on CPU and supports only 'gloo'")
+    return init_custom_process_group(
+        master_address, int(master_port), int(rank_offset), int(world_size), group_name
+    )
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """'bfloat16' or 'torch.bfloat16' -> torch.bfloat16."""
+    key = str(name).removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"dtype {name!r} not supported; allowed: {sorted(_DTYPES)}")
+    return _DTYPES[key]
+
+
+def receive_tensors(
+    group: dist.ProcessGroup,
+    names: list[str],
+    dtypes: list[str],
+    shapes: list[list[int]],
+    weights: WeightStore,
+) -> int:
+    """Receive one broadcast per name from rank 0 and load it; names and shapes are checked before any receive."""
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}, {len(dtypes)}, {len(shapes)}")
+    specs = [(n, parse_dtype(d), tuple(int(x) for x in s)) for n, d, s in zip(names, dtypes, shapes)]
+    for n, _, s in specs:
+        weights.validate(n, torch.empty(s, dtype=torch.float32, device="meta"))
+    for n, dtype, shape in specs:
+        buf = torch.empty(shape, dtype=dtype)
+        dist.broadcast(buf, src=0, group=group)
+        weights.load_one(n, buf)
+    return len(specs)
+
+
+def destroy_update_group(group: dist.ProcessGroup) -> None:
+    """Leave and free the group."""
+    dist.destroy_process_group(group)

@@ -1,0 +1,164 @@
+"""HTTP layer of the embedded engine: SGLang's native endpoints on FastAPI, over a `LocalEngine`.
+
+Handlers never touch the model: they queue work on the scheduler thread and await its futures with a timeout.
+Errors follow SGLang: admin calls answer {"success": false, "message": ...}; /generate answers
+{"error": {"message": ...}} with 400 (bad request), 503 (weights/KV cache released or not reloaded) or 504.
+When an API key is configured, admin endpoints require `Authorization: Bearer <key>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from miles.engines.local.engine import LocalEngine
+from miles.engines.local.weights import EngineNotReady
+
+logger = logging.getLogger(__name__)
+
+# (path, engine op name, allowed request fields)
+_ADMIN_POSTS: list[tuple[str, str, set[str]]] = [
+    ("/abort_request", "abort", {"rid", "abort_all"}),
+    ("/pause_generation", "pause", {"mode"}),
+    ("/continue_generation", "continue", set()),
+    ("/flush_cache", "flush_cache", set()),
+    (
+        "/update_weights_from_tensor",
+        "update_weights_from_tensor",
+        {"serialized_named_tensors", "load_format", "flush_cache", "weight_version", "abort_all_requests"},
+    ),
+    (
+        "/update_weights_from_disk",
+        "update_weights_from_disk",
+        {"model_path", "load_format", "weight_version"},
+    ),
+    ("/release_memory_occupation", "release_memory_occupation", {"tags"}),
+    ("/resume_memory_occupation", "resume_memory_occupation", {"tags"}),
+    (
+        "/init_weights_update_group",
+        "init_weights_update_group",
+        {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"},
+    ),
+    (
+        "/update_weights_from_distributed",
+        "update_weights_from_distributed",
+        {"names", "dtypes", "shapes", "group_name", "flush_cache", "weight_version", "abort_all_requests"},
+    ),
+    ("/destroy_weights_update_group", "destroy_weights_update_group", {"group_name"}),
+    ("/get_weights_by_name", "get_weights_by_name", {"name", "truncate_size"}),
+]
+
+
+def _fail(status: int, message: str, admin: bool) -> JSONResponse:
+    body = {"success": False, "message": message} if admin else {"error": {"message": message}}
+    return JSONResponse(body, status_code=status)
+
+
+async def _await(fut: Any, timeout: float) -> Any:
+    return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+
+
+def create_app(
+    engine: LocalEngine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    api_key: str | None = None,
+    request_timeout: float = 600.0,
+    admin_timeout: float = 300.0,
+) -> FastAPI:
+    """Build the FastAPI app serving `engine`."""
+    app = FastAPI(title="miles embedded engine")
+
+    def authorized(request: Request) -> bool:
+        if not api_key:
+            return True
+        given = request.headers.get("authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({})
+
+    @app.get("/health_generate")
+    async def health_generate() -> JSONResponse:
+        try:
+            _, futs, _ = engine.submit_generate(
+                {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+            )
+            await _await(futs[0], admin_timeout)
+        except EngineNotReady as e:
+            return _fail(503, str(e), admin=False)
+        return JSONResponse({})
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> JSONResponse:
+        return JSONResponse(engine.model_info())
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> JSONResponse:
+        return JSONResponse(engine.server_info(host, port))
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> JSONResponse:
+        return JSONResponse({"weight_version": engine.weight_version})
+
+    @app.get("/get_load")
+    async def get_load() -> JSONResponse:
+        return JSONResponse([{"dp_rank": 0, **engine.scheduler.load()}])
+
+    @app.post("/generate")
+    async def generate(request: Request) -> JSONResponse:
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ValueError("request body must be a JSON object")
+            rids, futs, is_batch = engine.submit_generate(body)
+        except EngineNotReady as e:
+            return _fail(503, str(e), admin=False)
+        except ValueError as e:
+            return _fail(400, str(e), admin=False)
+        try:
+            results = await asyncio.wait_for(
+                asyncio.gather(*(asyncio.wrap_future(f) for f in futs)), request_timeout
+            )
+        except EngineNotReady as e:
+            return _fail(503, str(e), admin=False)
+        except asyncio.TimeoutError:
+            for rid in rids:
+                engine.run("abort", rid=rid)
+            return _fail(504, f"generation did not finish within {request_timeout} s; aborted", admin=False)
+        return JSONResponse(results if is_batch else results[0])
+
+    def add_admin(path: str, op: str, fields: set[str]) -> None:
+        async def handler(request: Request) -> JSONResponse:
+            if not authorized(request):
+                return _fail(401, "missing or wrong 'Authorization: Bearer <api key>'", admin=True)
+            raw = await request.body()
+            try:
+                body = (await request.json()) if raw.strip() else {}
+                if not isinstance(body, dict):
+                    raise ValueError("request body must be a JSON object")
+                unknown = sorted(set(body) - fields)
+                if unknown:
+                    raise ValueError(f"unknown fields {unknown} for {path}; allowed: {sorted(fields)}")
+                result = await _await(engine.run(op, **body), admin_timeout)
+            except (ValueError, TypeError) as e:
+                return _fail(400, f"{path}: {e}", admin=True)
+            except EngineNotReady as e:
+                return _fail(503, f"{path}: {e}", admin=True)
+            except asyncio.TimeoutError:
+                return _fail(504, f"{path}: not done within {admin_timeout} s", admin=True)
+            return JSONResponse(result)
+
+        app.add_api_route(
+            path, handler, methods=["POST"] if path != "/get_weights_by_name" else ["GET", "POST"]
+        )
+
+    for path, op, fields in _ADMIN_POSTS:
+        add_admin(path, op, fields)
+    return app

@@ -1,0 +1,120 @@
+"""The embedded engine's parameters: loading named tensors, releasing and re-allocating their storage.
+
+Names are those of the HF model's `named_parameters()` (tied weights answer to every alias, e.g. both
+`model.embed_tokens.weight` and `lm_head.weight`). After `resume()` every parameter is zero-filled and marked
+*pending*; each loaded tensor clears its mark, and the engine refuses to generate until none is pending, so a refit
+that misses a tensor is caught instead of silently sampling from zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+class EngineNotReady(RuntimeError):
+    """Generation was asked for while weights or KV cache are released, or weights are not fully reloaded."""
+
+
+class WeightStore:
+    """Owns the parameters of one model: name aliases, shapes, release/resume and the pending set."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._params: dict[str, nn.Parameter] = {}
+        self._canonical: dict[str, str] = {}
+        by_id: dict[int, str] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            canon = by_id.setdefault(id(p), name)
+            self._canonical[name] = canon
+            self._params[canon] = p
+        self._meta = {n: (tuple(p.shape), p.dtype) for n, p in self._params.items()}
+        self.released = False
+        self.pending: set[str] = set()
+
+    @property
+    def names(self) -> list[str]:
+        """Canonical parameter names (one per distinct tensor)."""
+        return list(self._params)
+
+    def resolve(self, name: str) -> str:
+        """Canonical name of `name`; ValueError when the model has no such parameter."""
+        try:
+            return self._canonical[name]
+        except KeyError:
+            raise ValueError(
+                f"unknown parameter {name!r}; the model has {len(self._canonical)} names, e.g. "
+                f"{sorted(self._canonical)[:4]}"
+            ) from None
+
+    def get(self, name: str) -> torch.Tensor:
+        """The live tensor of parameter `name` (any alias)."""
+        self.check_ready()
+        return self._params[self.resolve(name)].data
+
+    def shape_dtype(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype the parameter has when allocated."""
+        return self._meta[self.resolve(name)]
+
+    def check_ready(self) -> None:
+        """Raise EngineNotReady when released or when some tensors were not reloaded since resume."""
+        if self.released:
+            raise EngineNotReady("weights are released; call /resume_memory_occupation and refit first")
+        if self.pending:
+            some = sorted(self.pending)[:5]
+            raise EngineNotReady(
+                f"{len(self.pending)} weight tensors not loaded since resume_memory_occupation (e.g. {some}); "
+                "a refit must send every tensor before generation"
+            )
+
+    def validate(self, name: str, tensor: torch.Tensor) -> str:
+        """Check name and shape of an incoming tensor; returns the canonical name."""
+        canon = self.resolve(name)
+        shape, _ = self._meta[canon]
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"shape mismatch for {name!r}: got {tuple(tensor.shape)}, model has {shape}")
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name!r}: expected a floating tensor, got dtype {tensor.dtype}")
+        return canon
+
+    @torch.no_grad()
+    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy tensors into the parameters (cast to the model dtype). All are validated before any is copied."""
+        if self.released:
+            raise ValueError(
+                "cannot load weights while they are released; call /resume_memory_occupation first"
+            )
+        items = [(self.validate(n, t), t) for n, t in named_tensors]
+        for canon, t in items:
+            self._params[canon].data.copy_(t.to(device="cpu"))
+            self.pending.discard(canon)
+        return len(items)
+
+    @torch.no_grad()
+    def load_one(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one (already validated) tensor; used by the streaming distributed path."""
+        canon = self.validate(name, tensor)
+        self._params[canon].data.copy_(tensor)
+        self.pending.discard(canon)
+
+    def release(self) -> None:
+        """Free the storage of every parameter (each becomes an empty tensor); buffers are kept."""
+        for p in self._params.values():
+            p.data = torch.empty(0, dtype=p.dtype)
+        self.released = True
+
+    def resume(self) -> None:
+        """Re-allocate every parameter zero-filled and mark all of them pending until loaded."""
+        if not self.released:
+            return
+        for name, p in self._params.items():
+            shape, dtype = self._meta[name]
+            p.data = torch.zeros(shape, dtype=dtype)
+        self.released = False
+        self.pending = set(self._params)
+
+    def allocated_bytes(self) -> int:
+        """Bytes currently held by parameter storage."""
+        return sum(p.data.numel() * p.data.element_size() for p in self._params.values())

@@ -1,0 +1,165 @@
+"""Start sglang-router (`python -m sglang_router.launch_router`) in front of rollout engine servers.
+
+The router is a subprocess bound to 127.0.0.1 on a free port. Workers are registered at launch
+(`--worker-urls`) or later with `add_worker`, which uses the router's REST API (`POST /workers`, checked with
+`GET /workers`; sglang-router 0.3.x answers 404 on the older `/add_worker`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import httpx
+
+from miles.engines.sglang_engine import EngineStartupError, find_free_port
+
+logger = logging.getLogger(__name__)
+
+ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
+
+
+class Router:
+    """One sglang-router process and a client for its worker-management API."""
+
+    def __init__(
+        self,
+        worker_urls: list[str] | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        policy: str = "round_robin",
+        extra_args: list[str] | None = None,
+        log_path: str | None = None,
+        startup_timeout: float = 60.0,
+    ):
+        if policy not in ROUTER_POLICIES:
+            raise ValueError(f"router policy {policy!r} not supported; allowed: {list(ROUTER_POLICIES)}")
+        self.worker_urls = list(worker_urls or [])
+        self.host = host
+        self.port = port
+        self.policy = policy
+        self.extra_args = list(extra_args or [])
+        self.log_path = log_path
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self._log_file: Any = None
+        self._client = httpx.Client(timeout=30.0, trust_env=False)
+
+    @property
+    def url(self) -> str:
+        """Base URL of the router."""
+        if self.port is None:
+            raise RuntimeError("router not launched yet: no port")
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        """The router command line (needs `port` set)."""
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+        ]
+        cmd += ["--policy", self.policy, "--prometheus-port", str(find_free_port()), "--log-level", "warn"]
+        if self.worker_urls:
+            cmd += ["--worker-urls", *self.worker_urls]
+        return cmd + self.extra_args
+
+    def launch(self) -> Router:
+        """Start the router and wait until it answers /health and lists every initial worker; returns self."""
+        if self.proc is not None:
+            raise RuntimeError(f"router already launched at {self.url}")
+        if self.port is None:
+            self.port = find_free_port(self.host)
+        if self.log_path is None:
+            fd, self.log_path = tempfile.mkstemp(prefix=f"miles-router-{self.port}-", suffix=".log")
+            os.close(fd)
+        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the process lifetime
+        logger.info("launching sglang-router: %s (log: %s)", " ".join(self.command()), self.log_path)
+        self.proc = subprocess.Popen(
+            self.command(), stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + self.startup_timeout
+        self._wait(
+            lambda: self._client.get(self.url + "/health", timeout=5).status_code == 200, deadline, "/health"
+        )
+        for url in self.worker_urls:
+            self._wait(lambda u=url: u in self.list_workers(), deadline, f"registration of worker {url}")
+        return self
+
+    def _log_tail(self, n_chars: int = 4000) -> str:
+        if not self.log_path or not os.path.exists(self.log_path):
+            return "<no log>"
+        with open(self.log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(self.log_path) - n_chars))
+            return f.read().decode(errors="replace")
+
+    def _wait(self, ready: Any, deadline: float, phase: str) -> None:
+        while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise EngineStartupError(
+                    f"sglang-router exited with code {self.proc.returncode} (phase: {phase}). "
+                    f"Log tail:\n{self._log_tail()}"
+                )
+            try:
+                if ready():
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise EngineStartupError(
+                    f"sglang-router at {self.url} not ready (phase: {phase}) before the deadline. "
+                    f"Log tail:\n{self._log_tail()}"
+                )
+            time.sleep(0.25)
+
+    def list_workers(self) -> list[str]:
+        """URLs of the workers the router knows."""
+        resp = self._client.get(self.url + "/workers")
+        resp.raise_for_status()
+        return [w["url"] for w in resp.json().get("workers", [])]
+
+    def add_worker(self, url: str, timeout: float = 60.0) -> None:
+        """Register a worker and wait until the router lists it (registration is asynchronous)."""
+        resp = self._client.post(self.url + "/workers", json={"url": url})
+        if resp.status_code >= 400:
+            raise RuntimeError(f"router refused worker {url}: HTTP {resp.status_code}: {resp.text[:500]}")
+        self._wait(lambda: url in self.list_workers(), time.monotonic() + timeout, f"registration of {url}")
+
+    def remove_worker(self, url: str) -> None:
+        """Unregister a worker."""
+        resp = self._client.get(self.url + "/workers")
+        resp.raise_for_status()
+        ids = [w["id"] for w in resp.json().get("workers", []) if w["url"] == url]
+        if not ids:
+            raise ValueError(f"worker {url} not registered; known: {self.list_workers()}")
+        for wid in ids:
+            self._client.delete(f"{self.url}/workers/{wid}").raise_for_status()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Terminate the router, then kill it if it lingers."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def __enter__(self) -> Router:
+        return self.launch() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

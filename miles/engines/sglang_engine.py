@@ -1,0 +1,266 @@
+"""Launch a rollout engine server process (SGLang or the embedded engine) and talk to it over HTTP.
+
+`EngineProcess` is a plain object (no Ray); `make_engine_actor_class()` wraps it in a thin Ray actor on demand, so
+importing this module imports neither ray nor sglang.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+ENGINE_KINDS = ("auto", "sglang", "local")
+_REPO_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+class EngineStartupError(RuntimeError):
+    """The server process died or did not become healthy in time."""
+
+
+class EngineHTTPError(RuntimeError):
+    """An engine answered with an HTTP error status."""
+
+    def __init__(self, method: str, url: str, status: int, body: str):
+        super().__init__(f"{method} {url} -> HTTP {status}: {body[:2000]}")
+        self.status = status
+        self.body = body
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS reports free right now (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def resolve_engine_kind(requested: str) -> str:
+    """'auto' -> 'sglang' when sglang imports and CUDA is available, else 'local'. Validates explicit kinds."""
+    if requested not in ENGINE_KINDS:
+        raise ValueError(f"engine kind {requested!r} not supported; allowed: {list(ENGINE_KINDS)}")
+    has_sglang = importlib.util.find_spec("sglang") is not None
+    if requested == "sglang":
+        if not has_sglang:
+            raise ValueError(
+                "engine kind 'sglang' needs the sglang package, which is not installed; install the gpu extra "
+                "with `pip install 'miles[gpu]'`, or use the embedded engine (engine kind 'local')"
+            )
+        return "sglang"
+    if requested == "local":
+        return "local"
+    import torch
+
+    kind = "sglang" if has_sglang and torch.cuda.is_available() else "local"
+    logger.info(
+        "engine kind auto -> %s (sglang installed: %s, cuda available: %s)",
+        kind,
+        has_sglang,
+        torch.cuda.is_available(),
+    )
+    return kind
+
+
+def _flag_args(args: dict[str, Any] | None) -> list[str]:
+    """{'mem_fraction_static': '0.7', 'enable-x': True} -> ['--mem-fraction-static', '0.7', '--enable-x']."""
+    out: list[str] = []
+    for name, value in (args or {}).items():
+        flag = "--" + name.lstrip("-").replace("_", "-")
+        if value is True or value == "":
+            out.append(flag)
+        elif value is False or value is None:
+            continue
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+class EngineProcess:
+    """One rollout engine server: its process, its URL and a small HTTP client."""
+
+    def __init__(
+        self,
+        model_path: str,
+        kind: str = "local",
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        tp_size: int = 1,
+        sglang_args: dict[str, Any] | None = None,
+        local_args: dict[str, Any] | None = None,
+        api_key: str | None = None,
+        env: dict[str, str] | None = None,
+        log_path: str | None = None,
+        startup_timeout: float = 600.0,
+    ):
+        if kind not in ("sglang", "local"):
+            raise ValueError(
+                f"kind {kind!r} not supported; allowed: 'sglang', 'local' (resolve 'auto' first)"
+            )
+        if kind == "local" and tp_size != 1:
+            raise ValueError(f"tp_size={tp_size}: the embedded engine supports only tp_size=1")
+        self.model_path = str(model_path)
+        self.kind = kind
+        self.host = host
+        self.port = port
+        self.tp_size = tp_size
+        self.sglang_args = dict(sglang_args or {})
+        self.local_args = dict(local_args or {})
+        self.api_key = api_key
+        self.env = dict(env or {})
+        self.log_path = log_path
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self._log_file: Any = None
+        self._client = httpx.Client(timeout=60.0, trust_env=False)
+
+    @property
+    def url(self) -> str:
+        """Base URL of the server, e.g. http://127.0.0.1:31000."""
+        if self.port is None:
+            raise RuntimeError("engine not launched yet: no port")
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        """The server command line (needs `port` set)."""
+        common = ["--model-path", self.model_path, "--host", self.host, "--port", str(self.port)]
+        if self.api_key:
+            common += ["--api-key", self.api_key]
+        if self.kind == "sglang":
+            return [sys.executable, "-m", "sglang.launch_server", *common, "--tp-size", str(self.tp_size)] + (
+                _flag_args(self.sglang_args)
+            )
+        return [sys.executable, "-m", "miles.engines.local", *common] + _flag_args(self.local_args)
+
+    def launch(self) -> EngineProcess:
+        """Start the server on a free port (unless one was given) and wait for /health; returns self."""
+        if self.proc is not None:
+            raise RuntimeError(f"engine already launched at {self.url}")
+        if self.port is None:
+            self.port = find_free_port(self.host if self.host != "0.0.0.0" else "127.0.0.1")
+        if self.log_path is None:
+            fd, self.log_path = tempfile.mkstemp(prefix=f"miles-engine-{self.port}-", suffix=".log")
+            os.close(fd)
+        env = {**os.environ, **self.env}
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH", "")) if p)
+        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the process lifetime
+        logger.info("launching %s engine: %s (log: %s)", self.kind, " ".join(self.command()), self.log_path)
+        self.proc = subprocess.Popen(
+            self.command(), stdout=self._log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        self.wait_healthy(self.startup_timeout)
+        return self
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        """The end of the server's log."""
+        if not self.log_path or not os.path.exists(self.log_path):
+            return "<no log>"
+        with open(self.log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(self.log_path) - n_chars))
+            return f.read().decode(errors="replace")
+
+    def wait_healthy(self, timeout: float) -> None:
+        """Poll GET /health until it answers 200; EngineStartupError if the process dies or time runs out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise EngineStartupError(
+                    f"{self.kind} engine process exited with code {self.proc.returncode} while starting "
+                    f"(phase: waiting for {self.url}/health). Log tail:\n{self.log_tail()}"
+                )
+            try:
+                if self._client.get(self.url + "/health", timeout=5.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise EngineStartupError(
+                    f"{self.kind} engine at {self.url} not healthy after {timeout:.0f} s "
+                    f"(phase: waiting for /health). Log tail:\n{self.log_tail()}"
+                )
+            time.sleep(0.25)
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _check(self, resp: httpx.Response) -> Any:
+        if resp.status_code >= 400:
+            raise EngineHTTPError(resp.request.method, str(resp.request.url), resp.status_code, resp.text)
+        return resp.json() if resp.content else None
+
+    def post(self, path: str, json: Any = None, timeout: float = 600.0) -> Any:
+        """POST JSON to the engine; returns the decoded answer, EngineHTTPError on an error status."""
+        return self._check(
+            self._client.post(self.url + path, json=json, timeout=timeout, headers=self._headers())
+        )
+
+    def get(self, path: str, timeout: float = 60.0) -> Any:
+        """GET from the engine; returns the decoded answer, EngineHTTPError on an error status."""
+        return self._check(self._client.get(self.url + path, timeout=timeout, headers=self._headers()))
+
+    def shutdown(self, timeout: float = 15.0) -> None:
+        """Terminate the server (SIGTERM to its process group), then kill it if it lingers."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, 15)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                logger.warning("engine %s ignored SIGTERM for %.0f s; killing", self.url, timeout)
+                try:
+                    os.killpg(proc.pid, 9)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def __enter__(self) -> EngineProcess:
+        return self.launch() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+@functools.cache
+def make_engine_actor_class() -> Any:
+    """The Ray actor class `RolloutEngineActor` wrapping an `EngineProcess` (imports ray on first call)."""
+    import ray
+
+    class RolloutEngineActor:
+        """Ray actor holding one engine server process; methods mirror `EngineProcess`."""
+
+        def __init__(self, **engine_kwargs: Any):
+            self.engine = EngineProcess(**engine_kwargs)
+
+        def launch(self) -> str:
+            return self.engine.launch().url
+
+        def url(self) -> str:
+            return self.engine.url
+
+        def post(self, path: str, json: Any = None, timeout: float = 600.0) -> Any:
+            return self.engine.post(path, json, timeout)
+
+        def get(self, path: str, timeout: float = 60.0) -> Any:
+            return self.engine.get(path, timeout)
+
+        def shutdown(self) -> None:
+            self.engine.shutdown()
+
+    return ray.remote(RolloutEngineActor)

@@ -1,0 +1,290 @@
+"""The embedded engine as a real HTTP server on a tiny random Qwen3: generation, batching, log-probs, refit."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from miles.algo.logprobs import compute_log_probs
+from miles.engines.local.testing import build_tiny_model
+from miles.engines.sglang_engine import EngineHTTPError, EngineProcess
+from miles.utils.serialization import serialize, share_named_tensors
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+PROMPTS = [[3, 5, 7], [10, 11, 12, 13, 14, 15, 16], [20], [30, 31, 32, 33]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    eng = EngineProcess(
+        str(model_dir), kind="local", local_args={"num-threads": 1, "max-running-requests": 8}
+    )
+    with eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def gen(engine, ids, **sp):
+    rl = sp.pop("return_logprob", False)
+    rid = sp.pop("rid", None)
+    body = {"input_ids": ids, "sampling_params": sp, "return_logprob": rl}
+    if rid is not None:
+        body["rid"] = rid
+    return engine.post("/generate", body)
+
+
+def greedy(engine, ids, n=8, **kw):
+    return gen(engine, ids, max_new_tokens=n, temperature=0, ignore_eos=True, **kw)
+
+
+def refit(engine, named, version=None):
+    shared = share_named_tensors(named)
+    body = {"serialized_named_tensors": [serialize(shared)], "flush_cache": True}
+    if version is not None:
+        body["weight_version"] = version
+    return engine.post("/update_weights_from_tensor", body)
+
+
+def test_info_endpoints(engine, model_dir):
+    info = engine.get("/get_model_info")
+    assert info["model_path"] == str(model_dir) and info["is_generation"] is True
+    assert engine.get("/get_server_info")["kv_cache"] == "per-request"
+    assert engine.get("/health_generate") == {}
+
+
+def test_max_new_tokens(engine):
+    out = greedy(engine, PROMPTS[0], n=5)
+    assert len(out["output_ids"]) == 5 and out["meta_info"]["completion_tokens"] == 5
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+    assert out["meta_info"]["prompt_tokens"] == 3
+    assert gen(engine, PROMPTS[0], max_new_tokens=0)["output_ids"] == []
+
+
+def test_stop_token_ids(engine, tokenizer):
+    ref = greedy(engine, PROMPTS[1], n=10)["output_ids"]
+    k = 4
+    stop_tok = ref[k]
+    first = ref.index(stop_tok)
+    out = greedy(engine, PROMPTS[1], n=10, stop_token_ids=[stop_tok])
+    assert out["output_ids"] == ref[: first + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    assert out["text"] == tokenizer.decode(ref[:first])
+    kept = greedy(engine, PROMPTS[1], n=10, stop_token_ids=[stop_tok], no_stop_trim=True)
+    assert kept["text"] == tokenizer.decode(ref[: first + 1])
+
+
+def test_stop_strings(engine, tokenizer):
+    ref = greedy(engine, PROMPTS[2], n=10)["output_ids"]
+    stop = tokenizer.decode([ref[5]])
+    j = next(i for i in range(len(ref)) if stop in tokenizer.decode(ref[: i + 1]))
+    full = tokenizer.decode(ref[: j + 1])
+    out = greedy(engine, PROMPTS[2], n=10, stop=[stop, "never-produced"])
+    assert out["output_ids"] == ref[: j + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == full[: full.find(stop)]
+    assert greedy(engine, PROMPTS[2], n=10, stop=stop, no_stop_trim=True)["text"] == full
+
+
+def test_batch_matches_sequential_and_finishes_independently(engine):
+    lens = [3, 12, 7, 1]
+    seq = [greedy(engine, p, n=n)["output_ids"] for p, n in zip(PROMPTS, lens)]
+    before = engine.get("/get_server_info")["internal_states"][0]
+    sps = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in lens]
+    outs = engine.post("/generate", {"input_ids": PROMPTS, "sampling_params": sps})
+    after = engine.get("/get_server_info")["internal_states"][0]
+    assert [o["output_ids"] for o in outs] == seq
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == lens
+    steps = after["decode_steps"] - before["decode_steps"]
+    tokens = after["decode_tokens"] - before["decode_tokens"]
+    assert tokens == sum(n - 1 for n in lens)  # first token of each comes from prefill
+    assert steps == max(lens) - 1  # one batched decode step per iteration, not one per request
+
+
+def test_concurrent_http_requests_match_sequential(engine):
+    seq = [greedy(engine, p, n=6)["output_ids"] for p in PROMPTS]
+    results: dict[int, list[int]] = {}
+
+    def worker(i):
+        results[i] = greedy(engine, PROMPTS[i], n=6)["output_ids"]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert [results[i] for i in range(len(PROMPTS))] == seq
+
+
+@pytest.mark.parametrize(
+    "sp",
+    [
+        {"temperature": 1.0},
+        {"temperature": 0.7},
+        {"temperature": 0.7, "top_p": 0.8, "top_k": 10},
+        {"temperature": 0.0},
+    ],
+)
+def test_logprobs_match_full_forward(engine, hf_model, sp):
+    for i, prompt in enumerate(PROMPTS[:3]):
+        out = gen(engine, prompt, max_new_tokens=12, ignore_eos=True, return_logprob=True, rid=f"lp{i}", **sp)
+        ids = out["output_ids"]
+        lp = out["meta_info"]["output_token_logprobs"]
+        assert [t for _, t, _ in lp] == ids
+        with torch.no_grad():
+            logits = hf_model(input_ids=torch.tensor([prompt + ids])).logits[0].float()
+        temp = sp["temperature"] if sp["temperature"] > 0 else 1.0
+        ref = compute_log_probs(logits[len(prompt) - 1 : -1], torch.tensor(ids), temp)
+        assert torch.allclose(torch.tensor([x for x, _, _ in lp]), ref, atol=1e-5, rtol=0)
+
+
+def test_sampling_is_reproducible_per_rid(engine):
+    a = gen(engine, PROMPTS[0], max_new_tokens=12, temperature=1.0, ignore_eos=True, rid="same")
+    b = gen(engine, PROMPTS[0], max_new_tokens=12, temperature=1.0, ignore_eos=True, rid="same")
+    c = gen(engine, PROMPTS[0], max_new_tokens=12, temperature=1.0, ignore_eos=True, rid="other")
+    assert a["output_ids"] == b["output_ids"]
+    assert a["output_ids"] != c["output_ids"]
+
+
+def test_bad_requests_are_rejected(engine):
+    with pytest.raises(EngineHTTPError, match="temperature") as e:
+        gen(engine, PROMPTS[0], temperature=-1)
+    assert e.value.status == 400
+    with pytest.raises(EngineHTTPError, match="unknown sampling params"):
+        gen(engine, PROMPTS[0], bogus=1)
+    with pytest.raises(EngineHTTPError, match="input_ids"):
+        engine.post("/generate", {"input_ids": [10**6]})
+    with pytest.raises(EngineHTTPError, match="unknown memory tags"):
+        engine.post("/release_memory_occupation", {"tags": ["gpu"]})
+
+
+def test_refit_changes_outputs_and_version(engine, hf_model):
+    original = [(n, p.detach().clone()) for n, p in hf_model.named_parameters()]
+    base = greedy(engine, PROMPTS[1], n=10)["output_ids"]
+    torch.manual_seed(1)
+    changed = [(n, t + 0.5 * torch.randn_like(t)) for n, t in original]
+    assert refit(engine, changed, version="v1")["success"]
+    assert engine.get("/get_weight_version") == {"weight_version": "v1"}
+    out = greedy(engine, PROMPTS[1], n=10)
+    assert out["output_ids"] != base and out["meta_info"]["weight_version"] == "v1"
+    names = [n for n, _ in changed][:3]
+    got = engine.post("/get_weights_by_name", {"name": names[2], "truncate_size": 5})
+    assert torch.allclose(torch.tensor(got), dict(changed)[names[2]].flatten()[:5])
+    assert refit(engine, original, version="v2")["success"]
+    assert greedy(engine, PROMPTS[1], n=10)["output_ids"] == base
+    with pytest.raises(EngineHTTPError, match="shape mismatch"):
+        refit(engine, [(original[0][0], torch.zeros(3))])
+    with pytest.raises(EngineHTTPError, match="unknown parameter"):
+        refit(engine, [("not.a.param", torch.zeros(3))])
+
+
+def test_release_resume_refit_restores_outputs(engine, hf_model):
+    original = [(n, p.detach().clone()) for n, p in hf_model.named_parameters()]
+    base = greedy(engine, PROMPTS[3], n=10)
+    assert engine.post("/release_memory_occupation", {})["success"]
+    assert engine.get("/get_server_info")["weights_released"]
+    with pytest.raises(EngineHTTPError, match="released") as e:
+        greedy(engine, PROMPTS[3])
+    assert e.value.status == 503
+    with pytest.raises(EngineHTTPError, match="released"):
+        refit(engine, original)
+    assert engine.post("/resume_memory_occupation", {"tags": ["weights", "kv_cache"]})["success"]
+    with pytest.raises(EngineHTTPError, match="not loaded since resume") as e:
+        greedy(engine, PROMPTS[3])
+    assert e.value.status == 503
+    missing = original[-1][0]
+    refit(engine, original[:-1])
+    with pytest.raises(EngineHTTPError, match=missing):
+        greedy(engine, PROMPTS[3])
+    refit(engine, original[-1:])
+    again = greedy(engine, PROMPTS[3], n=10)
+    assert again["output_ids"] == base["output_ids"]
+
+
+def _start_long(engine, rid, results):
+    def run():
+        results[rid] = gen(
+            engine, PROMPTS[0], max_new_tokens=100000, ignore_eos=True, temperature=1.0, rid=rid
+        )
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 20
+    while engine.get("/get_server_info")["internal_states"][0]["num_running"] < 1:
+        assert time.monotonic() < deadline, "long request never started running"
+        time.sleep(0.05)
+    return t
+
+
+def test_abort_request(engine):
+    results: dict[str, dict] = {}
+    t = _start_long(engine, "long-abort", results)
+    assert engine.post("/abort_request", {"rid": "long-abort"})["success"]
+    t.join(20)
+    fr = results["long-abort"]["meta_info"]["finish_reason"]
+    assert fr["type"] == "abort"
+    assert 0 < results["long-abort"]["meta_info"]["completion_tokens"] < 100000
+
+
+def test_pause_abort_mode_then_continue(engine):
+    results: dict[str, dict] = {}
+    t = _start_long(engine, "long-pause", results)
+    assert engine.post("/pause_generation", {"mode": "abort"})["success"]
+    t.join(20)
+    assert results["long-pause"]["meta_info"]["finish_reason"]["type"] == "abort"
+    late = threading.Thread(target=lambda: results.update(late=greedy(engine, PROMPTS[0], n=3)))
+    late.start()
+    late.join(1.0)
+    assert late.is_alive() and "late" not in results  # held while paused
+    assert engine.post("/continue_generation", {})["success"]
+    late.join(20)
+    assert results["late"]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_pause_in_place_holds_running_requests(engine):
+    results: dict[str, dict] = {}
+    t = _start_long(engine, "long-hold", results)
+    assert engine.post("/pause_generation", {"mode": "in_place"})["success"]
+    s1 = engine.get("/get_server_info")["internal_states"][0]
+    time.sleep(0.5)
+    s2 = engine.get("/get_server_info")["internal_states"][0]
+    assert s1["decode_tokens"] == s2["decode_tokens"] and s2["num_running"] == 1
+    assert engine.post("/continue_generation", {})["success"]
+    time.sleep(0.2)
+    assert engine.post("/abort_request", {"abort_all": True})["success"]
+    t.join(20)
+    assert results["long-hold"]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_decode_throughput_batch(engine):
+    sps = {"max_new_tokens": 64, "temperature": 1.0, "ignore_eos": True}
+    before = engine.get("/get_server_info")["internal_states"][0]
+    engine.post("/generate", {"input_ids": [PROMPTS[i % 4] for i in range(8)], "sampling_params": sps})
+    after = engine.get("/get_server_info")["internal_states"][0]
+    tok = after["decode_tokens"] - before["decode_tokens"]
+    secs = after["decode_seconds"] - before["decode_seconds"]
+    print(
+        f"\nembedded engine decode throughput, batch 8: {tok / secs:.0f} tokens/s ({tok} tokens, {secs:.2f} s)"
+    )
+    assert tok == 8 * 63
