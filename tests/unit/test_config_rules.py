@@ -1,0 +1,96 @@
+"""Property tests for miles.config: batch/parallel rules against a plain reference, value round trips."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from miles.config import Config, ConfigError, parse_config
+
+REQUIRED = ["--hf-checkpoint", "/m", "--prompt-data", "/d.jsonl", "--num-rollout", "3", "--colocate"]
+
+
+def _reference_ok(rbs: int, n: int, gbs: int, world: int, cp: int, mbs: int, dynamic: bool) -> bool:
+    """The batch rules written out plainly."""
+    if (rbs * n) % gbs != 0:
+        return False
+    if world % cp != 0:
+        return False
+    if dynamic:
+        return True
+    dp = world // cp
+    if gbs % dp != 0:
+        return False
+    per_rank = gbs // dp
+    return per_rank % mbs == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rbs=st.integers(1, 16),
+    n=st.integers(1, 8),
+    gbs=st.integers(1, 64),
+    nodes=st.integers(1, 2),
+    gpus=st.integers(1, 8),
+    cp=st.integers(1, 4),
+    mbs=st.integers(1, 4),
+    dynamic=st.booleans(),
+)
+def test_batch_rules_match_reference(
+    rbs: int, n: int, gbs: int, nodes: int, gpus: int, cp: int, mbs: int, dynamic: bool
+) -> None:
+    argv = REQUIRED + [
+        "--rollout-batch-size", str(rbs), "--n-samples-per-prompt", str(n), "--global-batch-size", str(gbs),
+        "--actor-num-nodes", str(nodes), "--actor-num-gpus-per-node", str(gpus),
+        "--context-parallel-size", str(cp), "--micro-batch-size", str(mbs), "--max-tokens-per-gpu", "512",
+        "--use-dynamic-batch-size" if dynamic else "--no-use-dynamic-batch-size",
+    ]  # fmt: skip
+    expected = _reference_ok(rbs, n, gbs, nodes * gpus, cp, mbs, dynamic)
+    try:
+        cfg = parse_config(argv)
+    except ConfigError as e:
+        assert not expected, e.violations
+        flags = ("--global-batch-size", "--context-parallel-size", "--micro-batch-size")
+        assert all(v.startswith(flags) for v in e.violations), e.violations
+        return
+    assert expected
+    assert cfg.optim.lr_decay_iters == 3 * (rbs * n // gbs)
+
+
+finite = st.floats(min_value=0.0, max_value=1e30, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lr=finite, buffer=st.integers(1, 2**62), stop=st.lists(st.text(min_size=1, max_size=5), max_size=3))
+def test_values_survive_cli_yaml_and_dict_round_trips(lr: float, buffer: int, stop: list[str]) -> None:
+    argv = REQUIRED + ["--rollout-batch-size", "2", "--global-batch-size", "2", "--lr", repr(lr)]
+    argv += ["--update-weight-buffer-size", str(buffer)]
+    cfg = parse_config(argv)
+    d = cfg.to_dict()
+    d["rollout"]["rollout_stop"] = stop or None
+    cfg = Config.from_dict(d)
+    assert cfg.optim.lr == lr and cfg.train.update_weight_buffer_size == buffer
+    assert cfg.rollout.rollout_stop == (stop or None)
+    again = Config.from_dict(yaml.safe_load(cfg.to_yaml(redact_secrets=False)))
+    assert again == cfg and math.copysign(1.0, again.optim.lr) == 1.0
+
+
+def test_yaml_scalar_quirks(tmp_path: Path) -> None:
+    """PyYAML reads `1e-6` as a string and `off` as a boolean; both are handled explicitly."""
+    path = tmp_path / "quirks.yaml"
+    path.write_text("lr: 1e-6\nrollout-batch-size: 2\nglobal-batch-size: 2.0\nwandb-mode: off\n")
+    try:
+        parse_config(REQUIRED + ["--config", str(path)])
+    except ConfigError as e:
+        assert e.violations == [
+            f"--wandb-mode=False [{path}]: expected a string, got bool (quote it in YAML)"
+        ]
+    else:
+        raise AssertionError("an unquoted YAML `off` must not pass as a wandb mode")
+    path.write_text("lr: 1e-6\nrollout-batch-size: 2\nglobal-batch-size: 2.0\nwandb-mode: 'offline'\n")
+    cfg = parse_config(REQUIRED + ["--config", str(path)])
+    assert cfg.optim.lr == 1e-6 and cfg.train.global_batch_size == 2 and cfg.log.wandb_mode == "offline"
