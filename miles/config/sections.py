@@ -90,6 +90,11 @@ class ClusterConfig:
     use_fault_tolerance: bool = opt(False, "restart rollout engines that stop answering health checks")
     train_env_vars: dict[str, str] = opt({}, "JSON object of extra environment variables for training actors")
 
+    @property
+    def actor_world_size(self) -> int:
+        """Training processes in total: nodes * GPUs (or CPU workers) per node."""
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
 
 @section
 class ModelConfig:
@@ -278,6 +283,12 @@ class EvalConfig:
         None, "max new tokens in eval; None: --rollout-max-response-len", ge=1
     )
     eval_temperature: float | None = opt(None, "eval sampling temperature; None: --rollout-temperature", ge=0)
+
+    @property
+    def eval_datasets(self) -> list[tuple[str, str]]:
+        """`--eval-prompt-data` as (name, path) pairs; empty when unset."""
+        items = self.eval_prompt_data or []
+        return list(zip(items[0::2], items[1::2]))
 
 
 @section

@@ -252,6 +252,11 @@ def _algo(v: Values) -> None:
             v.fail("advantage_estimator", "rloo needs --n-samples-per-prompt >= 2 (leave-one-out baseline)")
 
 
+def _sampling(v: Values) -> None:
+    if v["rollout_top_k"] == 0:
+        v.fail("rollout_top_k", "must be -1 (disabled) or >= 1")
+
+
 def _optim(v: Values) -> None:
     with suppress(_Skip):
         if v["min_lr"] > v["lr"]:
@@ -282,6 +287,7 @@ RULES: list[Callable[[Values], None]] = [
     _requires,
     _eval_data,
     _algo,
+    _sampling,
     _optim,
     _function_paths,
 ]

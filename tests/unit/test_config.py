@@ -82,6 +82,8 @@ def test_reference_launch_line_passes(reference_argv: list[str]) -> None:
     assert cfg.algo.eps_clip == 0.2 and cfg.algo.eps_clip_high == 0.28
     assert cfg.algo.use_kl_loss and cfg.algo.kl_loss_coef == 0.0 and cfg.algo.kl_loss_type == "low_var_kl"
     assert cfg.eval.eval_prompt_data == ["aime", "/root/aime-2024/aime-2024.jsonl"]
+    assert cfg.eval.eval_datasets == [("aime", "/root/aime-2024/aime-2024.jsonl")]
+    assert cfg.cluster.actor_world_size == 8
     assert cfg.eval.eval_max_response_len == 16384 and cfg.eval.n_samples_per_eval_prompt == 16
     assert cfg.log.use_wandb and cfg.log.wandb_project == "miles-dev" and cfg.log.dump_details == "/root/dump"
     assert cfg.engine.sglang_mem_fraction_static == 0.7 and cfg.engine.sglang_attention_backend == "fa3"
@@ -389,6 +391,10 @@ def test_lists_and_function_paths(minimal_argv: list[str]) -> None:
         minimal_argv + ["--rollout-stop", "</s>", "\n\n", "--rollout-stop-token-ids", "1", "2"]
     )
     assert cfg.rollout.rollout_stop == ["</s>", "\n\n"] and cfg.rollout.rollout_stop_token_ids == [1, 2]
+    assert _errors(minimal_argv + ["--rollout-top-k", "0"]) == [
+        "--rollout-top-k=0: must be -1 (disabled) or >= 1"
+    ]
+    assert parse_config(minimal_argv + ["--rollout-top-k", "-1"]).rollout.rollout_top_k == -1
     assert _errors(minimal_argv + ["--rollout-stop-token-ids", "1", "-2"]) == [
         "--rollout-stop-token-ids=[1, -2]: must be >= 0 (each item)"
     ]
