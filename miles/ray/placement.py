@@ -26,7 +26,9 @@ class Placement:
     pg: PlacementGroup
     use_gpu: bool
     actor_bundles: list[int]  # bundle index of training rank i
-    engine_bundles: list[int]  # bundle index of rollout worker j (one engine spans num_gpus_per_engine of them)
+    engine_bundles: list[
+        int
+    ]  # bundle index of rollout worker j (one engine spans num_gpus_per_engine of them)
     colocate: bool
 
     def actor_options(self, rank: int) -> dict:
@@ -38,7 +40,9 @@ class Placement:
         return self._options(self.engine_bundles[engine_index * gpus_per_engine], share)
 
     def _options(self, bundle: int, share: float) -> dict:
-        strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=self.pg, placement_group_bundle_index=bundle
+        )
         if self.use_gpu:
             return {"num_gpus": share, "num_cpus": share, "scheduling_strategy": strategy}
         return {"num_cpus": share, "scheduling_strategy": strategy}

@@ -74,7 +74,9 @@ class RayTrainGroup:
         remote_cls = ray.remote(TrainWorker)
         config_dict = config.to_dict()
         self.workers = [
-            remote_cls.options(**placement.actor_options(rank)).remote(config_dict, rank, num_workers, env_vars)
+            remote_cls.options(**placement.actor_options(rank)).remote(
+                config_dict, rank, num_workers, env_vars
+            )
             for rank in range(num_workers)
         ]
 
@@ -86,7 +88,9 @@ class RayTrainGroup:
         return ray_get([getattr(w, method).remote(*args) for w in self.workers], self.timeout, phase)
 
     def init(self, with_ref: bool) -> int:
-        addr, port = ray_get(self.workers[0].master_address.remote(), self.timeout, "train init: master address")
+        addr, port = ray_get(
+            self.workers[0].master_address.remote(), self.timeout, "train init: master address"
+        )
         starts = self._all("train init", "init", addr, port, "actor", with_ref)
         if len(set(starts)) != 1:
             raise RuntimeError(f"training ranks disagree on the resume rollout id: {starts}")

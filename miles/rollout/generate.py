@@ -40,7 +40,11 @@ class SamplingSettings:
         return params
 
 
-_FINISH_TO_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+_FINISH_TO_STATUS = {
+    "stop": SampleStatus.COMPLETED,
+    "length": SampleStatus.TRUNCATED,
+    "abort": SampleStatus.ABORTED,
+}
 
 
 def apply_generate_response(sample: Sample, prompt_ids: list[int], body: dict) -> None:
@@ -68,7 +72,12 @@ def apply_generate_response(sample: Sample, prompt_ids: list[int], body: dict) -
 
 
 async def _generate_one(
-    client: httpx.AsyncClient, url: str, sample: Sample, params: dict, limiter: asyncio.Semaphore, timeout: float
+    client: httpx.AsyncClient,
+    url: str,
+    sample: Sample,
+    params: dict,
+    limiter: asyncio.Semaphore,
+    timeout: float,
 ) -> None:
     prompt_ids = list(sample.tokens[: sample.prompt_length])
     payload = {"input_ids": prompt_ids, "sampling_params": params, "return_logprob": True}

@@ -1,0 +1,261 @@
+"""The FSDP2 training backend (`--train-backend fsdp`).
+
+Public surface (miles/backends/base.py): `init`, `train`, `save`, `sleep`, `wake_up`, `update_weights`.
+Everything else is private. The loss is not written here: `_train_step` calls `miles.algo`.
+
+One `train(rollout_id, data)` call:
+  1. split the rank's samples into optimizer steps of `global_batch_size / dp` samples and plan each step's packs
+     (micro-batches) once;
+  2. with the weights the rollout used, compute old log-probs (and reference log-probs) over exactly those packs,
+     so the first micro-batch sees ppo_kl == 0 bit for bit;
+  3. advantages (miles.algo), whitened over the DP group where the estimator asks for it;
+  4. per step: forward each pack with grad, loss (miles.algo.loss), backward; clip; optimizer + LR step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles.backends.base import RolloutData, TrainBackend
+from miles.backends.fsdp_utils import rollout_batch as rb
+
+logger = logging.getLogger(__name__)
+
+
+class FSDPTrainer(TrainBackend):
+    # ------------------------------------------------------------------------------------------------ init
+    def init(self, role: str, with_ref: bool) -> int:
+        from miles.algo.loss import compute_loss, load_custom_loss
+        from miles.backends.fsdp_utils.checkpoint import load_checkpoint
+        from miles.backends.fsdp_utils.lr_scheduler import build_lr_scheduler
+        from miles.backends.fsdp_utils.model import build_fsdp_model, build_optimizer, build_reference_model
+        from miles.backends.fsdp_utils.parallel import init_distributed
+
+        cfg = self.config
+        if role != "actor":
+            raise NotImplementedError(f"FSDPTrainer role {role!r}: only 'actor' is built (no critic yet)")
+        torch.manual_seed(cfg.seed)
+        self.ps = ps = init_distributed(None, cfg.train.train_timeout, cfg.train.context_parallel_size)
+        _set_cpu_threads(ps)
+        self.param_dtype = _param_dtype(cfg.model.train_dtype, ps.is_cuda)
+        model_kwargs = dict(
+            param_dtype=self.param_dtype,
+            reduce_dtype=torch.float32,
+            attn_implementation=cfg.model.attn_implementation,
+        )
+        self.model = build_fsdp_model(
+            cfg.model.hf_checkpoint,
+            ps.fsdp_mesh,
+            cpu_offload=cfg.train.fsdp_cpu_offload,
+            gradient_checkpointing=cfg.model.gradient_checkpointing,
+            device=ps.device,
+            **model_kwargs,
+        )
+        self.model.train()
+        self.ref_model = None
+        if with_ref:
+            self.ref_model = build_reference_model(_ref_path(cfg), ps.fsdp_mesh, **model_kwargs)
+        o = cfg.optim
+        self.optimizer = build_optimizer(
+            self.model.parameters(),
+            o.optimizer,
+            o.lr,
+            o.weight_decay,
+            (o.adam_beta1, o.adam_beta2),
+            o.adam_eps,
+        )
+        r = cfg.rollout
+        self.steps_per_rollout = r.rollout_batch_size * r.n_samples_per_prompt // cfg.train.global_batch_size
+        self.lr_scheduler = build_lr_scheduler(
+            self.optimizer,
+            lr=o.lr,
+            min_lr=o.min_lr,
+            decay_style=o.lr_decay_style,
+            total_iters=r.num_rollout * self.steps_per_rollout,
+            warmup_iters=o.lr_warmup_iters,
+            warmup_fraction=o.lr_warmup_fraction,
+            decay_iters=o.lr_decay_iters,
+        )
+        self._offloaded = False
+        self._weight_updater = None
+        start = 0
+        if cfg.checkpoint.load:
+            state = load_checkpoint(cfg.checkpoint.load, self.model, self.optimizer, self.lr_scheduler)
+            if state is not None:
+                start = int(state["next_rollout_id"])
+                logger.info("resumed from %s at rollout %d", cfg.checkpoint.load, start)
+        self.loss_settings = rb.loss_settings(cfg)
+        self._loss_fn = compute_loss
+        if cfg.algo.custom_loss_function_path:
+            self._loss_fn = load_custom_loss(cfg.algo.custom_loss_function_path)
+        return start
+
+    # ------------------------------------------------------------------------------------------------ train
+    def train(self, rollout_id: int, rollout_data: RolloutData) -> dict[str, float]:
+        if self._offloaded:
+            self.wake_up()
+        t0 = time.perf_counter()
+        cfg, ps = self.config, self.ps
+        batch = rb.RankBatch.from_rollout(rollout_data, ps.device)
+        steps = rb.plan_steps(batch, cfg, ps, self.steps_per_rollout)
+        with torch.no_grad():
+            batch.old_log_probs, entropy = self._log_probs(self.model, batch, steps, with_entropy=False)
+            if self.ref_model is not None:
+                batch.ref_log_probs, _ = self._log_probs(self.ref_model, batch, steps, with_entropy=False)
+        if cfg.algo.use_rollout_logprobs:
+            batch.require_rollout_log_probs()
+        rb.compute_advantages_for(batch, cfg, ps.dp_group)
+        t_prep = time.perf_counter() - t0
+
+        metrics = rb.MetricSum()
+        for step_index, step_packs in enumerate(steps):
+            self._train_step(batch, step_packs, metrics, first_step=step_index == 0)
+        out = metrics.reduce(ps.dp_group)
+        out.update(rb.batch_metrics(batch, ps.dp_group))
+        out["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        out["timing/train_logprob_prep"] = t_prep
+        return out
+
+    def _log_probs(self, model, batch, steps, with_entropy: bool):
+        from miles.backends.fsdp_utils.forward import forward_packed
+
+        temperature = self.config.rollout.rollout_temperature
+        log_probs: list[torch.Tensor | None] = [None] * len(batch)
+        for step_packs in steps:
+            for pack in step_packs:
+                lp, _ = forward_packed(
+                    model, pack.packed, temperature, cp=self._cp(), with_entropy=with_entropy
+                )
+                for sample_i, values in zip(pack.indices, lp):
+                    log_probs[sample_i] = values.detach().float()
+        return log_probs, None
+
+    def _cp(self):
+        if self.ps.cp_size == 1:
+            return None
+        from miles.backends.fsdp_utils.context_parallel import CPContext
+
+        return CPContext(self.ps.cp_group, self.ps.cp_rank, self.ps.cp_size)
+
+    def _train_step(
+        self, batch: rb.RankBatch, step_packs: list[rb.Pack], metrics: rb.MetricSum, first_step: bool
+    ) -> None:
+        from miles.backends.fsdp_utils.forward import forward_packed
+
+        cfg = self.config
+        temperature = cfg.rollout.rollout_temperature
+        settings = rb.step_settings(self.loss_settings, batch, step_packs, self.ps)
+        for mb_index, pack in enumerate(step_packs):
+            # entropy is always reported; it enters the loss only with --entropy-coef
+            log_probs, entropy = forward_packed(
+                self.model, pack.packed, temperature, cp=self._cp(), with_entropy=True
+            )
+            inputs = batch.loss_inputs(pack.indices, log_probs, entropy)
+            loss, mb_metrics = self._loss_fn(inputs, settings)
+            loss.backward()
+            metrics.add(mb_metrics)
+            if first_step and mb_index == 0:
+                # the weights have not moved yet: old and new log-probs must agree bit for bit
+                diff = max(
+                    float((o - n.detach()).abs().max()) for o, n in zip(inputs.old_log_probs, log_probs)
+                )
+                metrics.add_value("first_mb_ppo_kl_abs_max", diff)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.clip_grad)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        if not torch.isfinite(grad_norm):
+            logger.warning("non-finite grad norm %s: skipping this optimizer step", grad_norm.item())
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+        metrics.add_value("grad_norm", float(grad_norm))
+
+    # ------------------------------------------------------------------------------------------------ save
+    def save(self, rollout_id: int) -> None:
+        from miles.backends.fsdp_utils.checkpoint import save_checkpoint
+
+        cfg = self.config.checkpoint
+        if not cfg.save:
+            raise ValueError("save() called without --save")
+        save_checkpoint(
+            cfg.save,
+            rollout_id,
+            self.model,
+            self.optimizer,
+            self.lr_scheduler,
+            extra_state={},
+            keep_last=cfg.keep_last,
+        )
+
+    # ------------------------------------------------------------------------------------------------ memory
+    def sleep(self) -> None:
+        from miles.backends.fsdp_utils.offload import offload_to_cpu
+
+        offload_to_cpu(self.model, self.optimizer)
+        self._offloaded = True
+
+    def wake_up(self) -> None:
+        from miles.backends.fsdp_utils.offload import load_to_device
+
+        load_to_device(self.model, self.optimizer, self.ps.device)
+        self._offloaded = False
+
+    # ------------------------------------------------------------------------------------------------ refit
+    def update_weights(self, engine_urls: list[str], weight_version: str) -> None:
+        from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater
+
+        cfg = self.config
+        if self._offloaded:
+            self.wake_up()
+            offload_after = True
+        else:
+            offload_after = False
+        if self._weight_updater is None or self._weight_updater.engine_urls != list(engine_urls):
+            self._weight_updater = ColocatedWeightUpdater(
+                list(engine_urls),
+                ranks_per_engine=cfg.cluster.rollout_num_gpus_per_engine,
+                rank=self.ps.rank,
+                world_size=self.ps.world_size,
+                group=None,
+                api_key=cfg.engine.engine_api_key,
+                timeout_s=cfg.train.train_timeout,
+            )
+        self._weight_updater.update(self.model, cfg.train.update_weight_buffer_size, weight_version)
+        if offload_after:
+            self.sleep()
+
+
+def _param_dtype(train_dtype: str, is_cuda: bool) -> torch.dtype:
+    if train_dtype == "auto":
+        return torch.bfloat16 if is_cuda else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[train_dtype]
+
+
+def _ref_path(cfg: Any) -> str:
+    import os
+
+    path = cfg.checkpoint.ref_load or cfg.model.hf_checkpoint
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise NotImplementedError(
+            f"--ref-load {path!r}: the reference model is loaded from a HuggingFace directory (with config.json); "
+            "loading it from a DCP checkpoint is not built yet"
+        )
+    return path
+
+
+def _set_cpu_threads(ps: Any) -> None:
+    """On CPU, split the cores between the training ranks (they run side by side)."""
+    if ps.is_cuda:
+        return
+    import os
+
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // max(1, ps.world_size)))
+    if dist.get_rank() == 0:
+        logger.info("CPU training: %d threads per rank", torch.get_num_threads())

@@ -1,0 +1,256 @@
+"""One DP rank's share of a rollout, as tensors, and the per-step bookkeeping of the FSDP trainer.
+
+Private to the FSDP backend: turns rollout sample dicts into per-sample tensors, plans optimizer steps and packs,
+computes advantages with `miles.algo`, all-reduces counts/statistics over the DP group, and sums metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles.algo import (
+    AdvantageInputs,
+    LossInputs,
+    LossSettings,
+    accumulate_metrics,
+    compute_advantages,
+    finalize_metrics,
+    get_advantage_estimator,
+    load_custom_advantage,
+    local_moments,
+    masked_whiten,
+    metric,
+    reduction_denominator,
+    stack_metrics,
+    unstack_metrics,
+)
+from miles.backends.fsdp_utils.data_packing import (
+    PackedBatch,
+    dist_allreduce_max,
+    pack_sequences,
+    plan_micro_batches,
+)
+
+
+@dataclass
+class RankBatch:
+    """Per-sample tensors for the samples of this rank (B samples, L_i response tokens each)."""
+
+    tokens: list[list[int]]  # B x [prompt + response]
+    response_lengths: list[int]
+    loss_masks: list[torch.Tensor]  # B x [L_i] float32
+    rewards: torch.Tensor  # [B] float32
+    group_ids: torch.Tensor  # [B] long
+    rollout_log_probs: list[torch.Tensor] | None  # B x [L_i], None when the engine gave none
+    old_log_probs: list[torch.Tensor] | None = None
+    ref_log_probs: list[torch.Tensor] | None = None
+    advantages: list[torch.Tensor] | None = None
+    returns: list[torch.Tensor] | None = None
+
+    @classmethod
+    def from_rollout(cls, samples: list[dict[str, Any]], device: torch.device) -> RankBatch:
+        if not samples:
+            raise ValueError("this training rank received no samples")
+        has_lp = all(s.get("rollout_log_probs") is not None for s in samples)
+        return cls(
+            tokens=[list(s["tokens"]) for s in samples],
+            response_lengths=[int(s["response_length"]) for s in samples],
+            loss_masks=[torch.tensor(s["loss_mask"], dtype=torch.float32, device=device) for s in samples],
+            rewards=torch.tensor([float(s["reward"]) for s in samples], dtype=torch.float32, device=device),
+            group_ids=torch.tensor([int(s["group_index"]) for s in samples], dtype=torch.long, device=device),
+            rollout_log_probs=(
+                [torch.tensor(s["rollout_log_probs"], dtype=torch.float32, device=device) for s in samples]
+                if has_lp
+                else None
+            ),
+        )
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def require_rollout_log_probs(self) -> None:
+        if self.rollout_log_probs is None:
+            raise ValueError(
+                "--use-rollout-logprobs: the rollout engine returned no log-probs for some samples"
+            )
+
+    def loss_inputs(
+        self, indices: list[int], log_probs: list[torch.Tensor], entropy: list[torch.Tensor] | None
+    ) -> LossInputs:
+        def pick(values: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+            return None if values is None else [values[i] for i in indices]
+
+        return LossInputs(
+            log_probs=log_probs,
+            old_log_probs=pick(self.old_log_probs),
+            advantages=pick(self.advantages),
+            loss_masks=pick(self.loss_masks),
+            ref_log_probs=pick(self.ref_log_probs),
+            rollout_log_probs=pick(self.rollout_log_probs),
+            entropy=entropy,
+        )
+
+
+@dataclass
+class Pack:
+    """A micro-batch: the packed row and the RankBatch index of each of its sequences."""
+
+    packed: PackedBatch
+    indices: list[int]
+
+
+def plan_steps(batch: RankBatch, cfg: Any, ps: Any, steps_per_rollout: int) -> list[list[Pack]]:
+    """Optimizer steps of `global_batch_size / dp` samples, each a list of packs (agreed across DP ranks)."""
+    t = cfg.train
+    lengths = [len(x) for x in batch.tokens]
+    expected = steps_per_rollout * t.global_batch_size // ps.dp_size
+    if len(lengths) != expected:
+        raise ValueError(
+            f"DP rank {ps.dp_rank} got {len(lengths)} samples, expected {expected} "
+            f"({steps_per_rollout} optimizer steps x --global-batch-size {t.global_batch_size} / dp {ps.dp_size}); "
+            "prompt groups must split evenly over DP ranks (--rollout-batch-size divisible by the DP size)"
+        )
+    plan = plan_micro_batches(
+        lengths,
+        global_batch_size=t.global_batch_size,
+        use_dynamic=t.use_dynamic_batch_size,
+        max_tokens_per_gpu=t.max_tokens_per_gpu,
+        micro_batch_size=t.micro_batch_size,
+        dp_size=ps.dp_size,
+        cp_size=ps.cp_size,
+        allreduce_max=dist_allreduce_max(ps.dp_group) if ps.dp_size > 1 else None,
+    )
+    steps = []
+    for step in plan:
+        packs = []
+        for mb in step:
+            rows = [{"tokens": batch.tokens[i], "response_length": batch.response_lengths[i]} for i in mb]
+            (packed,) = pack_sequences(rows, num_packs=1)
+            packs.append(Pack(packed, [mb[j] for j in packed.sample_indices.tolist()]))
+        steps.append(packs)
+    return steps
+
+
+def _all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return t
+
+
+def compute_advantages_for(batch: RankBatch, cfg: Any, dp_group: Any) -> None:
+    """Fill `batch.advantages`/`returns`. Group statistics stay within this rank's whole prompt groups."""
+    a = cfg.algo
+    log_probs = batch.old_log_probs
+    inputs = AdvantageInputs(
+        rewards=batch.rewards,
+        group_ids=batch.group_ids,
+        loss_masks=batch.loss_masks,
+        log_probs=log_probs,
+        ref_log_probs=batch.ref_log_probs,
+        kl_coef=a.kl_coef if batch.ref_log_probs is not None else 0.0,
+        kl_type=a.kl_loss_type,
+        gamma=a.gamma,
+        std_normalize=not a.disable_grpo_std_normalization,
+    )
+    if a.custom_advantage_function_path:
+        out = load_custom_advantage(a.custom_advantage_function_path)(inputs)
+        whiten = a.normalize_advantages
+    else:
+        out = compute_advantages(a.advantage_estimator, inputs)
+        whiten = a.normalize_advantages or get_advantage_estimator(a.advantage_estimator).whiten
+    advantages = out.advantages
+    if whiten:
+        stats = _all_reduce_sum(local_moments(advantages, batch.loss_masks), dp_group)
+        advantages = masked_whiten(advantages, batch.loss_masks, stats)
+    batch.advantages = [x.float() for x in advantages]
+    batch.returns = [x.float() for x in out.returns]
+
+
+def loss_settings(cfg: Any) -> LossSettings:
+    a = cfg.algo
+    reduction = "token_mean" if a.calculate_per_token_loss else a.loss_reduction
+    constant = a.loss_reduction_constant
+    if reduction == "constant_sum" and constant is None:
+        constant = float(cfg.rollout.rollout_max_response_len)
+    return LossSettings(
+        policy_loss="gspo" if a.advantage_estimator == "gspo" else "ppo",
+        eps_clip=a.eps_clip,
+        eps_clip_high=a.eps_clip_high,
+        eps_clip_c=a.eps_clip_c,
+        use_opsm=a.use_opsm,
+        opsm_delta=a.opsm_delta,
+        use_kl_loss=a.use_kl_loss,
+        kl_loss_coef=a.kl_loss_coef,
+        kl_loss_type=a.kl_loss_type,
+        use_unbiased_kl=a.use_unbiased_kl,
+        entropy_coef=a.entropy_coef,
+        use_tis=a.use_tis,
+        tis_clip=a.tis_clip,
+        tis_clip_low=a.tis_clip_low,
+        use_mis=a.use_mis,
+        mis_level=a.mis_level,
+        mis_lower=a.mis_lower,
+        mis_upper=a.mis_upper,
+        custom_tis_fn=a.custom_tis_function_path,
+        use_rollout_logprobs=a.use_rollout_logprobs,
+        reduction=reduction,
+        reduction_constant=constant,
+    )
+
+
+def step_settings(settings: LossSettings, batch: RankBatch, packs: list[Pack], ps: Any) -> LossSettings:
+    """Settings with this optimizer step's denominator: global sample / loss-token counts over the DP group.
+
+    FSDP averages gradients over the whole (dp x cp) mesh; CP ranks each hold cp x their share (the CP gather's
+    backward sums), so the average equals the DP mean and only dp_size enters the denominator.
+    """
+    indices = [i for p in packs for i in p.indices]
+    counts = torch.tensor(
+        [len(indices), float(sum(batch.loss_masks[i].sum() for i in indices))], dtype=torch.float64
+    )
+    counts = _all_reduce_sum(counts, ps.dp_group)
+    denominator = reduction_denominator(
+        settings.reduction,
+        global_num_samples=int(counts[0]),
+        global_num_tokens=int(counts[1]),
+        dp_size=ps.dp_size,
+        constant=settings.reduction_constant,
+    )
+    return dataclasses.replace(settings, denominator=denominator)
+
+
+@dataclass
+class MetricSum:
+    """(numerator, count) metric pairs summed over micro-batches; reduced over the DP group at the end."""
+
+    pairs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def add(self, metrics: dict[str, torch.Tensor]) -> None:
+        accumulate_metrics(self.pairs, {k: v.detach().cpu() for k, v in metrics.items()})
+
+    def add_value(self, key: str, value: float) -> None:
+        accumulate_metrics(self.pairs, {key: metric(value, 1.0)})
+
+    def reduce(self, dp_group: Any) -> dict[str, float]:
+        keys, stacked = stack_metrics(self.pairs)
+        stacked = _all_reduce_sum(stacked, dp_group)
+        return {f"train/{k}": v for k, v in finalize_metrics(unstack_metrics(keys, stacked)).items()}
+
+
+def batch_metrics(batch: RankBatch, dp_group: Any) -> dict[str, float]:
+    """Advantage statistics over the DP group."""
+    adv = torch.cat([a * m for a, m in zip(batch.advantages, batch.loss_masks)])
+    mask = torch.cat(batch.loss_masks)
+    t = torch.stack([adv.sum().double(), (adv * adv).sum().double(), mask.sum().double()])
+    t = _all_reduce_sum(t, dp_group)
+    n = max(float(t[2]), 1.0)
+    mean = float(t[0]) / n
+    return {
+        "train/advantage_mean": mean,
+        "train/advantage_std": max(float(t[1]) / n - mean * mean, 0.0) ** 0.5,
+    }

@@ -1,0 +1,106 @@
+"""Builds the running system for the driver: Ray, placement, training group, rollout manager, tracking."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from miles.ray.colocate import MemoryChoreography
+from miles.ray.placement import cluster_has_gpus, create_placement
+from miles.ray.rollout_manager import RolloutManager
+from miles.ray.train_group import RayTrainGroup
+from miles.ray.utils import init_ray, ray_get
+from miles.utils.seqlen_balancing import partition_samples_by_dp
+from miles.utils.timer import Timer
+from miles.utils.tracking import Tracker
+
+logger = logging.getLogger(__name__)
+
+
+def worker_counts(cfg: Any) -> tuple[int, int]:
+    c = cfg.cluster
+    num_actor = c.actor_num_nodes * c.actor_num_gpus_per_node
+    num_rollout = c.rollout_num_gpus if c.rollout_num_gpus is not None else num_actor
+    return num_actor, num_rollout
+
+
+def needs_reference_model(cfg: Any) -> bool:
+    return bool(cfg.algo.use_kl_loss or cfg.algo.kl_coef != 0)
+
+
+@dataclass
+class System:
+    cfg: Any
+    train_group: RayTrainGroup
+    rollout: Any  # Ray actor handle of RolloutManager
+    choreography: MemoryChoreography
+    tracker: Tracker
+    timer: Timer
+    start_rollout_id: int
+
+    @property
+    def timeout(self) -> float:
+        return float(self.cfg.rollout.rollout_request_timeout)
+
+    def generate(self, rollout_id: int) -> tuple[list[dict], dict[str, float]]:
+        return ray_get(self.rollout.generate.remote(rollout_id), self.timeout, f"rollout {rollout_id}")
+
+    def evaluate(self, rollout_id: int) -> dict[str, float]:
+        return ray_get(self.rollout.eval.remote(rollout_id), self.timeout, f"eval after rollout {rollout_id}")
+
+    def split_by_dp(self, samples: list[dict]) -> list[list[dict]]:
+        """Split a rollout across DP ranks, keeping prompt groups whole (balanced by tokens with --balance-data)."""
+        parts = partition_samples_by_dp(
+            [len(s["tokens"]) for s in samples],
+            [s["group_index"] for s in samples],
+            self.train_group.dp_size,
+            balance=self.cfg.train.balance_data,
+        )
+        return [[samples[i] for i in part] for part in parts]
+
+    def shutdown(self) -> None:
+        try:
+            ray_get(self.rollout.shutdown.remote(), 120, "shutting down the rollout manager")
+        finally:
+            self.tracker.close()
+            ray.shutdown()
+
+
+def build_system(cfg: Any) -> System:
+    num_actor, num_rollout = worker_counts(cfg)
+    colocate = cfg.cluster.colocate
+    init_ray(min_cpus=(num_actor if colocate else num_actor + num_rollout) + 1)
+    use_gpu = cluster_has_gpus()
+    placement = create_placement(num_actor, num_rollout, colocate, use_gpu)
+    timeout = float(cfg.train.train_timeout)
+
+    tracker = Tracker(
+        cfg.log.run_dir,
+        use_wandb=cfg.log.use_wandb,
+        wandb_project=cfg.log.wandb_project,
+        wandb_group=cfg.log.wandb_group,
+        wandb_key=cfg.log.wandb_key,
+        wandb_mode=cfg.log.wandb_mode,
+        config=cfg.to_dict(),
+    )
+    rollout = ray.remote(RolloutManager).options(num_cpus=0).remote(cfg.to_dict(), placement, num_rollout)
+    env_vars = {"HF_HUB_OFFLINE": "1", **dict(cfg.cluster.train_env_vars)}
+    train_group = RayTrainGroup(cfg, placement, num_actor, env_vars)
+    start = train_group.init(with_ref=needs_reference_model(cfg))
+    ray_get(rollout.set_start_rollout.remote(start), timeout, "positioning the data cursor")
+    choreography = MemoryChoreography(colocate, train_group, rollout, timeout)
+    choreography.refit(
+        weight_version=str(start)
+    )  # engines start from the trainer's (possibly resumed) weights
+    logger.info(
+        "system ready: %d training workers, %d rollout workers, colocate=%s, gpu=%s, start rollout %d",
+        num_actor,
+        num_rollout,
+        colocate,
+        use_gpu,
+        start,
+    )
+    return System(cfg, train_group, rollout, choreography, tracker, Timer(), start)

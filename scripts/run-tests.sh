@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test suite on a CPU-only machine: installs what it needs, then runs every test except GPU ones.
+# Extra pytest arguments pass through, e.g. `bash scripts/run-tests.sh -m "not slow"`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh test
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+exec python3 -m pytest tests -m "not gpu" -p no:cacheprovider --durations=15 "$@"
