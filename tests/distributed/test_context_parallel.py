@@ -1,0 +1,140 @@
+"""CP=2 equals CP=1: log-probs, entropy and parameter gradients (2-process gloo, tiny random Qwen3, fp32)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+TEMPERATURE = 0.8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tiny_model():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=80,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    return Qwen3ForCausalLM(cfg).float()
+
+
+def _cases() -> dict[str, list[dict]]:
+    g = torch.Generator().manual_seed(3)
+
+    def seq(prompt: int, resp: int) -> dict:
+        return {
+            "tokens": torch.randint(0, 80, (prompt + resp,), generator=g).tolist(),
+            "response_length": resp,
+        }
+
+    return {
+        # 7 + 1 + 2 + 13 = 23 tokens: odd, needs 1 CP pad token; sequences of 1 and 2 tokens (< CP size);
+        # the long one straddles the chunk boundary.
+        "short_and_padded": [seq(3, 4), seq(1, 0), seq(1, 1), seq(5, 8)],
+        # one sequence spanning both ranks, even length (no padding), response ending in zeros
+        "single_long": [{**seq(6, 12), "tokens": seq(6, 12)["tokens"][:-3] + [0, 0, 0]}],
+        # only token id 0 and a chunk boundary exactly at a sequence boundary (10 + 10)
+        "zeros_boundary_aligned": [{"tokens": [0] * 10, "response_length": 6}, seq(4, 6)],
+    }
+
+
+def _loss(lps, ents):
+    return sum((lp * (k + 1)).sum() for k, lp in enumerate(lps)) + 0.5 * sum(e.sum() for e in ents)
+
+
+def _worker(rank: int, port: int, errors) -> None:
+    try:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+        from miles.backends.fsdp_utils.context_parallel import CPContext, shard_for_cp
+        from miles.backends.fsdp_utils.data_packing import pack_sequences
+        from miles.backends.fsdp_utils.forward import forward_packed
+
+        cp = CPContext(group=dist.group.WORLD, rank=rank, size=WORLD)
+        base = _tiny_model()
+        for name, samples in _cases().items():
+            (packed,) = pack_sequences(samples, num_packs=1)
+            shard = shard_for_cp(packed.tokens, packed.position_ids, packed.cu_seqlens, cp)
+            assert shard.tokens.numel() - packed.num_tokens == packed.num_tokens % WORLD, name
+
+            ref_model, cp_model = copy.deepcopy(base), copy.deepcopy(base)
+            ref_lp, ref_ent = forward_packed(ref_model, packed, TEMPERATURE, cp=None, with_entropy=True)
+            _loss(ref_lp, ref_ent).backward()
+            lp, ent = forward_packed(cp_model, packed, TEMPERATURE, cp=cp, with_entropy=True)
+            _loss(lp, ent).backward()
+
+            for a, b, c in zip(lp, ref_lp, packed.response_lengths.tolist()):
+                assert a.shape == (c,), name
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=f"{name} log-probs")
+            for a, b in zip(ent, ref_ent):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=f"{name} entropy")
+            for (pname, p), q in zip(cp_model.named_parameters(), ref_model.parameters()):
+                grad = p.grad.clone()
+                dist.all_reduce(grad)
+                grad /= WORLD  # mean over the CP group, what FSDP2 averaging over the dp_cp mesh does
+                torch.testing.assert_close(grad, q.grad, atol=1e-5, rtol=1e-5, msg=f"{name} grad {pname}")
+                # each rank alone holds only part of the gradient: the CP split is real
+            if name == "short_and_padded":
+                local = cp_model.lm_head.weight.grad
+                assert not torch.allclose(local, ref_model.lm_head.weight.grad, atol=1e-4)
+        dist.barrier()
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_cp2_equals_cp1():
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.spawn(_worker, args=(_free_port(), errors), nprocs=WORLD, join=True)
+    except Exception as e:
+        msgs = []
+        while not errors.empty():
+            msgs.append(errors.get())
+        pytest.fail("\n".join(msgs) or str(e))
+
+
+def test_cp_context_and_shard_validation():
+    from miles.backends.fsdp_utils.context_parallel import CPContext, shard_for_cp
+
+    with pytest.raises(ValueError, match="rank=2 size=2"):
+        CPContext(group=None, rank=2, size=2)
+    cp = CPContext(group=None, rank=1, size=3)
+    tokens = torch.arange(1, 8)
+    shard = shard_for_cp(
+        tokens, torch.tensor([0, 1, 2, 0, 1, 2, 3]), torch.tensor([0, 3, 7], dtype=torch.int32), cp
+    )
+    assert shard.tokens.tolist() == [1, 2, 3, 4, 5, 6, 7, 0, 0]
+    assert shard.position_ids.tolist() == [0, 1, 2, 0, 1, 2, 3, 0, 1]
+    assert shard.cu_seqlens.tolist() == [0, 3, 7, 9]
+    assert shard.local_tokens.tolist() == [4, 5, 6]
+    assert shard.local_next_tokens().tolist() == [5, 6, 7]  # last local token predicts rank 2's first token
+    with pytest.raises(ValueError, match="disagrees"):
+        shard_for_cp(tokens, torch.arange(7), torch.tensor([0, 6], dtype=torch.int32), cp)
