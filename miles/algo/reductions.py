@@ -112,8 +112,9 @@ def reduction_denominator(
     if global_num_tokens < 0:
         raise ValueError(f"global_num_tokens={global_num_tokens} must be >= 0")
     d = REDUCTIONS.get(name).global_count(global_num_samples, global_num_tokens, constant)
-    # A step without a single loss token still needs a finite scale (its numerators are all 0).
-    return max(d, 1.0) / dp_size
+    if d == 0:  # a step without a single loss token: every numerator is 0, any finite scale will do
+        d = 1.0
+    return d / dp_size
 
 
 def reduce_loss(name: str, losses: list[Tensor], masks: list[Tensor], denominator: float) -> Tensor:

@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from miles.algo import compute_opsm_mask, compute_policy_loss, get_policy_loss, register_policy_loss
 
@@ -183,3 +185,27 @@ def test_errors():
         )
     with pytest.raises(ValueError, match="opsm_delta=-1"):
         compute_opsm_mask([torch.zeros(1)], [torch.zeros(1)], [torch.zeros(1)], [torch.ones(1)], delta=-1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ppo_kl=st.lists(st.floats(-3, 3), min_size=1, max_size=8),
+    adv_seed=st.integers(0, 2**16),
+    eps_lo=st.floats(0.0, 0.9),
+    eps_hi=st.floats(0.0, 2.0),
+    eps_c=st.one_of(st.none(), st.floats(1.01, 10.0)),
+)
+def test_policy_loss_property(ppo_kl, adv_seed, eps_lo, eps_hi, eps_c):
+    kl = torch.tensor(ppo_kl, dtype=torch.float64)
+    adv = torch.randn(len(ppo_kl), generator=torch.Generator().manual_seed(adv_seed), dtype=torch.float64)
+    loss, clip = compute_policy_loss(kl, adv, eps_lo, eps_hi, eps_c)
+    ref_loss, ref_clip = _loop_ppo(kl.float(), adv.float(), eps_lo, eps_hi, eps_c)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-5)
+    # the clip indicator may only disagree where the two terms tie up to float32 rounding
+    ratio = torch.exp(-kl)
+    tie = (ratio - ratio.clamp(1 - eps_lo, 1 + eps_hi)).abs() * adv.abs() < 1e-5
+    assert torch.equal(clip[~tie], ref_clip[~tie])
+    # the loss is never below the unclipped surrogate unless the dual clip capped it
+    unclipped = (-adv * ratio).float()
+    capped = (adv < 0) if eps_c is not None else torch.zeros_like(adv, dtype=torch.bool)
+    assert torch.all((loss >= unclipped - 1e-5) | capped)

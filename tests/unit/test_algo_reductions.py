@@ -111,6 +111,12 @@ def test_denominators():
     assert reduction_denominator("sample_mean", **kw) == 4.0
     assert reduction_denominator("token_mean", **kw) == 100.0
     assert reduction_denominator("constant_sum", constant=8.0, **kw) == 32.0
+    assert (
+        reduction_denominator(
+            "constant_sum", constant=0.5, global_num_samples=1, global_num_tokens=3, dp_size=1
+        )
+        == 0.5
+    )
     assert reduction_denominator("token_mean", global_num_samples=2, global_num_tokens=0, dp_size=1) == 1.0
 
 
