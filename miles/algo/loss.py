@@ -144,7 +144,30 @@ def _custom_tis(path: str) -> CustomTISFn:
 
 def compute_loss(inputs: LossInputs, settings: LossSettings) -> tuple[Tensor, dict[str, Tensor]]:
     """Scalar loss of one micro-batch and its metrics ((numerator, count) pairs); see the module docstring."""
+    metrics: dict[str, Tensor] = {}
+    terms = [(1.0, "pg_loss", _policy_token_losses(inputs, settings, metrics))]
+    terms += _regulariser_terms(inputs, settings)
+    loss = torch.zeros((), dtype=torch.float32, device=inputs.loss_masks[0].device)
+    loss_num = torch.zeros((), dtype=torch.float64)
+    for coef, name, values in terms:
+        term, pair = reduce_loss_and_metric(
+            settings.reduction, values, inputs.loss_masks, settings.denominator, settings.reduction_constant
+        )
+        metrics[name] = pair
+        loss = loss + coef * term
+        loss_num = loss_num.to(pair.device) + coef * pair[0]
+    metrics["loss"] = torch.stack([loss_num, pair[1]])  # every term shares the reduction's count
+    return loss, metrics
+
+
+def _policy_token_losses(
+    inputs: LossInputs, settings: LossSettings, metrics: dict[str, Tensor]
+) -> list[Tensor]:
+    """Per-token policy-gradient loss with OPSM and TIS/MIS weights applied; adds their metrics."""
     masks = inputs.loss_masks
+    uses_mismatch = settings.use_tis or settings.use_mis or bool(settings.custom_tis_fn)
+    if uses_mismatch and inputs.rollout_log_probs is None:
+        raise ValueError("use_tis / use_mis / custom_tis_fn need rollout_log_probs, got None")
     old = inputs.old_log_probs
     if settings.use_rollout_logprobs:
         old = _require(inputs.rollout_log_probs, "rollout_log_probs", "use_rollout_logprobs")
@@ -158,10 +181,8 @@ def compute_loss(inputs: LossInputs, settings: LossSettings) -> tuple[Tensor, di
         eps_clip_c=settings.eps_clip_c,
     )
     flat_mask = _ops.cat(masks)
-    metrics = {
-        "pg_clipfrac": masked_metric(_ops.cat(pg.clipfrac), flat_mask),
-        "ppo_kl": masked_metric(_ops.cat(pg.ppo_kl), flat_mask),
-    }
+    metrics["pg_clipfrac"] = masked_metric(_ops.cat(pg.clipfrac), flat_mask)
+    metrics["ppo_kl"] = masked_metric(_ops.cat(pg.ppo_kl), flat_mask)
     token_losses = pg.loss
     if settings.use_opsm:
         behaviour = inputs.rollout_log_probs if inputs.rollout_log_probs is not None else inputs.old_log_probs
@@ -169,7 +190,6 @@ def compute_loss(inputs: LossInputs, settings: LossSettings) -> tuple[Tensor, di
         metrics["opsm_masked_frac"] = masked_metric(1.0 - _ops.cat(keep), flat_mask)
         token_losses = [x * k for x, k in zip(token_losses, keep)]
     if inputs.rollout_log_probs is not None:
-        custom = settings.custom_tis_fn
         weights, mismatch_metrics = compute_mismatch_weights(
             inputs.old_log_probs,
             inputs.rollout_log_probs,
@@ -181,41 +201,31 @@ def compute_loss(inputs: LossInputs, settings: LossSettings) -> tuple[Tensor, di
             mis_level=settings.mis_level,
             mis_lower=settings.mis_lower,
             mis_upper=settings.mis_upper,
-            custom_fn=_custom_tis(custom) if custom else None,
+            custom_fn=_custom_tis(settings.custom_tis_fn) if settings.custom_tis_fn else None,
             settings=settings,
         )
         metrics.update(mismatch_metrics)
         if weights is not None:
             token_losses = [x * w for x, w in zip(token_losses, weights)]
-    elif settings.use_tis or settings.use_mis or settings.custom_tis_fn:
-        raise ValueError("use_tis / use_mis / custom_tis_fn need rollout_log_probs, got None")
+    return token_losses
 
-    terms = [(1.0, "pg_loss", token_losses)]
+
+def _regulariser_terms(inputs: LossInputs, settings: LossSettings) -> list[tuple[float, str, list[Tensor]]]:
+    """(coefficient, metric name, per-token values) of the entropy bonus and the KL penalty."""
+    terms = []
     if inputs.entropy is not None:
         terms.append((-settings.entropy_coef, "entropy_loss", inputs.entropy))
     elif settings.entropy_coef != 0:
         raise ValueError(f"entropy_coef={settings.entropy_coef} needs entropy, got None")
     if settings.use_kl_loss:
         ref = _require(inputs.ref_log_probs, "ref_log_probs", "use_kl_loss")
-        unbiased = inputs.old_log_probs if settings.use_unbiased_kl else [None] * len(masks)
+        olds = inputs.old_log_probs if settings.use_unbiased_kl else [None] * len(ref)
         kl = [
-            compute_approx_kl(lp, r, settings.kl_loss_type, o)
-            for lp, r, o in zip(inputs.log_probs, ref, unbiased)
+            compute_approx_kl(lp, r, settings.kl_loss_type, old)
+            for lp, r, old in zip(inputs.log_probs, ref, olds)
         ]
         terms.append((settings.kl_loss_coef, "kl_loss", kl))
-
-    loss = torch.zeros((), dtype=torch.float32, device=flat_mask.device)
-    total_metric = None
-    for coef, name, values in terms:
-        term, pair = reduce_loss_and_metric(
-            settings.reduction, values, masks, settings.denominator, settings.reduction_constant
-        )
-        metrics[name] = pair
-        loss = loss + coef * term
-        scaled = torch.stack([coef * pair[0], pair[1]])
-        total_metric = scaled if total_metric is None else torch.stack([total_metric[0] + scaled[0], pair[1]])
-    metrics["loss"] = total_metric
-    return loss, metrics
+    return terms
 
 
 def _require(values: list[Tensor] | None, name: str, flag: str) -> list[Tensor]:

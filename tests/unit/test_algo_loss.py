@@ -242,3 +242,28 @@ def test_missing_inputs():
         LossInputs(
             inp.log_probs[:2], inp.old_log_probs[:2], [torch.zeros(3), torch.zeros(1)], inp.loss_masks[:2]
         )
+
+
+@pytest.mark.parametrize("unbiased", [False, True])
+@pytest.mark.parametrize("reduction", ["token_mean", "constant_sum"])
+def test_kl_loss_term_matches_loop(unbiased, reduction):
+    inp = _inputs(4)
+    settings = LossSettings(
+        use_kl_loss=True,
+        kl_loss_coef=1.0,
+        kl_loss_type="k2",
+        use_unbiased_kl=unbiased,
+        reduction=reduction,
+        reduction_constant=3.0,
+        denominator=5.0,
+    )
+    _, metrics = compute_loss(inp, settings)
+    num = 0.0
+    for lp, old, ref, m in zip(inp.log_probs, inp.old_log_probs, inp.ref_log_probs, inp.loss_masks):
+        for t in range(m.numel()):
+            if m[t]:
+                d = lp[t].item() - ref[t].item()
+                w = math.exp(lp[t].item() - old[t].item()) if unbiased else 1.0
+                num += w * 0.5 * d * d
+    count = sum(float(m.sum()) for m in inp.loss_masks) if reduction == "token_mean" else 3.0 * 4
+    assert metrics["kl_loss"].tolist() == pytest.approx([num, count], rel=1e-5)
