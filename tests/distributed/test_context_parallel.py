@@ -138,3 +138,43 @@ def test_cp_context_and_shard_validation():
     assert shard.local_next_tokens().tolist() == [5, 6, 7]  # last local token predicts rank 2's first token
     with pytest.raises(ValueError, match="disagrees"):
         shard_for_cp(tokens, torch.arange(7), torch.tensor([0, 6], dtype=torch.int32), cp)
+
+
+def _bottom_right_causal(q, k, v, cu_q, cu_k, scale):
+    """What flash_attn_varlen_func(causal=True) computes: per sequence, query i sees keys <= (lk - lq) + i."""
+    outs = []
+    for qa, qb, ka, kb in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        lq, lk = qb - qa, kb - ka
+        allowed = torch.arange(lk)[None, :] <= (lk - lq) + torch.arange(lq)[:, None]
+        qs, ks, vs = (x.transpose(0, 1)[None] for x in (q[qa:qb], k[ka:kb], v[ka:kb]))
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=allowed, scale=scale, enable_gqa=True
+        )
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs)  # [C, H, D]
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_flash_key_layout_matches_masked_sdpa(rank):
+    # The CUDA path feeds cp_key_layout to flash-attn; check the layout on CPU against the SDPA path.
+    from miles.backends.fsdp_utils.context_parallel import (
+        CPContext,
+        _attend_sdpa,
+        cp_key_layout,
+        shard_for_cp,
+    )
+
+    torch.manual_seed(rank)
+    lengths = [5, 1, 9, 2, 6]  # 23 tokens -> padded to 24, chunks of 8
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    shard = shard_for_cp(torch.arange(23), pos, cu, CPContext(group=None, rank=rank, size=3))
+    q = torch.randn(1, 4, shard.chunk, 8)
+    kv = torch.randn(1, 4, 24, 8)  # 2 KV heads for K, 2 for V, over the padded row
+    want = _attend_sdpa(q, kv, shard, 0.35, 0.0)[0].transpose(0, 1)  # [C, H, D]
+    key_index, cu_q, cu_k, max_q, max_k = cp_key_layout(shard)
+    assert int(cu_q[-1]) == shard.chunk and max_q <= shard.chunk and max_k >= max_q
+    k = kv[0, :2].index_select(1, key_index).transpose(0, 1)
+    v = kv[0, 2:].index_select(1, key_index).transpose(0, 1)
+    got = _bottom_right_causal(q[0].transpose(0, 1), k, v, cu_q, cu_k, 0.35)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)

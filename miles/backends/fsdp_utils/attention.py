@@ -30,6 +30,7 @@ __all__ = [
     "cu_seqlens_from_position_ids",
     "enable_varlen_attention",
     "set_varlen_backend",
+    "use_flash_kernel",
     "varlen_attention_forward",
 ]
 
@@ -47,6 +48,13 @@ def set_varlen_backend(name: str) -> None:
     if name not in _BACKENDS:
         raise ValueError(f"varlen attention backend {name!r} is not one of {_BACKENDS}")
     _backend = name
+
+
+def use_flash_kernel(query: torch.Tensor) -> bool:
+    """Whether the varlen kernels should run flash-attn for `query` under the current backend choice."""
+    if _backend == "flash" and not query.is_cuda:
+        raise ValueError("MILES_VARLEN_BACKEND=flash needs CUDA tensors; use 'sdpa' or 'auto' on CPU")
+    return _backend == "flash" or (_backend == "auto" and query.is_cuda)
 
 
 def _import_flash_varlen() -> Callable[..., torch.Tensor]:
@@ -150,10 +158,7 @@ def varlen_attention_forward(
     if cu is not None and int(cu[-1]) != t:
         raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but the packed row has {t} tokens")
 
-    use_flash = _backend == "flash" or (_backend == "auto" and query.is_cuda)
-    if use_flash:
-        if not query.is_cuda:
-            raise ValueError("MILES_VARLEN_BACKEND=flash needs CUDA tensors; use 'sdpa' or 'auto' on CPU")
+    if use_flash_kernel(query):
         flash_varlen = _import_flash_varlen()
         cu32 = (cu if cu is not None else torch.tensor([0, t])).to(device=query.device, dtype=torch.int32)
         max_len = max_length_q or int((cu32[1:] - cu32[:-1]).max())

@@ -6,7 +6,9 @@ a zigzag split because (1) the attention below all-gathers K/V and every rank co
 the keys it needs, so the causal work imbalance that zigzag fixes for ring attention is small here and
 shrinks further for packs of many sequences; (2) next-token targets stay trivial: the last token of rank
 r's chunk predicts the first token of rank r+1's chunk, and results concatenate back in rank order;
-(3) it is the layout flash-attn's varlen kernels (and ring-flash-attn's all-gather variant) expect.
+(3) it is the layout flash-attn's varlen kernels (and ring-flash-attn's all-gather variant) expect: on
+CUDA with flash-attn importable the local queries run `flash_attn_varlen_func` against the gathered keys of
+their sequences (bottom-right causal alignment, `cp_key_layout`); ring-flash-attn itself is not imported.
 The padding forms its own segment, so it attends only to itself and never to real tokens.
 
 Attention: each rank all-gathers K and V (one collective for both) with an autograd-aware all-gather whose
@@ -28,7 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["CPContext", "CPShard", "all_gather_autograd", "cp_attention", "shard_for_cp"]
+from miles.backends.fsdp_utils.attention import _import_flash_varlen, use_flash_kernel
+
+__all__ = ["CPContext", "CPShard", "all_gather_autograd", "cp_attention", "cp_key_layout", "shard_for_cp"]
 
 
 @dataclass(frozen=True)
@@ -138,23 +142,34 @@ def _segment_ids(positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Ten
     return torch.bucketize(positions, cu_seqlens[1:].to(positions.device, torch.long), right=True)
 
 
-def cp_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    shard: CPShard,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-) -> torch.Tensor:
-    """Causal attention of this rank's queries over all ranks' keys of the same sequence.
+def cp_key_layout(shard: CPShard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """Which global keys this rank's queries need, per sequence, in flash-attn varlen form.
 
-    query [1, H, C, D], key/value [1, Hkv, C, D] (this rank's chunk) -> [1, C, H, D]. Differentiable; the
-    K/V gradient flows back to the rank that produced each key.
+    For each sequence [a, b) overlapping the local chunk [s, e): queries [max(a, s), min(b, e)) and keys
+    [a, min(b, e)). With bottom-right aligned causal masking (flash-attn >= 2.1), query i of a sequence sees
+    keys 0 .. (lk - lq) + i, i.e. exactly the keys at or before its global position.
+
+    Returns (key_index [K] long into the padded row, cu_q [m+1] int32, cu_k [m+1] int32, max_q, max_k).
     """
-    if query.shape[0] != 1:
-        raise ValueError(f"context-parallel attention expects one packed row, got batch {query.shape[0]}")
-    hkv = key.shape[1]
-    kv = all_gather_autograd(torch.cat([key, value], dim=1), shard.cp, dim=2)  # [1, 2*Hkv, T_pad, D]
+    s, e = shard.start, shard.start + shard.chunk
+    bounds = shard.cu_seqlens.tolist()
+    key_ranges, lq, lk = [], [], []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qa, qb = max(a, s), min(b, e)
+        if qb > qa:
+            key_ranges.append(torch.arange(a, qb))
+            lq.append(qb - qa)
+            lk.append(qb - a)
+    cu_q = torch.tensor([0, *lq]).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0, *lk]).cumsum(0).to(torch.int32)
+    return torch.cat(key_ranges), cu_q, cu_k, max(lq), max(lk)
+
+
+def _attend_sdpa(
+    query: torch.Tensor, kv: torch.Tensor, shard: CPShard, scaling: float | None, dropout: float
+) -> torch.Tensor:
+    """query [1, H, C, D], kv [1, 2*Hkv, T_pad, D] (gathered) -> [1, H, C, D] with a global-position mask."""
+    hkv = kv.shape[1] // 2
     start, c = shard.start, shard.chunk
     device = query.device
     cu = shard.cu_seqlens.to(device=device, dtype=torch.long)
@@ -165,14 +180,58 @@ def cp_attention(
     k_pos = torch.arange(k_lo, start + c, device=device)
     k_seg = _segment_ids(k_pos, cu)
     mask = (q_seg[:, None] == k_seg[None, :]) & (k_pos[None, :] <= q_pos[:, None])
-    k_full, v_full = kv[:, :hkv, k_lo : start + c], kv[:, hkv:, k_lo : start + c]
-    out = F.scaled_dot_product_attention(
+    return F.scaled_dot_product_attention(
         query,
-        k_full,
-        v_full,
+        kv[:, :hkv, k_lo : start + c],
+        kv[:, hkv:, k_lo : start + c],
         attn_mask=mask[None, None],
         dropout_p=dropout,
         scale=scaling,
         enable_gqa=query.shape[1] != hkv,
     )
-    return out.transpose(1, 2).contiguous()
+
+
+def _attend_flash(
+    query: torch.Tensor, kv: torch.Tensor, shard: CPShard, scaling: float | None, dropout: float
+) -> torch.Tensor:
+    """As `_attend_sdpa`, with flash-attn's varlen kernel on the gathered keys (CUDA)."""
+    flash_varlen = _import_flash_varlen()
+    hkv = kv.shape[1] // 2
+    key_index, cu_q, cu_k, max_q, max_k = cp_key_layout(shard)
+    device = query.device
+    kv_sel = kv[0].index_select(1, key_index.to(device)).transpose(0, 1)  # [K, 2*Hkv, D]
+    out = flash_varlen(
+        query[0].transpose(0, 1),
+        kv_sel[:, :hkv],
+        kv_sel[:, hkv:],
+        cu_q.to(device),
+        cu_k.to(device),
+        max_q,
+        max_k,
+        dropout_p=dropout,
+        softmax_scale=scaling,
+        causal=True,
+    )  # [C, H, D]
+    return out.transpose(0, 1)[None]
+
+
+def cp_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    shard: CPShard,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention of this rank's queries over all ranks' keys of the same sequence.
+
+    query [1, H, C, D], key/value [1, Hkv, C, D] (this rank's chunk) -> [1, C, H, D]. K and V are
+    all-gathered (one collective); the kernel is flash-attn varlen on CUDA when selected (see
+    attention.set_varlen_backend), else SDPA with a block-diagonal causal mask in global positions.
+    Differentiable; the K/V gradient flows back to the rank that produced each key.
+    """
+    if query.shape[0] != 1:
+        raise ValueError(f"context-parallel attention expects one packed row, got batch {query.shape[0]}")
+    kv = all_gather_autograd(torch.cat([key, value], dim=1), shard.cp, dim=2)  # [1, 2*Hkv, T_pad, D]
+    attend = _attend_flash if use_flash_kernel(query) else _attend_sdpa
+    return attend(query, kv, shard, scaling, dropout).transpose(1, 2).contiguous()
