@@ -10,13 +10,17 @@ import logging
 import sys
 from typing import Any
 
-from miles.config import parse_config
+from miles.config import ConfigError, parse_config
 
 logger = logging.getLogger("miles.train")
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_config(argv)
+    try:
+        cfg = parse_config(argv)
+    except ConfigError as e:
+        print(f"miles.train: invalid configuration\n{e}", file=sys.stderr)
+        return 2
     if cfg.dry_run:
         print(cfg.to_yaml())
         return 0
