@@ -211,6 +211,12 @@ class FSDPTrainer(TrainBackend):
         from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater
 
         cfg = self.config
+        if not cfg.cluster.colocate and self.ps.is_cuda:
+            from miles.backends.fsdp_utils.update_weight_utils import DistributedWeightUpdater
+
+            DistributedWeightUpdater()  # raises NotImplementedError: CUDA-IPC handles need the engine on our GPU
+        # Tensor handles: CUDA IPC when colocated on GPU; shared memory on CPU, which any process on this node can
+        # map, so CPU runs use this path in disaggregated placement too.
         if self._offloaded:
             self.wake_up()
             offload_after = True
