@@ -288,3 +288,78 @@ def test_decode_throughput_batch(engine):
         f"\nembedded engine decode throughput, batch 8: {tok / secs:.0f} tokens/s ({tok} tokens, {secs:.2f} s)"
     )
     assert tok == 8 * 63
+
+
+def test_update_weights_from_disk(engine, hf_model, tmp_path):
+    base = greedy(engine, PROMPTS[0], n=10)["output_ids"]
+    from transformers import AutoModelForCausalLM
+
+    other = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(-1.0)
+    other.save_pretrained(tmp_path / "flipped")
+    res = engine.post(
+        "/update_weights_from_disk", {"model_path": str(tmp_path / "flipped"), "weight_version": "d1"}
+    )
+    assert res["success"] and engine.get("/get_weight_version")["weight_version"] == "d1"
+    assert greedy(engine, PROMPTS[0], n=10)["output_ids"] != base
+    assert engine.post("/update_weights_from_disk", {"model_path": engine.model_path})["success"]
+    assert greedy(engine, PROMPTS[0], n=10)["output_ids"] == base
+    with pytest.raises(EngineHTTPError, match="update_weights_from_disk") as e:
+        engine.post("/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
+    assert e.value.status == 400
+
+
+def test_update_weights_from_distributed(engine, hf_model):
+    import torch.distributed as dist
+
+    from miles.engines.local.dist_update import init_custom_process_group
+    from miles.engines.sglang_engine import find_free_port
+
+    base = greedy(engine, PROMPTS[2], n=10)["output_ids"]
+    port, group = find_free_port(), "miles_refit_test"
+    results: dict[str, object] = {}
+    body = {
+        "master_address": "127.0.0.1",
+        "master_port": port,
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": group,
+        "backend": "gloo",
+    }
+    t = threading.Thread(target=lambda: results.update(init=engine.post("/init_weights_update_group", body)))
+    t.start()
+    pg = init_custom_process_group("127.0.0.1", port, 0, 2, group)
+    t.join(30)
+    assert results["init"]["success"]
+    named = [(n, p.detach().clone()) for n, p in hf_model.named_parameters()]
+    torch.manual_seed(2)
+    changed = [(n, x + 0.5 * torch.randn_like(x)) for n, x in named]
+
+    def broadcast(tensors, version):
+        meta = {
+            "names": [n for n, _ in tensors],
+            "dtypes": [str(x.dtype).removeprefix("torch.") for _, x in tensors],
+            "shapes": [list(x.shape) for _, x in tensors],
+            "group_name": group,
+            "weight_version": version,
+        }
+        th = threading.Thread(
+            target=lambda: results.update(upd=engine.post("/update_weights_from_distributed", meta))
+        )
+        th.start()
+        for _, x in tensors:
+            dist.broadcast(x, src=0, group=pg)
+        th.join(30)
+        assert results["upd"]["success"]
+
+    try:
+        broadcast(changed, "dist-1")
+        out = greedy(engine, PROMPTS[2], n=10)
+        assert out["output_ids"] != base and out["meta_info"]["weight_version"] == "dist-1"
+        broadcast(named, "dist-2")
+        assert greedy(engine, PROMPTS[2], n=10)["output_ids"] == base
+    finally:
+        assert engine.post("/destroy_weights_update_group", {"group_name": group})["success"]
+        dist.destroy_process_group(pg)

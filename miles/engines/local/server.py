@@ -128,10 +128,15 @@ def create_app(
             )
         except EngineNotReady as e:
             return _fail(503, str(e), admin=False)
+        except ValueError as e:
+            return _fail(400, str(e), admin=False)
         except asyncio.TimeoutError:
             for rid in rids:
                 engine.run("abort", rid=rid)
             return _fail(504, f"generation did not finish within {request_timeout} s; aborted", admin=False)
+        except Exception as e:  # noqa: BLE001 - a failed model step: answer JSON instead of dropping the connection
+            logger.exception("/generate failed")
+            return _fail(500, f"{type(e).__name__}: {e}", admin=False)
         return JSONResponse(results if is_batch else results[0])
 
     def add_admin(path: str, op: str, fields: set[str]) -> None:
@@ -147,12 +152,15 @@ def create_app(
                 if unknown:
                     raise ValueError(f"unknown fields {unknown} for {path}; allowed: {sorted(fields)}")
                 result = await _await(engine.run(op, **body), admin_timeout)
-            except (ValueError, TypeError) as e:
-                return _fail(400, f"{path}: {e}", admin=True)
+            except (ValueError, TypeError, OSError) as e:
+                return _fail(400, f"{path}: {type(e).__name__}: {e}", admin=True)
             except EngineNotReady as e:
                 return _fail(503, f"{path}: {e}", admin=True)
             except asyncio.TimeoutError:
                 return _fail(504, f"{path}: not done within {admin_timeout} s", admin=True)
+            except Exception as e:  # noqa: BLE001 - answer JSON instead of dropping the connection
+                logger.exception("%s failed", path)
+                return _fail(500, f"{path}: {type(e).__name__}: {e}", admin=True)
             return JSONResponse(result)
 
         app.add_api_route(
