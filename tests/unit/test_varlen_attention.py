@@ -191,3 +191,24 @@ def test_forward_packed_rejects_empty_pack():
 
     with pytest.raises(ValueError, match="empty pack"):
         forward_packed(tiny_model(), _build_pack([], []), 1.0)
+
+
+def test_padding_mask_and_kv_cache_are_refused():
+    model = tiny_model()
+    (p,) = pack_sequences(samples_with_zero_tokens()[:2], num_packs=1)
+    forward_packed(model, p, 1.0)  # switches the model to miles_varlen
+    ids = torch.randint(1, 96, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    ref = tiny_model()
+    torch.testing.assert_close(
+        model(input_ids=ids, attention_mask=mask, use_cache=False).logits,
+        ref(input_ids=ids, attention_mask=mask, use_cache=False).logits,
+        atol=1e-5,
+        rtol=0,
+    )
+    mask[0, :2] = 0
+    with pytest.raises(ValueError, match="does not apply padding masks"):
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+    out = model(input_ids=ids[:1, :4], use_cache=True)
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model(input_ids=ids[:1, 4:], past_key_values=out.past_key_values, use_cache=True)

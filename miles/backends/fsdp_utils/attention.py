@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 
 __all__ = [
     "VARLEN_ATTENTION",
@@ -85,7 +86,7 @@ def _sdpa_per_sequence(
     scaling: float | None,
     dropout: float,
 ) -> torch.Tensor:
-    """query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, H, T, D], causal within each [bounds[i], bounds[i+1])."""
+    """query [B, H, T, D], key/value [B, Hkv, T, D] -> [B, H, T, D], causal within each [bounds[i], bounds[i+1])."""
     gqa = query.shape[1] != key.shape[1]
     outs = []
     for s, e in zip(bounds[:-1], bounds[1:]):
@@ -120,11 +121,12 @@ def varlen_attention_forward(
     miles_cp: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """HF attention-interface function: query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None).
+    """HF attention-interface function: query [B, H, T, D], key/value [B, Hkv, T, D] -> ([B, T, H, D], None).
 
     Block-diagonal causal attention over the packed row (see the module docstring for where boundaries
-    come from and which kernel runs). Raises ValueError for a 4D attention mask or a batch other than 1
-    with boundaries, NotImplementedError for sliding-window layers.
+    come from and which kernel runs); B is 1 for packs, or several rows sharing the same boundaries (an
+    unpadded batch). Raises ValueError for an attention mask, a KV cache, cu_seq_lens_q with B > 1, or rows
+    with different position_ids boundaries; NotImplementedError for sliding-window layers.
     """
     if attention_mask is not None:
         raise ValueError(
@@ -147,23 +149,33 @@ def varlen_attention_forward(
         raise ValueError("miles_varlen packs self-attention: cu_seq_lens_q and cu_seq_lens_k must be equal")
 
     batch, _, t, _ = query.shape
+    if key.shape[2] != t:
+        raise ValueError(
+            f"miles_varlen is for training forwards without a KV cache: {t} queries but {key.shape[2]} keys; "
+            "call the model with use_cache=False"
+        )
     if cu_seq_lens_q is not None:
+        if batch != 1:
+            raise ValueError(f"packed attention with cu_seq_lens_q expects one packed row, got batch {batch}")
         cu = cu_seq_lens_q
-    elif position_ids is not None and position_ids.shape[0] == 1:
-        cu = cu_seqlens_from_position_ids(position_ids)
+    elif position_ids is not None:
+        rows = position_ids.reshape(-1, t)
+        if rows.shape[0] > 1 and not bool((rows == rows[:1]).all()):
+            raise ValueError(
+                "miles_varlen needs the same sequence boundaries in every row; pack into one row"
+            )
+        cu = cu_seqlens_from_position_ids(rows[0])
     else:
-        cu = None
-    if cu is not None and batch != 1:
-        raise ValueError(f"packed attention expects batch size 1 (one packed row), got {batch}")
-    if cu is not None and int(cu[-1]) != t:
+        cu = torch.tensor([0, t], dtype=torch.int32)
+    if int(cu[-1]) != t:
         raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but the packed row has {t} tokens")
 
     if use_flash_kernel(query):
         flash_varlen = _import_flash_varlen()
-        cu32 = (cu if cu is not None else torch.tensor([0, t])).to(device=query.device, dtype=torch.int32)
+        cu32 = cu.to(device=query.device, dtype=torch.int32)
         max_len = max_length_q or int((cu32[1:] - cu32[:-1]).max())
-        rows = []
-        for b in range(batch):  # batch > 1 only without boundaries: each row is one sequence
+        outs = []
+        for b in range(batch):  # batch > 1 only when every row has the same boundaries
             out = flash_varlen(
                 query[b].transpose(0, 1),
                 key[b].transpose(0, 1),
@@ -176,25 +188,30 @@ def varlen_attention_forward(
                 softmax_scale=scaling,
                 causal=True,
             )
-            rows.append(out)
-        return torch.stack(rows), None
+            outs.append(out)
+        return torch.stack(outs), None
 
-    if cu is None:
-        out = F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            dropout_p=dropout,
-            is_causal=True,
-            scale=scaling,
-            enable_gqa=query.shape[1] != key.shape[1],
-        )
-    else:
-        out = _sdpa_per_sequence(query, key, value, cu.tolist(), scaling, dropout)
+    out = _sdpa_per_sequence(query, key, value, cu.tolist(), scaling, dropout)
     return out.transpose(1, 2).contiguous(), None
 
 
+def _varlen_mask(
+    batch_size: int, q_length: int, kv_length: int, attention_mask: torch.Tensor | None = None, **kwargs: Any
+) -> None:
+    """HF mask-interface hook: packed attention needs no mask; refuse padding masks instead of dropping them.
+
+    Without a registered mask function HF would silently ignore a 2D padding mask for a custom attention.
+    """
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            "miles_varlen attention does not apply padding masks (attention_mask has zeros); pack the sequences "
+            "(cu_seq_lens_q / position_ids) or switch the model back to 'sdpa' for padded batches"
+        )
+    return None
+
+
 AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
+AttentionMaskInterface.register(VARLEN_ATTENTION, _varlen_mask)
 
 
 def enable_varlen_attention(model: torch.nn.Module) -> None:
