@@ -193,6 +193,24 @@ def test_refit_changes_outputs_and_version(engine, hf_model):
     assert torch.allclose(torch.tensor(got), dict(changed)[names[2]].flatten()[:5])
     assert refit(engine, original, version="v2")["success"]
     assert greedy(engine, PROMPTS[1], n=10)["output_ids"] == base
+    flat = torch.cat([x.flatten() for _, x in changed])
+    offsets = torch.tensor([0] + [x.numel() for _, x in changed]).cumsum(0).tolist()
+    meta = [
+        {
+            "name": n,
+            "shape": list(x.shape),
+            "dtype": x.dtype,
+            "start_idx": s,
+            "end_idx": e,
+            "numel": x.numel(),
+        }
+        for (n, x), s, e in zip(changed, offsets[:-1], offsets[1:])
+    ]
+    bucket = serialize({"flattened_tensor": flat.share_memory_(), "metadata": meta})
+    body = {"serialized_named_tensors": [bucket], "load_format": "flattened_bucket", "weight_version": "v3"}
+    assert engine.post("/update_weights_from_tensor", body)["success"]
+    assert greedy(engine, PROMPTS[1], n=10)["output_ids"] == out["output_ids"]
+    assert refit(engine, original)["success"]
     with pytest.raises(EngineHTTPError, match="shape mismatch"):
         refit(engine, [(original[0][0], torch.zeros(3))])
     with pytest.raises(EngineHTTPError, match="unknown parameter"):

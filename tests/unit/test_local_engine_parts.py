@@ -215,3 +215,34 @@ def test_rejects_ambiguous_or_empty_input(local_engine):
         local_engine.submit_generate({"input_ids": [1], "text": "a"})
     with pytest.raises(ValueError, match="empty prompt"):
         local_engine.submit_generate({"input_ids": []})
+
+
+def test_generate_field_checks_and_text_in_logprobs(local_engine, tmp_path):
+    body = {
+        "input_ids": [3, 4],
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+    }
+    with pytest.raises(ValueError, match="stream=True is not supported"):
+        local_engine.submit_generate({**body, "stream": True})
+    with pytest.raises(ValueError, match="unknown field 'bogus'"):
+        local_engine.submit_generate({**body, "bogus": 1})
+    extra = {"stream": False, "logprob_start_len": -1, "log_metrics": True, "return_logprob": True}
+    out = _run(local_engine, {**body, **extra, "return_text_in_logprobs": True})
+    texts = [x for _, _, x in out["meta_info"]["output_token_logprobs"]]
+    assert texts == [local_engine.tokenizer.decode([t]) for t in out["output_ids"]]
+
+
+def test_unflatten_bucket_mixed_dtypes():
+    from miles.engines.local.weights import unflatten_bucket
+
+    a = torch.randn(2, 3)
+    b = torch.randn(4).to(torch.bfloat16)
+    raw = torch.cat([a.flatten().view(torch.uint8), b.view(torch.uint8)])
+    meta = [
+        {"name": "a", "shape": [2, 3], "dtype": torch.float32, "start_idx": 0, "end_idx": 24, "numel": 6},
+        {"name": "b", "shape": [4], "dtype": torch.bfloat16, "start_idx": 24, "end_idx": 32, "numel": 4},
+    ]
+    (na, ta), (nb, tb) = unflatten_bucket({"flattened_tensor": raw, "metadata": meta})
+    assert (na, nb) == ("a", "b") and torch.equal(ta, a) and torch.equal(tb, b)
+    with pytest.raises(ValueError, match="flattened_tensor and metadata"):
+        unflatten_bucket([("a", a)])

@@ -19,12 +19,40 @@ import torch
 from miles.engines.local.model_runner import make_runner
 from miles.engines.local.sampling import SamplingParams
 from miles.engines.local.scheduler import Scheduler
-from miles.engines.local.weights import EngineNotReady, WeightStore
+from miles.engines.local.weights import EngineNotReady, WeightStore, unflatten_bucket
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+# /generate fields: used, accepted but irrelevant here (routing/metadata), or accepted only at their neutral value
+_GEN_USED = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "return_text_in_logprobs"}
+_GEN_IGNORED = {
+    "log_metrics", "data_parallel_rank", "routed_dp_rank", "priority", "session_id", "routing_key",
+    "conversation_id", "custom_labels", "no_logs", "extra_key", "modalities", "background", "received_time",
+}  # fmt: skip
+_GEN_NEUTRAL: dict[str, Any] = {
+    "stream": False, "logprob_start_len": -1, "top_logprobs_num": 0, "token_ids_logprob": None,
+    "return_hidden_states": False, "return_routed_experts": False, "return_entropy": False, "lora_path": None,
+    "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None,
+    "custom_logit_processor": None, "session_params": None, "return_prompt_token_ids": False,
+}  # fmt: skip
+
+
+def _check_generate_fields(body: dict[str, Any]) -> None:
+    errors = []
+    for key, value in body.items():
+        if key in _GEN_USED or key in _GEN_IGNORED:
+            continue
+        if key not in _GEN_NEUTRAL:
+            errors.append(f"unknown field {key!r}")
+            continue
+        neutral = _GEN_NEUTRAL[key]
+        values = value if isinstance(value, list) and key not in ("token_ids_logprob",) else [value]
+        if any(v is not None and v != neutral for v in values):
+            errors.append(f"{key}={value!r} is not supported by the embedded engine (only {neutral!r})")
+    if errors:
+        raise ValueError("/generate: " + "; ".join(errors) + f"; supported fields: {sorted(_GEN_USED)}")
 
 
 @dataclass(frozen=True)
@@ -104,6 +132,7 @@ class LocalEngine:
     # ------------------------------------------------------------------ generation
     def submit_generate(self, body: dict[str, Any]) -> tuple[list[str], list[Future], bool]:
         """Queue the request(s) of a /generate body; returns (rids, futures, is_batch)."""
+        _check_generate_fields(body)
         if ("input_ids" in body) == ("text" in body):
             raise ValueError("/generate needs exactly one of 'input_ids' or 'text'")
         if "input_ids" in body:
@@ -136,8 +165,9 @@ class LocalEngine:
                     f"input_ids must be ints in [0, {self.model.config.vocab_size}), got {ids[:8]}..."
                 )
         params = [SamplingParams.from_dict(s) for s in sps]
+        with_text = bool(body.get("return_text_in_logprobs", False))
         futures = [
-            self.scheduler.submit(str(r), ids, p, bool(lp))
+            self.scheduler.submit(str(r), ids, p, bool(lp), with_text)
             for r, ids, p, lp in zip(rids, prompts, params, rls)
         ]
         return [str(r) for r in rids], futures, is_batch
@@ -178,15 +208,17 @@ class LocalEngine:
     ) -> dict[str, Any]:
         from miles.utils.serialization import deserialize
 
-        if load_format not in (None, "direct"):
+        if load_format not in (None, "direct", "flattened_bucket"):
             raise ValueError(
-                f"load_format {load_format!r} not supported by the embedded engine; allowed: null"
+                f"load_format {load_format!r} not supported; allowed: null (named tensors), 'flattened_bucket'"
             )
         if not isinstance(serialized_named_tensors, list) or not serialized_named_tensors:
             raise ValueError(
                 "serialized_named_tensors must be a non-empty list (one base64 string per TP rank)"
             )
         named = deserialize(serialized_named_tensors[0])
+        if load_format == "flattened_bucket":
+            named = unflatten_bucket(named)
         if abort_all_requests:
             self.scheduler.abort(abort_all=True, message="aborted for weight update")
         n = self.weights.load(named)

@@ -41,6 +41,7 @@ class Request:
     cache: Any = None
     finish_reason: dict[str, Any] | None = None
     stop_text_end: int | None = None  # where a matched stop string starts in the decoded text
+    return_text_in_logprobs: bool = False
     created: float = field(default_factory=time.monotonic)
 
     @property
@@ -96,7 +97,14 @@ class Scheduler:
             self._cond.notify_all()
         self._thread.join(timeout)
 
-    def submit(self, rid: str, input_ids: list[int], params: SamplingParams, return_logprob: bool) -> Future:
+    def submit(
+        self,
+        rid: str,
+        input_ids: list[int],
+        params: SamplingParams,
+        return_logprob: bool,
+        return_text_in_logprobs: bool = False,
+    ) -> Future:
         """Queue a request; its future resolves to the SGLang-style answer dict."""
         if not input_ids:
             raise ValueError("empty prompt: input_ids/text must contain at least one token")
@@ -110,6 +118,7 @@ class Scheduler:
             )
         self._check_ready()
         req = Request(rid, list(input_ids), params, return_logprob, request_generator(self.random_seed, rid))
+        req.return_text_in_logprobs = return_text_in_logprobs
         with self._cond:
             if any(r.rid == rid for r in (*self.waiting, *self.running)):
                 raise ValueError(f"duplicate rid {rid!r}: a request with this id is in flight")
@@ -284,5 +293,8 @@ class Scheduler:
             "e2e_latency": time.monotonic() - req.created,
         }
         if req.return_logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, ids)]
+            texts = (
+                [self._decode([t], False) for t in ids] if req.return_text_in_logprobs else [None] * len(ids)
+            )
+            meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x in zip(req.logprobs, ids, texts)]
         return {"text": text, "output_ids": list(ids), "meta_info": meta}

@@ -118,3 +118,35 @@ class WeightStore:
     def allocated_bytes(self) -> int:
         """Bytes currently held by parameter storage."""
         return sum(p.data.numel() * p.data.element_size() for p in self._params.values())
+
+
+def _field(meta: object, key: str) -> object:
+    return meta[key] if isinstance(meta, dict) else getattr(meta, key)
+
+
+def unflatten_bucket(payload: dict) -> list[tuple[str, torch.Tensor]]:
+    """Named tensors of a flattened bucket (`load_format="flattened_bucket"`, SGLang's layout).
+
+    payload: {"flattened_tensor": 1-D tensor, "metadata": [{name, shape, dtype, start_idx, end_idx, numel}]}
+    (dicts or objects with those attributes). Offsets index the flat tensor; a uint8 flat tensor holds raw bytes
+    of mixed dtypes, any other dtype must equal each entry's dtype.
+    """
+    if not isinstance(payload, dict) or "flattened_tensor" not in payload or "metadata" not in payload:
+        got = sorted(payload) if isinstance(payload, dict) else type(payload).__name__
+        raise ValueError(
+            f"flattened_bucket payload must be a dict with flattened_tensor and metadata, got {got}"
+        )
+    flat = payload["flattened_tensor"]
+    out = []
+    for meta in payload["metadata"]:
+        name, dtype = str(_field(meta, "name")), _field(meta, "dtype")
+        shape = tuple(int(s) for s in _field(meta, "shape"))
+        part = flat[int(_field(meta, "start_idx")) : int(_field(meta, "end_idx"))]
+        if flat.dtype == torch.uint8 and dtype != torch.uint8:
+            part = part.view(dtype)
+        elif flat.dtype != dtype:
+            raise ValueError(
+                f"bucket entry {name!r}: dtype {dtype} differs from the flat tensor's {flat.dtype}"
+            )
+        out.append((name, part.reshape(shape)))
+    return out
