@@ -381,3 +381,15 @@ def test_update_weights_from_distributed(engine, hf_model):
     finally:
         assert engine.post("/destroy_weights_update_group", {"group_name": group})["success"]
         dist.destroy_process_group(pg)
+
+
+def test_client_disconnect_aborts_request(engine):
+    import httpx
+
+    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(engine.url + "/generate", json=body, timeout=1.0, trust_env=False)
+    deadline = time.monotonic() + 10
+    while engine.get("/get_server_info")["internal_states"][0]["num_running"] > 0:
+        assert time.monotonic() < deadline, "request kept running after its client left"
+        time.sleep(0.1)

@@ -63,6 +63,28 @@ async def _await(fut: Any, timeout: float) -> Any:
     return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
 
 
+class _ClientGone(Exception):
+    """The HTTP client went away before its generation finished."""
+
+
+async def _wait_or_disconnect(request: Request, futs: list[Any], timeout: float) -> list[Any]:
+    """Results of `futs`; raises _ClientGone when the client disconnects, TimeoutError after `timeout`."""
+    gathered = asyncio.ensure_future(asyncio.gather(*(asyncio.wrap_future(f) for f in futs)))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            gathered.cancel()
+            raise asyncio.TimeoutError
+        done, _ = await asyncio.wait({gathered}, timeout=min(0.5, remaining))
+        if done:
+            return gathered.result()
+        if await request.is_disconnected():
+            gathered.cancel()
+            raise _ClientGone
+
+
 def create_app(
     engine: LocalEngine,
     host: str = "127.0.0.1",
@@ -123,9 +145,11 @@ def create_app(
         except ValueError as e:
             return _fail(400, str(e), admin=False)
         try:
-            results = await asyncio.wait_for(
-                asyncio.gather(*(asyncio.wrap_future(f) for f in futs)), request_timeout
-            )
+            results = await _wait_or_disconnect(request, futs, request_timeout)
+        except _ClientGone:
+            for rid in rids:
+                engine.run("abort", rid=rid)
+            return _fail(499, "client disconnected; request aborted", admin=False)
         except EngineNotReady as e:
             return _fail(503, str(e), admin=False)
         except ValueError as e:
