@@ -134,3 +134,11 @@ def test_router_passthrough(keyed_engine):
         assert resp.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
         router.remove_worker(keyed_engine.url)
         assert router.list_workers() == []
+
+
+def test_ray_actor_class_is_built_lazily():
+    cls = sglang_engine.make_engine_actor_class()
+    assert cls is sglang_engine.make_engine_actor_class()  # built once
+    assert hasattr(cls, "remote") and hasattr(cls, "options")
+    for method in ("launch", "url", "post", "get", "shutdown"):
+        assert hasattr(cls, method)

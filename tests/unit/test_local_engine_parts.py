@@ -246,3 +246,13 @@ def test_unflatten_bucket_mixed_dtypes():
     assert (na, nb) == ("a", "b") and torch.equal(ta, a) and torch.equal(tb, b)
     with pytest.raises(ValueError, match="flattened_tensor and metadata"):
         unflatten_bucket([("a", a)])
+
+
+def test_text_prompt_equals_token_prompt(local_engine):
+    sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    ids = local_engine.tokenizer.encode("the cat sat on")
+    by_text = _run(local_engine, {"text": "the cat sat on", "sampling_params": sp})
+    by_ids = _run(local_engine, {"input_ids": ids, "sampling_params": sp})
+    assert by_text["output_ids"] == by_ids["output_ids"] and by_text["meta_info"]["prompt_tokens"] == len(ids)
+    batch = _run(local_engine, {"text": ["the cat", "a dog"], "sampling_params": sp})
+    assert len(batch) == 2 and all(len(o["output_ids"]) == 4 for o in batch)
