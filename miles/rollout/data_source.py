@@ -1,0 +1,243 @@
+"""Prompt data: a tokenized prompt dataset (JSONL or Parquet) and the cursor that hands out prompt groups.
+
+Prompts are tokenized once, here; downstream code only sees token ids (`Sample.tokens`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from miles.utils.types import Sample
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+@dataclass
+class PromptRecord:
+    """One dataset row after tokenization."""
+
+    prompt: str | list[dict[str, str]]  # as in the file: a string, or chat messages
+    prompt_ids: list[int]  # [prompt_len]
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Yield (location, row) for each non-blank line; location is 'file:line N' (1-based)."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}: line {lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            yield where, row
+
+
+def _iter_parquet(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Yield (location, row) per Parquet row; location is 'file: row N' (1-based)."""
+    import pyarrow.parquet as pq
+
+    rownum = 0
+    for batch in pq.ParquetFile(path).iter_batches():
+        for row in batch.to_pylist():
+            rownum += 1
+            yield f"{path}: row {rownum}", row
+
+
+def iter_rows(path: str | os.PathLike[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Rows of a JSONL or Parquet file, each with a human-readable location for error messages."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"prompt data file {p} does not exist")
+    suffix = p.suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        return _iter_jsonl(p)
+    if suffix in PARQUET_SUFFIXES:
+        return _iter_parquet(p)
+    raise ValueError(
+        f"prompt data file {p}: unsupported suffix {suffix!r}; use one of {JSONL_SUFFIXES + PARQUET_SUFFIXES}"
+    )
+
+
+def _check_messages(where: str, key: str, messages: Any) -> list[dict[str, str]]:
+    if isinstance(messages, str):
+        return [{"role": "user", "content": messages}]
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: key {key!r} must be a string or a non-empty list of chat messages")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"{where}: key {key!r}: each chat message needs 'role' and 'content', got {m!r}")
+    return messages
+
+
+class PromptDataset:
+    """Prompts (+ labels, metadata) read from a JSONL or Parquet file and tokenized once.
+
+    `input_key` and (when not None) `label_key` are required in every row: a missing or null value raises
+    ValueError naming the file, the 1-based line (JSONL) or row (Parquet) and the key; so does a non-JSON
+    line. `metadata_key` is optional per row (missing -> `{}`) but must be an object when present.
+    With `apply_chat_template`, the prompt is a list of chat messages (a plain string is taken as one user
+    message) rendered with the tokenizer's chat template and a generation prompt; otherwise it must be a
+    string, tokenized as is (with the tokenizer's default special tokens). Prompts longer than
+    `max_prompt_len` tokens are dropped (counted in `num_filtered`).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        input_key: str,
+        label_key: str | None,
+        metadata_key: str | None,
+        tokenizer: Any,
+        apply_chat_template: bool,
+        max_prompt_len: int | None = None,
+    ) -> None:
+        if max_prompt_len is not None and max_prompt_len < 1:
+            raise ValueError(f"max_prompt_len must be >= 1 or None, got {max_prompt_len}")
+        self.path = Path(path)
+        self.records: list[PromptRecord] = []
+        self.num_filtered = 0
+        for where, row in iter_rows(self.path):
+            record = self._make_record(
+                where, row, input_key, label_key, metadata_key, tokenizer, apply_chat_template
+            )
+            if max_prompt_len is not None and len(record.prompt_ids) > max_prompt_len:
+                self.num_filtered += 1
+                continue
+            self.records.append(record)
+        if not self.records:
+            extra = (
+                f" ({self.num_filtered} longer than max_prompt_len={max_prompt_len})"
+                if self.num_filtered
+                else ""
+            )
+            raise ValueError(f"prompt data file {self.path} has no usable rows{extra}")
+
+    @staticmethod
+    def _make_record(
+        where: str,
+        row: dict[str, Any],
+        input_key: str,
+        label_key: str | None,
+        metadata_key: str | None,
+        tokenizer: Any,
+        apply_chat_template: bool,
+    ) -> PromptRecord:
+        required = [input_key] + ([label_key] if label_key is not None else [])
+        for key in required:
+            if row.get(key) is None:
+                raise ValueError(f"{where}: missing key {key!r} (present: {sorted(row)})")
+        prompt = row[input_key]
+        if apply_chat_template:
+            messages = _check_messages(where, input_key, prompt)
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        elif isinstance(prompt, str):
+            ids = tokenizer(prompt)["input_ids"]
+        else:
+            raise ValueError(
+                f"{where}: key {input_key!r} is a {type(prompt).__name__}, not a string; "
+                "chat messages need --apply-chat-template"
+            )
+        metadata = row.get(metadata_key) if metadata_key is not None else None
+        if metadata is None:
+            metadata = {}
+        elif not isinstance(metadata, dict):
+            raise ValueError(
+                f"{where}: key {metadata_key!r} must be an object, got {type(metadata).__name__}"
+            )
+        label = row[label_key] if label_key is not None else None
+        return PromptRecord(prompt=prompt, prompt_ids=list(ids), label=label, metadata=metadata)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> PromptRecord:
+        return self.records[i]
+
+
+class RolloutDataSource:
+    """Hands out prompt groups from a `PromptDataset`, epoch after epoch, resumable from `state_dict()`.
+
+    Each epoch visits every prompt once, in an order shuffled by `(seed, epoch)` when `shuffle` (file order
+    otherwise). A batch that runs past the end of an epoch continues into the next one.
+    """
+
+    def __init__(self, dataset: PromptDataset, n_samples_per_prompt: int, shuffle: bool, seed: int) -> None:
+        if n_samples_per_prompt < 1:
+            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
+        self.dataset = dataset
+        self.n_samples_per_prompt = n_samples_per_prompt
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.offset = 0  # prompts of the current epoch already handed out
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            random.Random(f"{self.seed}-{epoch}").shuffle(order)
+        return order
+
+    def next_batch(self, num_prompts: int) -> list[list[Sample]]:
+        """The next `num_prompts` prompt groups of `n_samples_per_prompt` fresh Samples each.
+
+        `group_index` is the group's position in this batch and `index` the sample's (`g * n + j`);
+        `tokens` are the prompt ids. Each sample gets its own copy of the metadata.
+        """
+        if num_prompts < 1:
+            raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+        groups: list[list[Sample]] = []
+        n = self.n_samples_per_prompt
+        for g in range(num_prompts):
+            if self.offset == len(self._order):
+                self.epoch += 1
+                self.offset = 0
+                self._order = self._epoch_order(self.epoch)
+            record = self.dataset[self._order[self.offset]]
+            self.offset += 1
+            groups.append(
+                [
+                    Sample(
+                        index=g * n + j,
+                        group_index=g,
+                        prompt=copy.deepcopy(record.prompt),
+                        tokens=list(record.prompt_ids),
+                        label=copy.deepcopy(record.label),
+                        metadata=copy.deepcopy(record.metadata),
+                    )
+                    for j in range(n)
+                ]
+            )
+        return groups
+
+    def state_dict(self) -> dict[str, int]:
+        """The cursor: `{"epoch": ..., "offset": ...}` (the order is recomputed from the seed on load)."""
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume from a `state_dict()`; ValueError when it is malformed or does not fit this dataset."""
+        if set(state) != {"epoch", "offset"}:
+            raise ValueError(f"data source state must have keys 'epoch' and 'offset', got {sorted(state)}")
+        epoch, offset = int(state["epoch"]), int(state["offset"])
+        if epoch < 0 or not 0 <= offset <= len(self.dataset):
+            raise ValueError(
+                f"data source state epoch={epoch}, offset={offset} does not fit "
+                f"a dataset of {len(self.dataset)} prompts"
+            )
+        self.epoch, self.offset = epoch, offset
+        self._order = self._epoch_order(epoch)

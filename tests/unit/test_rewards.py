@@ -1,0 +1,205 @@
+"""Reward hub: math answer extraction/equivalence, built-in reward types, custom reward functions, scoring."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import textwrap
+
+import pytest
+
+from miles.rollout.rm_hub import get_reward_fn, load_custom_rm, register_reward, reward_types, score_samples
+from miles.rollout.rm_hub.math_utils import extract_answer, is_equiv, last_boxed_content, math_reward
+from miles.utils.types import Sample, SampleStatus
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so \\boxed{42}.", "42"),
+        ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("\\boxed{\\frac{\\sqrt{2}}{2}} done", "\\frac{\\sqrt{2}}{2}"),
+        ("\\fbox{7}", "7"),
+        ("\\boxed 5$", "5"),
+        ("\\boxed{unclosed", None),
+        ("no box", None),
+    ],
+)
+def test_last_boxed_content(text: str, expected: str | None) -> None:
+    assert last_boxed_content(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("The answer is 12.", "12"),
+        ("answer: x+1", "x+1"),
+        ("first 3 then 4 and finally -5", "-5"),
+        ("about 1,234 apples", "1,234"),
+        ("ratio 3/4", "3/4"),
+        ("nothing numeric", None),
+        ("", None),
+        ("\\boxed{9} although the answer is 8", "9"),  # boxed wins over "answer is"
+    ],
+)
+def test_extract_answer(text: str, expected: str | None) -> None:
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "reward"),
+    [
+        ("Thus \\boxed{\\dfrac{1}{2}}.", "\\frac{1}{2}", 1.0),  # dfrac -> frac
+        ("Thus \\boxed{\\frac{1}{2}}", "0.5", 1.0),  # fraction vs decimal
+        ("Thus \\boxed{1/2}", "\\frac12", 1.0),  # a/b vs \frac12
+        ("\\boxed{-\\frac{3}{4}}", "-0.75", 1.0),  # negative fraction
+        ("\\boxed{-3}", "-3", 1.0),
+        ("\\boxed{-3}", "3", 0.0),  # sign matters
+        ("\\boxed{2.50}", "2.5", 1.0),  # decimals numerically
+        ("\\boxed{1,000}", "1000", 1.0),  # comma thousands
+        ("\\boxed{50\\%}", "50", 1.0),  # percentage
+        ("\\boxed{\\text{(B)}}", "(B)", 1.0),  # \text{} unwrapped
+        ("$\\boxed{\\left( 1, 2 \\right)}$", "(1,2)", 1.0),  # \left/\right and spaces
+        ("\\boxed{x^2 + 1}", "x^2+1", 1.0),  # symbolic: string equality after normalisation
+        ("\\boxed{x^2 + 2}", "x^2+1", 0.0),
+        ("\\boxed{\\frac{1}{3}}", "0.33", 0.0),  # not within tolerance
+        ("The answer is 7.", "7", 1.0),
+        ("I think 3 or maybe 7", "7", 1.0),  # last number fallback
+        ("I think 7 or maybe 3", "7", 0.0),
+        ("no idea", "7", 0.0),  # no answer at all
+        ("\\boxed{5}", 5, 1.0),  # integer label
+        ("\\boxed{5}", "\\boxed{5}", 1.0),  # boxed label is unwrapped
+        ("\\boxed{1/0}", "1", 0.0),  # division by zero is just not a number
+    ],
+)
+def test_math_reward_table(response: str, label: object, reward: float) -> None:
+    assert math_reward(response, label) == reward
+
+
+def test_is_equiv_is_symmetric_on_numbers() -> None:
+    for a, b in [("0.5", "\\frac{1}{2}"), ("1,234.5", "1234.50"), ("-2/4", "-0.5")]:
+        assert is_equiv(a, b) and is_equiv(b, a)
+
+
+def _sample(response: str, label: object, index: int = 0) -> Sample:
+    return Sample(index=index, response=response, label=label)
+
+
+def test_builtin_types_registered() -> None:
+    assert {"math", "deepscaler", "exact_match"} <= set(reward_types())
+
+
+def test_get_reward_fn_unknown_lists_choices() -> None:
+    with pytest.raises(ValueError, match=r"unknown --rm-type 'nope'.*deepscaler.*exact_match.*math"):
+        get_reward_fn("nope")
+
+
+def test_duplicate_registration_rejected() -> None:
+    with pytest.raises(ValueError, match="'math' is already registered"):
+        register_reward("math")(lambda args, sample: 1.0)
+
+
+def test_math_and_exact_match() -> None:
+    math_fn, em = get_reward_fn("math"), get_reward_fn("exact_match")
+    assert math_fn(None, _sample("so \\boxed{4}", "4")) == 1.0
+    assert math_fn(None, _sample("so \\boxed{5}", "4")) == 0.0
+    assert em(None, _sample("  Paris \n", "Paris")) == 1.0
+    assert em(None, _sample("paris", "Paris")) == 0.0
+    assert em(None, _sample("Paris.", "Paris")) == 0.0
+    assert em(None, _sample("3", 3)) == 1.0
+    with pytest.raises(ValueError, match="needs a label"):
+        em(None, _sample("3", None))
+
+
+def test_deepscaler() -> None:
+    fn = get_reward_fn("deepscaler")
+    assert fn(None, _sample("<think>maybe \\boxed{3}</think> so \\boxed{4}", "4")) == 1.0
+    assert fn(None, _sample("<think>\\boxed{4}</think> so \\boxed{3}", "4")) == 0.0  # only after </think>
+    assert fn(None, _sample("<think>still thinking \\boxed{4}", "4")) == 0.0  # never closed
+    assert fn(None, _sample("\\boxed{4}", "4")) == 1.0  # no think block at all
+
+
+@pytest.fixture
+def rm_module(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
+    """A user module with sync, async, raising and badly-typed reward functions on sys.path."""
+    (tmp_path / "user_rm_mod.py").write_text(
+        textwrap.dedent(
+            """
+            import asyncio
+
+            def sync_rm(args, sample):
+                return 1.0 if sample.response == sample.label else 0.0
+
+            async def async_rm(args, sample):
+                await asyncio.sleep(0)
+                return sample.response == sample.label  # bool is coerced
+
+            def raising_rm(args, sample):
+                if sample.index == 1:
+                    raise KeyError("boom")
+                return args["scale"]
+
+            def nan_rm(args, sample):
+                return float("nan")
+
+            def str_rm(args, sample):
+                return "1.0"
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "user_rm_mod"
+    sys.modules.pop("user_rm_mod", None)
+
+
+def test_custom_rm_sync_and_async(rm_module: str) -> None:
+    for fn in ("sync_rm", "async_rm"):
+        samples = [_sample("a", "a", 0), _sample("b", "a", 1)]
+        scores, failed = asyncio.run(
+            score_samples(samples, None, f"{rm_module}:{fn}", None, error_as_zero=False)
+        )
+        assert scores == [1.0, 0.0] and failed == 0
+        assert all(isinstance(s, float) for s in scores)
+
+
+def test_custom_rm_overrides_rm_type(rm_module: str) -> None:
+    scores, _ = asyncio.run(score_samples([_sample("x", "x")], "math", f"{rm_module}:sync_rm", None, False))
+    assert scores == [1.0]  # math would give 0.0: no number in "x"
+
+
+def test_custom_rm_import_errors(rm_module: str) -> None:
+    with pytest.raises(ValueError, match="--custom-rm-path.*no_such_module_xyz"):
+        load_custom_rm("no_such_module_xyz:fn")
+    with pytest.raises(ValueError, match="--custom-rm-path.*no attribute 'missing'"):
+        load_custom_rm(f"{rm_module}:missing")
+
+
+def test_raising_rm_raises_with_path_and_index(rm_module: str) -> None:
+    samples = [_sample("a", "a", 0), _sample("b", "a", 1)]
+    with pytest.raises(RuntimeError, match=rf"{rm_module}:raising_rm.*sample index 1") as info:
+        asyncio.run(
+            score_samples(samples, None, f"{rm_module}:raising_rm", {"scale": 0.5}, error_as_zero=False)
+        )
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_raising_rm_error_as_zero(rm_module: str) -> None:
+    samples = [_sample("a", "a", 0), _sample("b", "a", 1), _sample("c", "a", 2)]
+    scores, failed = asyncio.run(
+        score_samples(samples, None, f"{rm_module}:raising_rm", {"scale": 0.5}, error_as_zero=True)
+    )
+    assert scores == [0.5, 0.0, 0.5] and failed == 1
+    assert [s.status for s in samples] == [SampleStatus.PENDING, SampleStatus.FAILED, SampleStatus.PENDING]
+
+
+@pytest.mark.parametrize("fn", ["nan_rm", "str_rm"])
+def test_non_finite_or_non_float_rewards_rejected(rm_module: str, fn: str) -> None:
+    with pytest.raises(ValueError, match=rf"{rm_module}:{fn}.*finite float"):
+        asyncio.run(score_samples([_sample("a", "a")], None, f"{rm_module}:{fn}", None, error_as_zero=True))
+
+
+def test_score_samples_builtin_and_no_rm() -> None:
+    samples = [_sample("\\boxed{2}", "2", 0), _sample("\\boxed{3}", "2", 1)]
+    assert asyncio.run(score_samples(samples, "math", None, None, False)) == ([1.0, 0.0], 0)
+    with pytest.raises(ValueError, match="--rm-type or --custom-rm-path"):
+        asyncio.run(score_samples(samples, None, None, None, False))
