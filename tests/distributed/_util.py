@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
+import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +35,13 @@ def free_port() -> int:
 
 
 def _worker(
-    rank: int, world_size: int, port: int, init_pg: bool, fn: Callable[..., Any], args: tuple[Any, ...]
+    rank: int,
+    world_size: int,
+    port: int,
+    init_pg: bool,
+    err_dir: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
 ) -> None:
     os.environ.update(
         RANK=str(rank),
@@ -44,24 +53,58 @@ def _worker(
         TOKENIZERS_PARALLELISM="false",
     )
     torch.set_num_threads(1)
-    if init_pg:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
+        if init_pg:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
         fn(rank, world_size, *args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(err_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        os._exit(1)  # skip atexit/destroy: peers may be blocked in a collective with us
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, init_pg: bool = True) -> None:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; raise if any rank fails."""
-    mp.start_processes(
-        _worker,
-        args=(world_size, free_port(), init_pg, fn, args),
-        nprocs=world_size,
-        join=True,
-        start_method="spawn",
-    )
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, init_pg: bool = True, timeout_s: float = 240.0
+) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; raise if any rank fails.
+
+    Children are reaped by polling (not by waiting on their sentinel pipes: helper daemons a child starts, such
+    as torch_shm_manager for shared-memory tensors, inherit those pipes and would keep them open). When one rank
+    fails the others are terminated; after ``timeout_s`` all are.
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="miles_dist_") as err_dir:
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, init_pg, err_dir, fn, args), daemon=False)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        while any(p.is_alive() for p in procs):
+            if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        timed_out = any(p.is_alive() for p in procs) and time.monotonic() > deadline
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        errors = [
+            f"--- rank {r} ---\n" + open(os.path.join(err_dir, f"rank{r}.txt")).read()
+            for r in range(world_size)
+            if os.path.exists(os.path.join(err_dir, f"rank{r}.txt"))
+        ]
+    if errors:
+        raise RuntimeError("distributed test failed:\n" + "\n".join(errors))
+    if timed_out:
+        raise TimeoutError(f"distributed test did not finish within {timeout_s}s")
+    bad = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
+    if bad:
+        raise RuntimeError(f"ranks exited abnormally (rank: exit code): {bad}")
 
 
 def save_tiny_qwen3(path: str, seed: int = 0, tie_word_embeddings: bool = True, vocab_size: int = 96) -> str:

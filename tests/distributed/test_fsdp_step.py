@@ -1,11 +1,18 @@
-"""FSDP2 on 2 gloo CPU ranks: sharded logits, reference model, DP=2 step == DP=1 step, CPU offload no-op."""
+"""FSDP2 on 2 gloo CPU ranks: sharded logits, reference model, DP=2 step == DP=1 step, CPU offload no-op,
+bucketed refit of the sharded model to (fake, in-test HTTP) colocated engines."""
 
 from __future__ import annotations
+
+import collections
+import http.server
+import json
+import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 from _util import run_distributed, save_tiny_qwen3
+from safetensors.torch import load_file
 
 from miles.backends.fsdp_utils.model import (
     build_fsdp_model,
@@ -15,6 +22,12 @@ from miles.backends.fsdp_utils.model import (
 )
 from miles.backends.fsdp_utils.offload import load_to_device, offload_to_cpu
 from miles.backends.fsdp_utils.parallel import ParallelDims, init_distributed
+from miles.backends.fsdp_utils.update_weight_utils import (
+    ColocatedWeightUpdater,
+    iter_weight_buckets,
+    plan_weight_buckets,
+)
+from miles.utils.serialization import deserialize
 
 VOCAB = 96
 
@@ -123,3 +136,83 @@ def test_sharded_logits_equal_unsharded(tmp_path) -> None:
 def test_dp2_step_equals_dp1_step(tmp_path) -> None:
     path = save_tiny_qwen3(str(tmp_path / "tiny"), vocab_size=VOCAB)
     run_distributed(_dp_step_body, 2, path, init_pg=False)
+
+
+class _FakeEngines(http.server.ThreadingHTTPServer):
+    """Engines at ``/<engine>/update_weights_from_tensor``; records every tensor it receives, per engine."""
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _EngineHandler)
+        self.calls: dict[str, list[dict]] = collections.defaultdict(list)
+        self.tensors: dict[str, list[tuple[str, torch.Tensor]]] = collections.defaultdict(list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _EngineHandler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args) -> None:  # keep test output quiet
+        pass
+
+    def do_POST(self) -> None:
+        engine, _, endpoint = self.path.strip("/").partition("/")
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        answer = {"success": True, "message": ""}
+        if endpoint != "update_weights_from_tensor" or engine == "bad":
+            answer = {"success": False, "message": f"refused {self.path}"}
+        else:
+            per_tp = [deserialize(s) for s in body["serialized_named_tensors"]]
+            assert all([n for n, _ in tp] == [n for n, _ in per_tp[0]] for tp in per_tp)
+            self.server.calls[engine].append({**body, "serialized_named_tensors": len(per_tp)})
+            self.server.tensors[engine] += [(n, t.clone()) for n, t in per_tp[-1]]
+        data = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def _refit_body(rank: int, world_size: int, path: str, url: str) -> None:
+    state = init_distributed("gloo", timeout_s=60)
+    model = build_fsdp_model(path, state.fsdp_mesh)
+    bucket_bytes = 8192
+    expected = plan_weight_buckets(model, bucket_bytes)
+    # every rank gathers the same full tensors, whatever its shard
+    for names, bucket in zip(expected, iter_weight_buckets(model, bucket_bytes), strict=True):
+        assert [n for n, _ in bucket] == names
+        assert sum(t.numel() * 4 for _, t in bucket) <= bucket_bytes or len(bucket) == 1
+
+    one_per_rank = ColocatedWeightUpdater([f"{url}/e0", f"{url}/e1"], 1, rank, world_size, api_key="k")
+    assert one_per_rank.update(model, bucket_bytes, weight_version="v1") == len(expected)
+    tp2 = ColocatedWeightUpdater([f"{url}/e2"], 2, rank, world_size, timeout_s=30)
+    assert tp2.update(model, bucket_bytes, weight_version="v2") == len(expected)
+
+    bad = ColocatedWeightUpdater([f"{url}/bad"], 2, rank, world_size)
+    with pytest.raises(RuntimeError, match=r"engine .*/bad, bucket 0, phase response: success=false"):
+        bad.update(model, bucket_bytes, weight_version="v3")
+    with pytest.raises(ValueError, match="at most 1 engines"):
+        ColocatedWeightUpdater([f"{url}/e0", f"{url}/e1"], 2, rank, world_size)
+
+
+def test_bucketed_refit_to_colocated_engines(tmp_path) -> None:
+    path = save_tiny_qwen3(str(tmp_path / "tiny"), vocab_size=VOCAB)
+    hf = load_file(f"{path}/model.safetensors")
+    server = _FakeEngines()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        run_distributed(_refit_body, 2, path, server.url, init_pg=False)
+    finally:
+        server.shutdown()
+    for engine, tp_size, version in [("e0", 1, "v1"), ("e1", 1, "v1"), ("e2", 2, "v2")]:
+        calls, received = server.calls[engine], server.tensors[engine]
+        assert sorted(n for n, _ in received) == sorted(hf), engine  # every tensor exactly once
+        for name, t in received:
+            assert torch.equal(t, hf[name]), f"{engine}: {name}"
+        assert [c["flush_cache"] for c in calls] == [False] * (len(calls) - 1) + [True]
+        assert {c["weight_version"] for c in calls} == {version}
+        assert {c["serialized_named_tensors"] for c in calls} == {tp_size}
+        assert all(c["load_format"] is None for c in calls)
+    assert "bad" not in server.calls
