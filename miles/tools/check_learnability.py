@@ -1,0 +1,186 @@
+"""Check that a toy task is learnable by GRPO-style RL on the tiny model, with plain torch on a CPU.
+
+Per step: draw `--prompts` prompts, sample `--n` responses each (temperature 1, up to `--max-new-tokens`),
+score them with the reward hub, normalise rewards within each prompt group (GRPO), and take one Adam step on
+the REINFORCE loss `-sum(adv * log p(response token)) / (number of response tokens in the batch)`. Prints the
+mean reward per step and the wall time. This is independent of the Ray/FSDP stack: it tells whether the task
+and model sizes are right before an end-to-end run.
+
+    python -m miles.tools.check_learnability --task echo --steps 40 --prompts 16 --n 8 --lr 5e-3
+
+Measured on the default tiny model (hidden 64, 2 layers, vocab 48), task "echo", plain prompts, 2 new tokens,
+16 prompts x 8 samples per step, Adam lr 5e-3: mean reward ~0.05 over the first 3 steps, ~0.5 by step 12-15
+and 0.8-0.97 over the last 3 of 40 steps for seeds 0-2 (10-20 s on one CPU thread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+from miles.rollout.rm_hub import get_reward_fn
+from miles.tools.tiny_model import build_tiny_model
+from miles.tools.toy_data import DEFAULT_TASK, FORMATS, TASKS, make_rows
+from miles.utils.types import Sample
+
+
+@dataclass
+class StepStats:
+    """Result of one RL step."""
+
+    step: int
+    mean_reward: float
+    seconds: float
+
+
+@torch.no_grad()
+def _sample(model, prompt_ids: list[int], n: int, max_new_tokens: int, eos_id: int) -> list[list[int]]:  # noqa: ANN001
+    """Sample `n` responses for one prompt at temperature 1 (KV cache; stops per row at eos)."""
+    ids = torch.tensor([prompt_ids] * n)
+    out = model(input_ids=ids, use_cache=True)
+    past, logits = out.past_key_values, out.logits[:, -1]
+    responses: list[list[int]] = [[] for _ in range(n)]
+    done = torch.zeros(n, dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        tok = torch.multinomial(torch.softmax(logits.float(), dim=-1), 1)  # [n, 1]
+        for i in range(n):
+            if not done[i]:
+                responses[i].append(int(tok[i]))
+        done |= tok[:, 0] == eos_id
+        if bool(done.all()):
+            break
+        out = model(input_ids=tok, past_key_values=past, use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1]
+    return responses
+
+
+def _prompt_ids(tok, prompt: str | list[dict[str, str]]) -> list[int]:  # noqa: ANN001
+    """Token ids of a plain-string prompt, or of chat messages through the chat template."""
+    if isinstance(prompt, str):
+        return list(tok(prompt)["input_ids"])  # as miles.rollout.data_source does
+    out = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def _loss(model, prompts: list[list[int]], responses: list[list[int]], adv: list[float], pad_id: int):  # noqa: ANN001, ANN202
+    """Token-mean REINFORCE loss over all response tokens in the batch (right-padded forward)."""
+    seqs = [p + r for p, r in zip(prompts, responses)]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id)
+    mask = torch.zeros(len(seqs), width)  # 1 where the *target* token at position t+1 is a response token
+    attn = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        attn[i, : len(p) + len(r)] = 1
+        mask[i, len(p) - 1 : len(p) + len(r) - 1] = 1.0
+    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+    a = torch.tensor(adv)[:, None]
+    m = mask[:, :-1]
+    return -(a * logp * m).sum() / m.sum().clamp(min=1)
+
+
+def run(
+    task: str = DEFAULT_TASK,
+    steps: int = 40,
+    prompts_per_step: int = 16,
+    n: int = 8,
+    lr: float = 5e-3,
+    max_new_tokens: int = 2,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    rm_type: str = "math",
+    seed: int = 0,
+    model_dir: str | None = None,
+    fmt: str = "plain",
+    grad_clip: float | None = None,
+) -> list[StepStats]:
+    """Run the GRPO-style check and return per-step stats (also printed)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = model_dir or str(build_tiny_model(os.path.join(tmp, "m"), task, seed, hidden_size, num_layers))
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    reward_fn = get_reward_fn(rm_type)
+    rows = make_rows(task, 1000, seed, fmt)
+    stats: list[StepStats] = []
+    t0 = time.perf_counter()
+    for step in range(steps):
+        batch = rng.sample(rows, prompts_per_step)
+        prompts, responses, rewards, adv = [], [], [], []
+        for row in batch:
+            p_ids = _prompt_ids(tok, row["prompt"])
+            group = _sample(model, p_ids, n, max_new_tokens, tok.eos_token_id)
+            scores = []
+            for r in group:
+                sample = Sample(tokens=p_ids + r, response_length=len(r), label=row["label"])
+                sample.response = tok.decode(r, skip_special_tokens=True)
+                scores.append(float(reward_fn(None, sample)))
+            g = torch.tensor(scores)
+            adv += ((g - g.mean()) / (g.std() + 1e-6)).tolist()
+            prompts += [p_ids] * n
+            responses += group
+            rewards += scores
+        loss = _loss(model, prompts, responses, adv, tok.pad_token_id)
+        opt.zero_grad()
+        loss.backward()
+        if grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        opt.step()
+        stats.append(StepStats(step, sum(rewards) / len(rewards), time.perf_counter() - t0))
+        print(f"step {step:3d}  reward {stats[-1].mean_reward:.3f}  t {stats[-1].seconds:6.1f}s", flush=True)
+    return stats
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI: print the reward curve of a GRPO-style run on a toy task."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", default=DEFAULT_TASK, choices=sorted(TASKS))
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--max-new-tokens", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--rm-type", default="math")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-dir", default=None, help="use this tiny model instead of building one")
+    p.add_argument("--format", default="plain", choices=FORMATS, help="prompt format of the toy rows")
+    p.add_argument("--grad-clip", type=float, default=None, help="clip the gradient norm (off by default)")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    stats = run(
+        a.task,
+        a.steps,
+        a.prompts,
+        a.n,
+        a.lr,
+        a.max_new_tokens,
+        a.hidden_size,
+        a.num_layers,
+        a.rm_type,
+        a.seed,
+        a.model_dir,
+        a.format,
+        a.grad_clip,
+    )
+    k = min(3, len(stats))
+    first = sum(s.mean_reward for s in stats[:k]) / k
+    last = sum(s.mean_reward for s in stats[-k:]) / k
+    print(f"first {k} steps mean reward {first:.3f}; last {k} {last:.3f}; wall {stats[-1].seconds:.1f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Toy prompt datasets that a tiny, randomly initialised model can learn by RL (GRPO) in minutes on a CPU.
+
+Every task maps a prompt to a one-digit answer determined by the prompt. Rows are written as JSONL, by default
+with plain-string prompts (`--format plain`, run with `--input-key prompt --label-key label` and no chat
+template):
+
+    {"prompt": "echo 3", "label": "3"}
+
+or, with `--format chat`, as chat messages (run with `--apply-chat-template`):
+
+    {"prompt": [{"role": "user", "content": "echo 3"}], "label": "3"}
+
+`label` is the answer as a string, scored with the "math" reward (the last number of the response). A
+random policy of the tiny model hits it now and then (~5% with 2 new tokens: a digit is ~1/5 of its
+vocabulary), which is the learning signal GRPO needs. Plain prompts end with the digit, so the model's last
+position already "sees" it; through the chat template the digit sits a few tokens back and the model must
+first learn to attend to it, which takes many more steps (see `miles.tools.check_learnability`).
+
+    python -m miles.tools.toy_data --task echo --out data.jsonl --n 1000 --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+DIGITS = "0123456789"
+
+
+@dataclass(frozen=True)
+class ToyTask:
+    """A toy task: `make(rng) -> (user_text, label)`; `words` are all words that can appear in a prompt."""
+
+    name: str
+    description: str
+    make: Callable[[random.Random], tuple[str, str]]
+    words: tuple[str, ...]
+
+
+def _echo(digits: str) -> Callable[[random.Random], tuple[str, str]]:
+    def make(rng: random.Random) -> tuple[str, str]:
+        d = rng.choice(digits)
+        return f"echo {d}", d
+
+    return make
+
+
+TASKS: dict[str, ToyTask] = {
+    t.name: t
+    for t in (
+        ToyTask("echo", "repeat the digit (one of 0-3): 'echo 3' -> '3'", _echo("0123"), ("echo",)),
+        ToyTask(
+            "echo10",
+            "repeat the digit (one of 0-9; learns slower): 'echo 7' -> '7'",
+            _echo(DIGITS),
+            ("echo",),
+        ),
+    )
+}
+FORMATS = ("plain", "chat")
+DEFAULT_TASK = "echo"
+
+
+def get_task(name: str) -> ToyTask:
+    """Return the toy task called `name`; ValueError listing the known tasks otherwise."""
+    if name not in TASKS:
+        raise ValueError(f"unknown toy task {name!r}; choose one of {sorted(TASKS)}")
+    return TASKS[name]
+
+
+def make_rows(task: str, n: int, seed: int = 0, fmt: str = "plain") -> list[dict[str, object]]:
+    """`n` rows of `task`, deterministic in `seed`.
+
+    `fmt="plain"`: `{"prompt": "echo 3", "label": "3"}`;
+    `fmt="chat"`: `{"prompt": [{"role": "user", "content": "echo 3"}], "label": "3"}`.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose one of {FORMATS}")
+    spec = get_task(task)
+    rng = random.Random(seed)
+    rows: list[dict[str, object]] = []
+    for _ in range(n):
+        text, label = spec.make(rng)
+        prompt: object = text if fmt == "plain" else [{"role": "user", "content": text}]
+        rows.append({"prompt": prompt, "label": label})
+    return rows
+
+
+def tokenizer_corpus(task: str) -> list[str]:
+    """Texts to train the tiny tokenizer on: chat-formatted examples of `task` (all tasks' words included).
+
+    The corpus covers every character a prompt, chat template or answer of any toy task can contain, so a
+    tokenizer trained on it encodes them losslessly.
+    """
+    get_task(task)
+    texts: list[str] = []
+    words = [w for t in TASKS.values() for w in t.words]
+    for role in ("system", "user", "assistant"):
+        for w in words:
+            for d in DIGITS:
+                texts.append(f"<|im_start|>{role}\n{w} {d}<|im_end|>\n")
+    rng = random.Random(0)
+    spec = TASKS[task]
+    for _ in range(200):
+        text, label = spec.make(rng)
+        texts.append(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n{label}<|im_end|>\n")
+    texts.append("The answer is 0123456789. " + " ".join(DIGITS))
+    return texts
+
+
+def write_jsonl(rows: list[dict[str, object]], out: str | os.PathLike[str]) -> Path:
+    """Write rows to `out` as JSONL atomically (temp file + rename); returns the path."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI: write a toy dataset as JSONL."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", default=DEFAULT_TASK, choices=sorted(TASKS), help="which toy task")
+    p.add_argument("--out", required=True, help="output .jsonl file")
+    p.add_argument("--n", type=int, default=1000, help="number of rows")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--format", default="plain", choices=FORMATS, help="plain string prompts or chat messages")
+    a = p.parse_args(argv)
+    path = write_jsonl(make_rows(a.task, a.n, a.seed, a.format), a.out)
+    print(f"wrote {a.n} rows of task {a.task!r} to {path}")
+
+
+if __name__ == "__main__":
+    main()
