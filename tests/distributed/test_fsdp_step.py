@@ -55,6 +55,11 @@ def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _sharded_logits_body(rank: int, world_size: int, path: str) -> None:
     state = init_distributed("gloo", timeout_s=60)
     assert (state.dp_size, state.cp_size, state.dp_rank, state.is_cuda) == (2, 1, rank, False)
+    cp = init_distributed("gloo", timeout_s=60, cp_size=2)  # reuses the group; a (1, 2) mesh
+    assert (cp.dp_size, cp.cp_size, cp.dp_rank, cp.cp_rank) == (1, 2, 0, rank)
+    assert cp.fsdp_mesh.size() == 2 and dist.get_world_size(cp.cp_group) == 2
+    assert dist.get_world_size(cp.dp_group) == 1
+
     plain = load_hf_model(path)
     tokens = _batch()
     with torch.no_grad():
@@ -76,6 +81,23 @@ def _sharded_logits_body(rank: int, world_size: int, path: str) -> None:
     torch.testing.assert_close(ref_logits, expected, atol=1e-5, rtol=1e-5)
 
 
+def _fsdp_adam_step(
+    path: str, state, local: torch.Tensor, scale: float, offload: bool, grad_ckpt: bool = False
+) -> torch.nn.Module:
+    """Build the FSDP2 model and take one AdamW step on ``local`` (loss: token CE sum * scale)."""
+    model = build_fsdp_model(path, state.fsdp_mesh, gradient_checkpointing=grad_ckpt)
+    opt = build_optimizer(model.parameters(), "adam", lr=1e-3, weight_decay=0.1, eps=1e-6)
+    if offload:
+        offload_to_cpu(model, opt)
+        load_to_device(model, opt, state.device)
+    (_token_ce_sum(model, local) * scale).backward()
+    opt.step()
+    if offload:
+        offload_to_cpu(model, opt)
+        load_to_device(model, opt, state.device)
+    return model
+
+
 def _dp_step_body(rank: int, world_size: int, path: str) -> None:
     state = init_distributed(None, timeout_s=60)
     tokens = _batch(n=4)
@@ -90,20 +112,23 @@ def _dp_step_body(rank: int, world_size: int, path: str) -> None:
     opt.step()
 
     # DP=2: each rank half the batch; FSDP averages gradients over 2 ranks, so scale the rank's sum by dp_size.
-    model = build_fsdp_model(path, state.fsdp_mesh, torch.float32, torch.float32, cpu_offload=False)
-    fopt = build_optimizer(model.parameters(), "adam", lr=1e-3, weight_decay=0.1, eps=1e-6)
     local = tokens.chunk(state.dp_size)[state.dp_rank]
-    offload_to_cpu(model, fopt)  # no-op on CPU: must not change the numbers
-    load_to_device(model, fopt, state.device)
-    (_token_ce_sum(model, local) * state.dp_size / n_pred).backward()
+    scale = state.dp_size / n_pred
+    model = _fsdp_adam_step(path, state, local, scale, offload=True)
     # Adam's step is nearly scale-invariant, so check the averaged gradients themselves (catches loss scaling).
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad.full_tensor(), plain.get_parameter(name).grad, atol=1e-6, rtol=1e-5)
-    fopt.step()
-    offload_to_cpu(model, fopt)
-    load_to_device(model, fopt, state.device)
+    # offload/onload are no-ops on CPU: the same step without them is bit-identical
+    no_offload = _full_params(_fsdp_adam_step(path, state, local, scale, offload=False))
+    # activation recomputation (gradient checkpointing) under FSDP2 gives the same update
+    recomputed = _full_params(_fsdp_adam_step(path, state, local, scale, offload=False, grad_ckpt=True))
+    for n, p in recomputed.items():
+        assert (p - no_offload[n]).abs().max().item() <= 1e-6, f"gradient checkpointing changed {n}"
 
     got = _full_params(model)
+    assert all(torch.equal(got[n], no_offload[n]) for n in got), (
+        "offload_to_cpu/load_to_device changed numbers"
+    )
     for name, p in plain.named_parameters():
         diff = (got[name] - p.detach()).abs().max().item()
         assert diff <= 1e-5, f"{name}: DP=2 and DP=1 updates differ by {diff}"
@@ -216,3 +241,37 @@ def test_bucketed_refit_to_colocated_engines(tmp_path) -> None:
         assert {c["serialized_named_tensors"] for c in calls} == {tp_size}
         assert all(c["load_format"] is None for c in calls)
     assert "bad" not in server.calls
+
+
+def _gpu_offload_body(rank: int, world_size: int, path: str) -> None:
+    state = init_distributed("nccl", timeout_s=120)
+    tokens = _batch(n=2).to(state.device)
+
+    def run(offload: bool) -> dict[str, torch.Tensor]:
+        model = build_fsdp_model(
+            path, state.fsdp_mesh, torch.float32, torch.float32, False, device=state.device
+        )
+        opt = build_optimizer(model.parameters(), "adam", lr=1e-3)
+        for _ in range(2):
+            _token_ce_sum(model, tokens).backward()
+            opt.step()
+            if offload:
+                before = torch.cuda.memory_allocated()
+                offload_to_cpu(model, opt)
+                assert all(p.device.type == "cpu" for p in model.parameters())
+                assert all(v.device.type == "cpu" for s in opt.state.values() for v in s.values() if v.dim())
+                assert torch.cuda.memory_allocated() < before
+                load_to_device(model, opt, state.device)
+                assert all(p.device == state.device for p in model.parameters())
+            opt.zero_grad(set_to_none=True)
+        return _full_params(model)
+
+    with_offload, without = run(True), run(False)
+    assert all(torch.equal(with_offload[n], without[n]) for n in without)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_offload_roundtrip_keeps_training_identical(tmp_path) -> None:
+    path = save_tiny_qwen3(str(tmp_path / "tiny"), vocab_size=VOCAB)
+    run_distributed(_gpu_offload_body, 1, path, init_pg=False)

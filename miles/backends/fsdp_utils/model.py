@@ -40,7 +40,7 @@ def load_hf_model(
 ) -> nn.Module:
     """Build ``AutoModelForCausalLM`` from the HF directory ``path`` (weights on CPU, ``use_cache`` off).
 
-    ``on_meta=True`` reads only ``config.json`` and builds the model on the meta device (no weights, no memory);
+    The model is returned in train mode. ``on_meta=True`` reads only ``config.json`` and builds the model on the meta device (no weights, no memory);
     `build_fsdp_model` uses this on every rank but 0. Tied embeddings stay tied in both cases.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -57,6 +57,9 @@ def load_hf_model(
             path, attn_implementation=attn_implementation, dtype=dtype, trust_remote_code=True
         )
     model.config.use_cache = False  # packed forwards silently ignore packing with a KV cache
+    # from_pretrained returns eval mode, from_config train mode: make every rank agree (gradient checkpointing
+    # only recomputes in train mode, and the recompute issues FSDP all-gathers that all ranks must join).
+    model.train()
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -124,12 +127,17 @@ def build_fsdp_model(
     device: torch.device | str = "cpu",
     reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Load ``path`` on mesh rank 0 only, shard it with `apply_fsdp2` and broadcast the weights to all ranks.
+    """Load ``path`` on global rank 0 only, shard it with `apply_fsdp2` and broadcast the weights to all ranks.
 
     The master weights are fp32 (``param_dtype`` is the compute dtype). ``device`` is where the shards live
     (CPU when ``cpu_offload``). Collective: every rank of ``mesh`` must call it.
     """
-    is_src = mesh.get_local_rank() == 0
+    if mesh.ndim != 1 or mesh.size() != dist.get_world_size():
+        # set_model_state_dict(broadcast_from_rank0=True) broadcasts from global rank 0 over the default group
+        raise ValueError(
+            f"build_fsdp_model needs a 1-D mesh over all {dist.get_world_size()} ranks, got {mesh}"
+        )
+    is_src = dist.get_rank() == 0
     model = load_hf_model(
         path, attn_implementation, torch.float32, gradient_checkpointing, on_meta=not is_src
     )
