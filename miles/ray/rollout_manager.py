@@ -101,7 +101,9 @@ class RolloutManager:
 
     def set_start_rollout(self, rollout_id: int) -> None:
         """Position the data cursor for a run resumed at `rollout_id` (one batch of prompts per rollout)."""
-        self.data_source.skip_prompts(rollout_id * self.config.rollout.rollout_batch_size)
+        consumed = rollout_id * self.config.rollout.rollout_batch_size
+        size = len(self.data_source.dataset)
+        self.data_source.load_state_dict({"epoch": consumed // size, "offset": consumed % size})
 
     def _sampling(self, temperature: float, max_len: int) -> SamplingSettings:
         r = self.config.rollout
@@ -115,18 +117,16 @@ class RolloutManager:
             skip_special_tokens=r.rollout_skip_special_tokens,
         )
 
-    async def _generate_and_score(self, samples: list[Sample], settings: SamplingSettings) -> int:
-        from miles.rollout.rm_hub import score_samples
+    def _generate_and_score(self, samples: list[Sample], settings: SamplingSettings) -> int:
+        """Generate and score in place; returns the number of samples whose reward function failed.
 
-        r = self.config.rollout
+        (A plain method wrapping a module-level coroutine: an `async def` method would turn this Ray actor into
+        an async actor, whose event loop `asyncio.run` cannot nest in.)
+        """
         concurrency = self.config.engine.engine_max_running_requests * len(self.engine_urls)
-        await generate_samples(self.router_url, samples, settings, concurrency, self.timeout)
-        scores, num_failed = await score_samples(
-            samples, r.rm_type, r.custom_rm_path, self.config, error_as_zero=r.rm_error_as_zero
+        return asyncio.run(
+            _generate_and_score(self.router_url, samples, settings, concurrency, self.timeout, self.config)
         )
-        for s, score in zip(samples, scores):
-            s.reward = score
-        return num_failed
 
     def generate(self, rollout_id: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
         """Generate and score one rollout. Returns the samples (as dicts, prompt groups contiguous) and metrics."""
@@ -136,7 +136,7 @@ class RolloutManager:
         for i, s in enumerate(samples):
             s.index = i
         settings = self._sampling(r.rollout_temperature, r.rollout_max_response_len)
-        num_failed = asyncio.run(self._generate_and_score(samples, settings))
+        num_failed = self._generate_and_score(samples, settings)
         metrics = rollout_metrics(samples, num_failed)
         if self.config.log.dump_details:
             _dump_samples(Path(self.config.log.dump_details) / f"rollout_{rollout_id:07d}.jsonl", samples)
@@ -157,7 +157,7 @@ class RolloutManager:
                 dataset, n_samples_per_prompt=ev.n_samples_per_eval_prompt, shuffle=False
             )
             samples = [s for g in source.next_batch(len(dataset)) for s in g]
-            asyncio.run(self._generate_and_score(samples, settings))
+            self._generate_and_score(samples, settings)
             metrics[f"eval/{name}"] = statistics.fmean(float(s.reward) for s in samples)
             if self.config.log.dump_details:
                 _dump_samples(
@@ -195,6 +195,21 @@ class RolloutManager:
     def shutdown(self) -> None:
         self.router.shutdown()
         ray_get([e.shutdown.remote() for e in self.engines], 60, "stopping engines")
+
+
+async def _generate_and_score(
+    url: str, samples: list[Sample], settings: SamplingSettings, concurrency: int, timeout: float, config: Any
+) -> int:
+    from miles.rollout.rm_hub import score_samples
+
+    r = config.rollout
+    await generate_samples(url, samples, settings, concurrency, timeout)
+    scores, num_failed = await score_samples(
+        samples, r.rm_type, r.custom_rm_path, config, error_as_zero=r.rm_error_as_zero
+    )
+    for s, score in zip(samples, scores):
+        s.reward = score
+    return num_failed
 
 
 def rollout_metrics(samples: list[Sample], num_failed: int) -> dict[str, float]:

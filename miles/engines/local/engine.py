@@ -30,12 +30,14 @@ _GEN_USED = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "r
 _GEN_IGNORED = {
     "log_metrics", "data_parallel_rank", "routed_dp_rank", "priority", "session_id", "routing_key",
     "conversation_id", "custom_labels", "no_logs", "extra_key", "modalities", "background", "received_time",
+    "model",  # added by sglang-router when it forwards a request
 }  # fmt: skip
 _GEN_NEUTRAL: dict[str, Any] = {
     "stream": False, "logprob_start_len": -1, "top_logprobs_num": 0, "token_ids_logprob": None,
     "return_hidden_states": False, "return_routed_experts": False, "return_entropy": False, "lora_path": None,
     "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None,
     "custom_logit_processor": None, "session_params": None, "return_prompt_token_ids": False,
+    "return_bytes": False,  # added by sglang-router
 }  # fmt: skip
 
 
