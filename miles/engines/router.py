@@ -134,8 +134,8 @@ class Router:
             raise RuntimeError(f"router refused worker {url}: HTTP {resp.status_code}: {resp.text[:500]}")
         self._wait(lambda: url in self.list_workers(), time.monotonic() + timeout, f"registration of {url}")
 
-    def remove_worker(self, url: str) -> None:
-        """Unregister a worker."""
+    def remove_worker(self, url: str, timeout: float = 60.0) -> None:
+        """Unregister a worker and wait until the router no longer lists it (removal is asynchronous)."""
         resp = self._client.get(self.url + "/workers")
         resp.raise_for_status()
         ids = [w["id"] for w in resp.json().get("workers", []) if w["url"] == url]
@@ -143,6 +143,7 @@ class Router:
             raise ValueError(f"worker {url} not registered; known: {self.list_workers()}")
         for wid in ids:
             self._client.delete(f"{self.url}/workers/{wid}").raise_for_status()
+        self._wait(lambda: url not in self.list_workers(), time.monotonic() + timeout, f"removal of {url}")
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Terminate the router, then kill it if it lingers."""

@@ -52,7 +52,7 @@ def gen(engine, ids, **sp):
     body = {"input_ids": ids, "sampling_params": sp, "return_logprob": rl}
     if rid is not None:
         body["rid"] = rid
-    return engine.post("/generate", body)
+    return engine.post("/generate", body, timeout=60)
 
 
 def greedy(engine, ids, n=8, **kw):
@@ -65,6 +65,13 @@ def refit(engine, named, version=None):
     if version is not None:
         body["weight_version"] = version
     return engine.post("/update_weights_from_tensor", body)
+
+
+@pytest.fixture(autouse=True)
+def _never_left_paused(engine):
+    yield
+    engine.post("/continue_generation", {})
+    engine.post("/abort_request", {"abort_all": True})
 
 
 def test_info_endpoints(engine, model_dir):
@@ -287,7 +294,8 @@ def test_pause_in_place_holds_running_requests(engine):
     s1 = engine.get("/get_server_info")["internal_states"][0]
     time.sleep(0.5)
     s2 = engine.get("/get_server_info")["internal_states"][0]
-    assert s1["decode_tokens"] == s2["decode_tokens"] and s2["num_running"] == 1
+    assert s1["decode_tokens"] == s2["decode_tokens"], (s1, s2)
+    assert s2["num_running"] == 1, s2
     assert engine.post("/continue_generation", {})["success"]
     time.sleep(0.2)
     assert engine.post("/abort_request", {"abort_all": True})["success"]

@@ -120,7 +120,8 @@ class Scheduler:
         req = Request(rid, list(input_ids), params, return_logprob, request_generator(self.random_seed, rid))
         req.return_text_in_logprobs = return_text_in_logprobs
         with self._cond:
-            if any(r.rid == rid for r in (*self.waiting, *self.running)):
+            # a finished request may still sit in `running` until the end of the step that finished it
+            if any(r.rid == rid and r.finish_reason is None for r in (*self.waiting, *self.running)):
                 raise ValueError(f"duplicate rid {rid!r}: a request with this id is in flight")
             self.waiting.append(req)
             self._cond.notify_all()
@@ -154,7 +155,8 @@ class Scheduler:
 
     def load(self) -> dict[str, int]:
         """Queue sizes for /get_server_info and /get_load."""
-        return {"num_waiting": len(self.waiting), "num_running": len(self.running)}
+        running = sum(r.finish_reason is None for r in self.running)
+        return {"num_waiting": len(self.waiting), "num_running": running}
 
     # ---------------------------------------------------------------- scheduler thread
     def _loop(self) -> None:
