@@ -225,8 +225,11 @@ class Scheduler:
             req.cache = runner.new_cache()
             logits = runner.prefill(req.input_ids, req.cache)
             self.stats["prefill_tokens"] += len(req.input_ids)
-            if not self._append_token(req, logits):
+            finish = self._append_token(req, logits)
+            if finish is None:
                 self.running.append(req)
+            else:
+                self._finish(req, finish)
 
     def _decode_step(self) -> None:
         runner = self._runner_fn()
@@ -235,22 +238,19 @@ class Scheduler:
         self.stats["decode_seconds"] += time.perf_counter() - t0
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(self.running)
-        still = []
-        for i, req in enumerate(self.running):
-            if not self._append_token(req, logits[i]):
-                still.append(req)
-        self.running = still
+        done = [(req, self._append_token(req, logits[i])) for i, req in enumerate(self.running)]
+        # leave the batch first, then answer: a client's next request must not see its old one as running
+        self.running = [req for req, finish in done if finish is None]
+        for req, finish in done:
+            if finish is not None:
+                self._finish(req, finish)
 
-    def _append_token(self, req: Request, logits: torch.Tensor) -> bool:
-        """Sample the next token of `req`; returns True (and finishes it) when the request is done."""
+    def _append_token(self, req: Request, logits: torch.Tensor) -> dict[str, Any] | None:
+        """Sample the next token of `req`; returns its finish reason when the request is done."""
         token, logprob = sample_token(logits, req.params, req.generator)
         req.output_ids.append(token)
         req.logprobs.append(logprob)
-        finish = self._check_stop(req, token)
-        if finish is not None:
-            self._finish(req, finish)
-            return True
-        return False
+        return self._check_stop(req, token)
 
     def _check_stop(self, req: Request, token: int) -> dict[str, Any] | None:
         p = req.params
