@@ -256,3 +256,19 @@ def test_text_prompt_equals_token_prompt(local_engine):
     assert by_text["output_ids"] == by_ids["output_ids"] and by_text["meta_info"]["prompt_tokens"] == len(ids)
     batch = _run(local_engine, {"text": ["the cat", "a dog"], "sampling_params": sp})
     assert len(batch) == 2 and all(len(o["output_ids"]) == 4 for o in batch)
+
+
+def test_bfloat16_engine_runs_in_its_dtype(tmp_path):
+    path = build_tiny_model(tmp_path / "m")
+    eng = LocalEngine(EngineConfig(model_path=str(path), dtype="bfloat16"))
+    assert eng.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    eng.start()
+    try:
+        sp = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+        out = _run(eng, {"input_ids": [[3, 4, 5], [6]], "sampling_params": sp, "return_logprob": True})
+        assert all(len(o["meta_info"]["output_token_logprobs"]) == 5 for o in out)
+        assert all(lp <= 0 for o in out for lp, _, _ in o["meta_info"]["output_token_logprobs"])
+    finally:
+        eng.stop()
+    with pytest.raises(ValueError, match="--dtype 'int8'"):
+        LocalEngine(EngineConfig(model_path=str(path), dtype="int8"))
