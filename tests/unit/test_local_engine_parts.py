@@ -272,3 +272,17 @@ def test_bfloat16_engine_runs_in_its_dtype(tmp_path):
         eng.stop()
     with pytest.raises(ValueError, match="--dtype 'int8'"):
         LocalEngine(EngineConfig(model_path=str(path), dtype="int8"))
+
+
+def test_failed_decode_step_fails_only_the_batch(local_engine, monkeypatch):
+    sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(local_engine.runner, "decode", broken)
+    _, futs, _ = local_engine.submit_generate({"input_ids": [3, 4], "sampling_params": sp})
+    with pytest.raises(RuntimeError, match="boom"):
+        futs[0].result(30)
+    monkeypatch.undo()
+    assert len(_run(local_engine, {"input_ids": [3, 4], "sampling_params": sp})["output_ids"]) == 4

@@ -172,17 +172,16 @@ class Scheduler:
                 self._run_command(fn, fut)
             if self.paused:
                 continue
-            try:
-                self._admit()
-                if self.running:
+            self._admit()
+            if self.running:
+                try:
                     self._decode_step()
-            except Exception as e:  # noqa: BLE001 - a model failure must fail the requests, not hang them
-                logger.exception("scheduler step failed")
-                for r in (*self.waiting, *self.running):
-                    if not r.future.done():
-                        r.future.set_exception(e)
-                self.waiting.clear()
-                self.running.clear()
+                except Exception as e:  # noqa: BLE001 - a model failure must fail the batch, not hang it
+                    logger.exception("decode step failed; failing %d running requests", len(self.running))
+                    failed, self.running = self.running, []
+                    for r in failed:
+                        if not r.future.done():
+                            r.future.set_exception(e)
         self.abort(abort_all=True, message="server shutting down")
         for _fn, fut in self._commands:
             fut.set_exception(RuntimeError("server shutting down"))
@@ -223,9 +222,14 @@ class Scheduler:
                 self._finish(req, {"type": "length", "length": 0})
                 continue
             req.cache = runner.new_cache()
-            logits = runner.prefill(req.input_ids, req.cache)
+            try:
+                logits = runner.prefill(req.input_ids, req.cache)
+                finish = self._append_token(req, logits)
+            except Exception as e:  # noqa: BLE001 - fail this request only
+                logger.exception("prefill of request %s failed", req.rid)
+                req.future.set_exception(e)
+                continue
             self.stats["prefill_tokens"] += len(req.input_ids)
-            finish = self._append_token(req, logits)
             if finish is None:
                 self.running.append(req)
             else:
