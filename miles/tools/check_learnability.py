@@ -21,6 +21,7 @@ import random
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from miles.rollout.rm_hub import get_reward_fn
 from miles.tools.tiny_model import build_tiny_model
 from miles.tools.toy_data import DEFAULT_TASK, FORMATS, TASKS, make_rows
 from miles.utils.types import Sample
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass
@@ -40,7 +44,9 @@ class StepStats:
 
 
 @torch.no_grad()
-def _sample(model, prompt_ids: list[int], n: int, max_new_tokens: int, eos_id: int) -> list[list[int]]:  # noqa: ANN001
+def _sample(
+    model: PreTrainedModel, prompt_ids: list[int], n: int, max_new_tokens: int, eos_id: int
+) -> list[list[int]]:
     """Sample `n` responses for one prompt at temperature 1 (KV cache; stops per row at eos)."""
     ids = torch.tensor([prompt_ids] * n)
     out = model(input_ids=ids, use_cache=True)
@@ -60,7 +66,7 @@ def _sample(model, prompt_ids: list[int], n: int, max_new_tokens: int, eos_id: i
     return responses
 
 
-def _prompt_ids(tok, prompt: str | list[dict[str, str]]) -> list[int]:  # noqa: ANN001
+def _prompt_ids(tok: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]]) -> list[int]:
     """Token ids of a plain-string prompt, or of chat messages through the chat template."""
     if isinstance(prompt, str):
         return list(tok(prompt)["input_ids"])  # as miles.rollout.data_source does
@@ -68,8 +74,17 @@ def _prompt_ids(tok, prompt: str | list[dict[str, str]]) -> list[int]:  # noqa: 
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def _loss(model, prompts: list[list[int]], responses: list[list[int]], adv: list[float], pad_id: int):  # noqa: ANN001, ANN202
-    """Token-mean REINFORCE loss over all response tokens in the batch (right-padded forward)."""
+def _loss(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    adv: list[float],
+    pad_id: int,
+) -> torch.Tensor:
+    """REINFORCE loss `-sum_i sum_t adv_i * log p(y_it)` over the batch, divided by its response-token count.
+
+    One right-padded forward over prompt + response; only response tokens count.
+    """
     seqs = [p + r for p, r in zip(prompts, responses)]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id)

@@ -16,6 +16,7 @@ renamed into place, so a reader never sees a half-written model.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 from miles.tools.toy_data import DEFAULT_TASK, TASKS, tokenizer_corpus
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast, Qwen3Config
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -79,7 +80,7 @@ def _model_config(
     num_heads: int,
     intermediate_size: int | None,
     initializer_range: float,
-):  # noqa: ANN202 - returns a Qwen3Config (lazy import)
+) -> Qwen3Config:
     from transformers import Qwen3Config
 
     if hidden_size % num_heads != 0:
@@ -92,7 +93,7 @@ def _model_config(
         intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
-        num_key_value_heads=max(1, num_heads // 2),
+        num_key_value_heads=num_heads // 2 if num_heads % 2 == 0 else num_heads,  # GQA when it divides
         head_dim=hidden_size // num_heads,
         max_position_embeddings=512,
         tie_word_embeddings=True,
@@ -102,6 +103,18 @@ def _model_config(
         bos_token_id=None,
         dtype="float32",
     )
+
+
+def _portable_tokenizer_config(path: Path) -> None:
+    """Name the tokenizer class and extra special tokens so that transformers 4.x loads the tokenizer too."""
+    cfg = json.loads(path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    extra = cfg.pop("extra_special_tokens", None)
+    if isinstance(extra, list):
+        cfg["additional_special_tokens"] = extra
+    elif extra is not None:
+        cfg["extra_special_tokens"] = extra
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def build_tiny_model(
@@ -146,6 +159,7 @@ def build_tiny_model(
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    _portable_tokenizer_config(tmp / "tokenizer_config.json")
     if out.exists():
         old = out.with_name(out.name + ".old")
         if old.exists():
@@ -174,6 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     a = p.parse_args(argv)
+    if Path(a.out).exists() and not a.overwrite:
+        p.error(f"--out {a.out} already exists; pass --overwrite to replace it")
     out = build_tiny_model(
         a.out,
         task=a.task,

@@ -27,6 +27,8 @@ def test_round_trip_loads_offline_and_runs(model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assert (model_dir / "model.safetensors").is_file()
+    tok_cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    assert tok_cfg["tokenizer_class"] == "PreTrainedTokenizerFast"  # loadable by transformers 4.x as well
     assert not model_dir.with_name("model.tmp").exists()
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -89,6 +91,17 @@ def test_existing_dir_needs_overwrite(tmp_path: Path) -> None:
     assert not (out / "stale.txt").exists() and (out / "config.json").is_file()
 
 
+def test_cli_builds_and_refuses_to_clobber(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from miles.tools.tiny_model import main
+
+    out = tmp_path / "cli"
+    main(["--out", str(out), "--hidden-size", "32", "--num-heads", "2", "--num-layers", "1", "--seed", "5"])
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 1
+    with pytest.raises(SystemExit):
+        main(["--out", str(out)])
+    assert "already exists" in capsys.readouterr().err
+
+
 def test_bad_sizes(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="divisible"):
         build_tiny_model(tmp_path / "m", hidden_size=30, num_heads=4)
@@ -145,3 +158,25 @@ def test_echo_task_is_learned_by_grpo() -> None:
     rewards = [s.mean_reward for s in run(task="echo", steps=30, prompts_per_step=16, n=8, lr=5e-3, seed=0)]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert first <= 0.2 and last >= first + 0.3, rewards
+
+
+def test_reinforce_loss_matches_loop(model_dir: Path) -> None:
+    """The learnability check's batched loss equals a per-sequence loop over unpadded sequences."""
+    from transformers import AutoModelForCausalLM
+
+    from miles.tools.check_learnability import _loss
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    prompts = [[1, 5, 6], [1, 7], [1, 8, 9, 10]]
+    responses = [[11, 2], [12, 13, 14], [4]]
+    adv = [1.5, -0.5, 0.25]
+    got = _loss(model, prompts, responses, adv, pad_id=0)
+    total, count = 0.0, 0
+    for p, r, a in zip(prompts, responses, adv):
+        with torch.no_grad():
+            logits = model(torch.tensor([p + r])).logits[0].float()
+        for t, token in enumerate(r):
+            logp = torch.log_softmax(logits[len(p) + t - 1], dim=-1)[token]
+            total += -a * float(logp)
+            count += 1
+    assert abs(float(got.detach()) - total / count) < 1e-5
