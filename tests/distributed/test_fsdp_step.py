@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from _util import run_distributed, save_tiny_qwen3
+from _util import free_port, run_distributed, save_tiny_qwen3
 from safetensors.torch import load_file
 
 from miles.backends.fsdp_utils.model import (
@@ -24,6 +24,8 @@ from miles.backends.fsdp_utils.offload import load_to_device, offload_to_cpu
 from miles.backends.fsdp_utils.parallel import ParallelDims, init_distributed
 from miles.backends.fsdp_utils.update_weight_utils import (
     ColocatedWeightUpdater,
+    DistributedWeightUpdater,
+    init_weights_update_group,
     iter_weight_buckets,
     plan_weight_buckets,
 )
@@ -215,7 +217,10 @@ def _refit_body(rank: int, world_size: int, path: str, url: str) -> None:
     assert tp2.update(model, bucket_bytes, weight_version="v2") == len(expected)
 
     bad = ColocatedWeightUpdater([f"{url}/bad"], 2, rank, world_size)
-    with pytest.raises(RuntimeError, match=r"engine .*/bad, bucket 0, phase response: success=false"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"engine .*/bad, update_weights_from_tensor, bucket 0, phase response: success=false",
+    ):
         bad.update(model, bucket_bytes, weight_version="v3")
     with pytest.raises(ValueError, match="at most 1 engines"):
         ColocatedWeightUpdater([f"{url}/e0", f"{url}/e1"], 2, rank, world_size)
@@ -241,6 +246,82 @@ def test_bucketed_refit_to_colocated_engines(tmp_path) -> None:
         assert {c["serialized_named_tensors"] for c in calls} == {tp_size}
         assert all(c["load_format"] is None for c in calls)
     assert "bad" not in server.calls
+
+
+def _fake_distributed_engine(port: int, out: str, ready) -> None:
+    """An engine process: joins the update group on request and records what rank 0 broadcasts."""
+    torch.set_num_threads(1)
+    seen: dict = {"group": None, "tensors": [], "calls": []}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            endpoint = self.path.strip("/")
+            if endpoint == "init_weights_update_group":
+                seen["init"] = body
+                seen["group"] = init_weights_update_group(
+                    body["master_address"], body["master_port"], body["rank_offset"], body["world_size"],
+                    body["group_name"], body["backend"], timeout_s=60,
+                )  # fmt: skip
+            elif endpoint == "update_weights_from_distributed":
+                for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True):
+                    t = torch.empty(shape, dtype=getattr(torch, dtype))
+                    dist.broadcast(t, group=seen["group"], group_src=0)
+                    seen["tensors"].append((name, t))
+                seen["calls"].append({k: body[k] for k in ("flush_cache", "weight_version", "group_name")})
+            elif endpoint == "destroy_weights_update_group":
+                dist.destroy_process_group(seen["group"])
+                torch.save({k: seen[k] for k in ("tensors", "calls", "init")}, out)
+                threading.Thread(target=self.server.shutdown).start()
+            data = json.dumps({"success": True, "message": ""}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    ready.set()
+    server.serve_forever()
+
+
+def _distributed_refit_body(rank: int, world_size: int, path: str, url: str, master_port: int) -> None:
+    state = init_distributed("gloo", timeout_s=60)
+    model = build_fsdp_model(path, state.fsdp_mesh)
+    updater = DistributedWeightUpdater([url], 1, rank, world_size, "127.0.0.1", master_port, timeout_s=60)
+    updater.connect()
+    n = updater.update(model, 8192, weight_version="v7")
+    assert n == len(plan_weight_buckets(model, 8192))
+    updater.disconnect()
+
+
+def test_distributed_refit_broadcasts_every_tensor(tmp_path) -> None:
+    path = save_tiny_qwen3(str(tmp_path / "tiny"), vocab_size=VOCAB)
+    hf = load_file(f"{path}/model.safetensors")
+    ctx = torch.multiprocessing.get_context("spawn")
+    ready, port, out = ctx.Event(), free_port(), str(tmp_path / "engine.pt")
+    engine = ctx.Process(target=_fake_distributed_engine, args=(port, out, ready), daemon=True)
+    engine.start()
+    try:
+        assert ready.wait(60), "fake engine did not start"
+        run_distributed(
+            _distributed_refit_body, 2, path, f"http://127.0.0.1:{port}", free_port(), init_pg=False
+        )
+        engine.join(30)
+    finally:
+        if engine.is_alive():
+            engine.kill()
+    got = torch.load(out)
+    assert got["init"]["rank_offset"] == 1 and got["init"]["world_size"] == 2
+    names = [n for n, _ in got["tensors"]]
+    assert sorted(names) == sorted(hf) and len(names) == len(set(names))
+    for name, t in got["tensors"]:
+        assert torch.equal(t, hf[name]), name
+    calls = got["calls"]
+    assert [c["flush_cache"] for c in calls] == [False] * (len(calls) - 1) + [True]
+    assert {c["weight_version"] for c in calls} == {"v7"}
 
 
 def _gpu_offload_body(rank: int, world_size: int, path: str) -> None:

@@ -69,5 +69,7 @@ def test_names_and_errors() -> None:
     )
     with pytest.raises(ValueError, match="bucket_bytes=0"):
         plan_weight_buckets(torch.nn.Linear(2, 2), 0)
-    with pytest.raises(NotImplementedError, match="disaggregated"):
-        DistributedWeightUpdater()
+    with pytest.raises(ValueError, match="engine_urls is empty"):
+        DistributedWeightUpdater([], 1, 0, 1, "127.0.0.1", 1234)
+    with pytest.raises(ValueError, match="ranks_per_engine=0"):
+        DistributedWeightUpdater(["http://x"], 0, 0, 1, "127.0.0.1", 1234)

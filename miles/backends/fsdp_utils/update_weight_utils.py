@@ -10,12 +10,17 @@ of those ranks turns its gathered tensors into a tensor-handle string (CUDA IPC 
 `miles.utils.serialization`), the engine's leader rank collects the strings in TP order and POSTs them to
 ``/update_weights_from_tensor``. All ranks then agree on success before the next bucket, which also keeps every
 rank's tensors alive until the engine has answered.
+
+`DistributedWeightUpdater` (engines on other devices/nodes): training rank 0 and every engine rank form a separate
+process group (``/init_weights_update_group``); per bucket, rank 0 announces names/dtypes/shapes
+(``/update_weights_from_distributed``) and broadcasts the tensors in that order.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
@@ -189,35 +194,227 @@ class ColocatedWeightUpdater:
             "flush_cache": is_last,
             "weight_version": weight_version,
         }
-        where = f"engine {url}, bucket {index}"
-        try:
-            resp = httpx.post(
-                f"{url}/update_weights_from_tensor", json=body, headers=self._headers, timeout=self.timeout_s
-            )
-        except httpx.HTTPError as exc:
-            raise RuntimeError(f"{where}, phase request: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code != 200:
-            raise RuntimeError(f"{where}, phase status: HTTP {resp.status_code}: {resp.text[:500]}")
-        try:
-            answer = resp.json()
-        except ValueError as exc:
-            raise RuntimeError(f"{where}, phase response: not JSON: {resp.text[:500]!r}") from exc
-        if not answer.get("success", False):
-            raise RuntimeError(f"{where}, phase response: success=false: {answer.get('message', answer)}")
+        post_engine(url, "update_weights_from_tensor", body, self._headers, self.timeout_s, f"bucket {index}")
 
     def _raise_if_any_failed(self, error: str | None) -> None:
-        errors: list[str | None] = [None] * self.world_size
-        dist.all_gather_object(errors, error, group=self._ctrl)
-        failed = [e for e in errors if e is not None]
-        if failed:
-            raise RuntimeError("weight update failed: " + " | ".join(failed))
+        raise_if_any_failed(error, self.world_size, self._ctrl)
+
+
+def post_engine(
+    url: str, endpoint: str, body: dict, headers: dict[str, str], timeout_s: float, what: str
+) -> dict:
+    """POST ``body`` to ``{url}/{endpoint}`` and require ``success``; errors name the engine, ``what`` and the
+    phase (request: no answer in time / connection; status: non-200; response: not JSON or success=false)."""
+    where = f"engine {url}, {endpoint}, {what}"
+    try:
+        resp = httpx.post(f"{url}/{endpoint}", json=body, headers=headers, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise RuntimeError(f"{where}, phase request: {type(exc).__name__}: {exc}") from exc
+    if resp.status_code != 200:
+        raise RuntimeError(f"{where}, phase status: HTTP {resp.status_code}: {resp.text[:500]}")
+    try:
+        answer = resp.json()
+    except ValueError as exc:
+        raise RuntimeError(f"{where}, phase response: not JSON: {resp.text[:500]!r}") from exc
+    if not answer.get("success", False):
+        raise RuntimeError(f"{where}, phase response: success=false: {answer.get('message', answer)}")
+    return answer
+
+
+def raise_if_any_failed(error: str | None, world_size: int, group: dist.ProcessGroup) -> None:
+    """Collective: every rank learns every rank's error (None: fine) and all raise together, so none hangs."""
+    errors: list[str | None] = [None] * world_size
+    dist.all_gather_object(errors, error, group=group)
+    failed = [e for e in errors if e is not None]
+    if failed:
+        raise RuntimeError("weight update failed: " + " | ".join(failed))
+
+
+def init_weights_update_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
+    timeout_s: float,
+) -> dist.ProcessGroup:
+    """Join a process group that is independent of the default one (trainer rank 0 + every engine rank).
+
+    Same construction as SGLang's engine side of ``/init_weights_update_group``: TCP rendezvous at
+    ``tcp://master_address:master_port`` (hosted by rank 0), keys namespaced by ``group_name``. Blocks until all
+    ``world_size`` members have joined.
+    """
+    import inspect
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(
+        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    params = inspect.signature(_new_process_group_helper).parameters
+    options = "backend_options" if "backend_options" in params else "pg_options"
+    group, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        store,
+        group_name=group_name,
+        timeout=timeout,
+        **{options: None},
+    )
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
 
 
 class DistributedWeightUpdater:
-    """Disaggregated refit (NCCL broadcast via init_weights_update_group / update_weights_from_distributed)."""
+    """Disaggregated refit: training rank 0 broadcasts each bucket to the engines over a dedicated group.
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        raise NotImplementedError(
-            "disaggregated weight update (init_weights_update_group + update_weights_from_distributed) is not "
-            "built yet; use colocated mode (ColocatedWeightUpdater) or refit from disk"
+    `connect` (once): rank 0 asks every engine to join group ``group_name`` (``/init_weights_update_group``;
+    engine ``e``'s TP ranks get ranks ``1 + e * ranks_per_engine ...``) and joins it as rank 0.
+    `update`: all training ranks gather each bucket (FSDP collective); rank 0 announces it
+    (``/update_weights_from_distributed`` with names, dtypes, shapes) to every engine and broadcasts the
+    tensors in that order while the requests are in flight. An engine that rejects the request leaves the
+    broadcast waiting until the group's timeout (``timeout_s``) expires.
+    `disconnect` tears the group down (``/destroy_weights_update_group``).
+    All three are collective over the training ranks (``group``; None: the default group), and all ranks
+    raise together on failure.
+    """
+
+    def __init__(
+        self,
+        engine_urls: list[str],
+        ranks_per_engine: int,
+        rank: int,
+        world_size: int,
+        master_address: str,
+        master_port: int,
+        group: dist.ProcessGroup | None = None,
+        group_name: str = "miles_weights_update",
+        backend: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        if not engine_urls:
+            raise ValueError("DistributedWeightUpdater: engine_urls is empty")
+        if ranks_per_engine < 1:
+            raise ValueError(f"ranks_per_engine={ranks_per_engine}: must be >= 1 (the engine TP size)")
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"weights-update backend {backend!r}: allowed 'nccl', 'gloo'")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s}: must be > 0")
+        self.engine_urls = [u.rstrip("/") for u in engine_urls]
+        self.ranks_per_engine = ranks_per_engine
+        self.rank, self.world_size = rank, world_size
+        self.master_address, self.master_port = master_address, master_port
+        self.group_name, self.backend, self.timeout_s = group_name, backend, timeout_s
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(world_size)]
+        self._ctrl = dist.new_group(ranks, backend="gloo")  # collective over the default group
+        self._group: dist.ProcessGroup | None = None
+        self._pool = ThreadPoolExecutor(max_workers=len(engine_urls), thread_name_prefix="miles-refit")
+
+    @property
+    def update_world_size(self) -> int:
+        return 1 + len(self.engine_urls) * self.ranks_per_engine
+
+    def _post_all(self, endpoint: str, bodies: list[dict], what: str) -> list[Future]:
+        return [
+            self._pool.submit(post_engine, url, endpoint, body, self._headers, self.timeout_s, what)
+            for url, body in zip(self.engine_urls, bodies, strict=True)
+        ]
+
+    def _on_rank0(self, fn: Callable[[], None]) -> None:
+        error = None
+        if self.rank == 0:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - reported to every rank, so none hangs
+                error = f"rank 0: {type(exc).__name__}: {exc}"
+        raise_if_any_failed(error, self.world_size, self._ctrl)
+
+    def connect(self) -> None:
+        """Create the update group with every engine. Collective over the training ranks."""
+        if self._group is not None:
+            raise RuntimeError(f"weights-update group {self.group_name!r} is already connected")
+
+        def join() -> None:
+            bodies = [
+                {
+                    "master_address": self.master_address,
+                    "master_port": self.master_port,
+                    "rank_offset": 1 + e * self.ranks_per_engine,
+                    "world_size": self.update_world_size,
+                    "group_name": self.group_name,
+                    "backend": self.backend,
+                }
+                for e in range(len(self.engine_urls))
+            ]
+            pending = self._post_all("init_weights_update_group", bodies, f"group {self.group_name}")
+            self._group = init_weights_update_group(
+                self.master_address, self.master_port, 0, self.update_world_size,
+                self.group_name, self.backend, self.timeout_s,
+            )  # fmt: skip
+            for f in pending:
+                f.result()
+
+        self._on_rank0(join)
+
+    def update(
+        self, model: nn.Module, bucket_bytes: int, weight_version: str, dtype: torch.dtype | None = None
+    ) -> int:
+        """Push all weights of ``model``; returns the number of buckets. Collective over the training ranks."""
+        if self.rank == 0 and self._group is None:
+            raise RuntimeError("DistributedWeightUpdater.update called before connect()")
+        n_buckets = len(_plan(_hf_tensors(model, dtype), bucket_bytes))
+        for index, bucket in enumerate(iter_weight_buckets(model, bucket_bytes, dtype)):
+            is_last = index == n_buckets - 1
+            self._on_rank0(
+                lambda b=bucket, i=index, last=is_last: self._broadcast(b, i, last, weight_version)
+            )
+        return n_buckets
+
+    def _broadcast(
+        self, bucket: list[tuple[str, torch.Tensor]], index: int, is_last: bool, version: str
+    ) -> None:
+        body = {
+            "names": [n for n, _ in bucket],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket],
+            "group_name": self.group_name,
+            "flush_cache": is_last,
+            "weight_version": version,
+        }
+        pending = self._post_all(
+            "update_weights_from_distributed", [body] * len(self.engine_urls), f"bucket {index}"
         )
+        for _, t in bucket:
+            dist.broadcast(t.contiguous(), group=self._group, group_src=0)
+        for f in pending:
+            f.result()
+
+    def disconnect(self) -> None:
+        """Ask the engines to leave the group and destroy our side. Collective over the training ranks."""
+
+        def leave() -> None:
+            if self._group is None:
+                return
+            bodies = [{"group_name": self.group_name}] * len(self.engine_urls)
+            for f in self._post_all("destroy_weights_update_group", bodies, f"group {self.group_name}"):
+                f.result()
+            dist.destroy_process_group(self._group)
+            self._group = None
+
+        self._on_rank0(leave)
