@@ -207,3 +207,22 @@ def test_bad_arguments(ds: PromptDataset) -> None:
         src.load_state_dict({"epoch": 0})
     with pytest.raises(ValueError, match="offset=9 does not fit a dataset of 5"):
         src.load_state_dict({"epoch": 0, "offset": 9})
+
+
+@pytest.mark.parametrize("fmt", ["plain", "chat"])
+def test_toy_data_with_tiny_tokenizer(tmp_path: Path, fmt: str) -> None:
+    """The toy dataset through the tiny model's real tokenizer: ids decode back to the prompt text."""
+    from miles.tools.tiny_model import build_tokenizer
+    from miles.tools.toy_data import make_rows, write_jsonl
+
+    tok = build_tokenizer("echo")
+    path = write_jsonl(make_rows("echo", 20, seed=0, fmt=fmt), tmp_path / "toy.jsonl")
+    ds = PromptDataset(path, "prompt", "label", None, tok, apply_chat_template=fmt == "chat")
+    assert len(ds) == 20
+    for rec in ds.records:
+        text = tok.decode(rec.prompt_ids)
+        if fmt == "plain":
+            assert text == rec.prompt and text.endswith(rec.label)
+        else:
+            content = rec.prompt[0]["content"]
+            assert text == f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
