@@ -286,3 +286,20 @@ def test_failed_decode_step_fails_only_the_batch(local_engine, monkeypatch):
         futs[0].result(30)
     monkeypatch.undo()
     assert len(_run(local_engine, {"input_ids": [3, 4], "sampling_params": sp})["output_ids"]) == 4
+
+
+def test_batch_is_all_or_nothing(local_engine):
+    long_sp = {"max_new_tokens": 20, "ignore_eos": True}
+    with pytest.raises(ValueError, match="unique"):
+        local_engine.submit_generate({"input_ids": [[3], [4]], "rid": ["x", "x"]})
+    _, busy, _ = local_engine.submit_generate(
+        {"input_ids": [3, 4], "rid": "busy", "sampling_params": long_sp}
+    )
+    with pytest.raises(ValueError, match="duplicate rid 'busy'"):
+        local_engine.submit_generate(
+            {"input_ids": [[5], [6]], "rid": ["first", "busy"], "sampling_params": long_sp}
+        )
+    local_engine.scheduler.call(lambda: None).result(30)  # barrier: queued commands (the withdrawal) have run
+    sched = local_engine.scheduler
+    assert "first" not in [r.rid for r in (*sched.waiting, *sched.running) if r.finish_reason is None]
+    assert busy[0].result(30)["meta_info"]["finish_reason"]["type"] == "length"

@@ -166,13 +166,20 @@ class LocalEngine:
                 raise ValueError(
                     f"input_ids must be ints in [0, {self.model.config.vocab_size}), got {ids[:8]}..."
                 )
+        rids = [str(r) for r in rids]
+        if len(set(rids)) != n:
+            raise ValueError(f"rids within one request must be unique, got {rids}")
         params = [SamplingParams.from_dict(s) for s in sps]
         with_text = bool(body.get("return_text_in_logprobs", False))
-        futures = [
-            self.scheduler.submit(str(r), ids, p, bool(lp), with_text)
-            for r, ids, p, lp in zip(rids, prompts, params, rls)
-        ]
-        return [str(r) for r in rids], futures, is_batch
+        futures: list[Future] = []
+        try:
+            for r, ids, p, lp in zip(rids, prompts, params, rls):
+                futures.append(self.scheduler.submit(r, ids, p, bool(lp), with_text))
+        except Exception:
+            for r in rids[: len(futures)]:  # all or nothing: withdraw the part of the batch already queued
+                self.run("abort", rid=r)
+            raise
+        return rids, futures, is_batch
 
     # ------------------------------------------------------------------ admin (run on the scheduler thread)
     def run(self, fn_name: str, **kwargs: Any) -> Future:
