@@ -87,13 +87,20 @@ class Router:
         self.proc = subprocess.Popen(
             self.command(), stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True
         )
+        try:
+            self._wait_started()
+        except BaseException:
+            self.shutdown()  # do not leave a half-started router behind
+            raise
+        return self
+
+    def _wait_started(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
         self._wait(
             lambda: self._client.get(self.url + "/health", timeout=5).status_code == 200, deadline, "/health"
         )
         for url in self.worker_urls:
             self._wait(lambda u=url: u in self.list_workers(), deadline, f"registration of worker {url}")
-        return self
 
     def _log_tail(self, n_chars: int = 4000) -> str:
         if not self.log_path or not os.path.exists(self.log_path):

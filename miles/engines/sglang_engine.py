@@ -159,7 +159,11 @@ class EngineProcess:
         self.proc = subprocess.Popen(
             self.command(), stdout=self._log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-        self.wait_healthy(self.startup_timeout)
+        try:
+            self.wait_healthy(self.startup_timeout)
+        except BaseException:
+            self.shutdown()  # do not leave a half-started server behind
+            raise
         return self
 
     def log_tail(self, n_chars: int = 4000) -> str:

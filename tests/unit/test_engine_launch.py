@@ -114,6 +114,7 @@ def test_startup_deadline(keyed_engine):
     try:
         with pytest.raises(EngineStartupError, match=r"not healthy after .*phase: waiting for /health"):
             eng.launch()
+        assert eng.proc is None  # the half-started server was shut down
     finally:
         eng.shutdown()
 
