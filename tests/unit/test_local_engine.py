@@ -340,7 +340,7 @@ def test_update_weights_from_disk(engine, hf_model, tmp_path):
 def test_update_weights_from_distributed(engine, hf_model):
     import torch.distributed as dist
 
-    from miles.engines.local.dist_update import init_custom_process_group
+    from miles.backends.fsdp_utils.update_weight_utils import init_weights_update_group
     from miles.engines.sglang_engine import find_free_port
 
     base = greedy(engine, PROMPTS[2], n=10)["output_ids"]
@@ -356,7 +356,7 @@ def test_update_weights_from_distributed(engine, hf_model):
     }
     t = threading.Thread(target=lambda: results.update(init=engine.post("/init_weights_update_group", body)))
     t.start()
-    pg = init_custom_process_group("127.0.0.1", port, 0, 2, group)
+    pg = init_weights_update_group("127.0.0.1", port, 0, 2, group, "gloo", 60.0)  # the trainer's side
     t.join(30)
     assert results["init"]["success"]
     named = [(n, p.detach().clone()) for n, p in hf_model.named_parameters()]

@@ -2,8 +2,10 @@
 
 The group is created the way SGLang creates it, so one trainer-side helper serves both engine kinds: a TCP
 rendezvous at `tcp://master_address:master_port` with `world_size` members (trainer = rank 0, engine = rank
-`rank_offset`), then a process group named `group_name` built on that store, without touching the default group
-of either process. Tensors arrive by `broadcast(src=0)`, one per name, in the order of `names`.
+`rank_offset`), the store prefixed with `group_name`, then a process group named `group_name` on it, without
+touching the default group of either process. The trainer side is
+`miles.backends.fsdp_utils.update_weight_utils.init_weights_update_group`; the engine test joins the two.
+Tensors arrive by `broadcast(src=0)`, one per name, in the order of `names`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,13 @@ def init_custom_process_group(
     timeout_s: float = 300.0,
 ) -> dist.ProcessGroup:
     """Join a process group that lives beside (not inside) the default group; every member calls this."""
-    from torch.distributed.distributed_c10d import _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
 
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend {backend!r} not supported; allowed: 'gloo', 'nccl'")
@@ -44,8 +52,9 @@ def init_custom_process_group(
         rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
     )
     store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)  # as SGLang does: keys live under the group name
     pg, _ = _new_process_group_helper(
-        world_size, rank, [], backend, store, group_name=group_name, timeout=timeout
+        world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout
     )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
