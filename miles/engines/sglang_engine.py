@@ -46,6 +46,16 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def node_ip() -> str:
+    """This machine's outward-facing IPv4 address (no packet is sent); 127.0.0.1 when there is none."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
 def resolve_engine_kind(requested: str) -> str:
     """'auto' -> 'sglang' when sglang imports and CUDA is available, else 'local'. Validates explicit kinds."""
     if requested not in ENGINE_KINDS:
@@ -126,10 +136,11 @@ class EngineProcess:
 
     @property
     def url(self) -> str:
-        """Base URL of the server, e.g. http://127.0.0.1:31000."""
+        """Base URL of the server, e.g. http://127.0.0.1:31000 (a wildcard bind is named by this node's IP)."""
         if self.port is None:
             raise RuntimeError("engine not launched yet: no port")
-        return f"http://{self.host}:{self.port}"
+        host = node_ip() if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
 
     def command(self) -> list[str]:
         """The server command line (needs `port` set)."""

@@ -65,6 +65,8 @@ def test_command_lines():
         "--random-seed",
         "3",
     ]
+    wildcard = EngineProcess("/m", kind="local", host="0.0.0.0", port=7, api_key="k")
+    assert wildcard.url == f"http://{sglang_engine.node_ip()}:7" and "0.0.0.0" not in wildcard.url
     with pytest.raises(ValueError, match="tp_size"):
         EngineProcess("/m", kind="local", tp_size=2)
     with pytest.raises(ValueError, match="resolve 'auto'"):
