@@ -51,7 +51,7 @@ class Request:
 
 
 class Scheduler:
-    """The scheduler thread and its queues; `engine_hooks` supply the model pieces (see `LocalEngine`)."""
+    """The scheduler thread and its queues; the callables passed in supply the model pieces (see `LocalEngine`)."""
 
     def __init__(
         self,
