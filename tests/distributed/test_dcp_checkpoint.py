@@ -125,5 +125,15 @@ def test_tracker_errors(tmp_path) -> None:
     (tmp_path / TRACKER_FILE).write_text("9\n")
     with pytest.raises(FileNotFoundError, match="iter_0000009"):
         load_checkpoint(tmp_path, torch.nn.Linear(2, 2), None, None)
+    # a re-save of id 9 that crashed after moving the old copy aside: the old copy is still found
+    saved = torch.nn.Linear(2, 2)
+    save_checkpoint(tmp_path, 9, saved, None, None, extra_state={"cursor": 3})
+    (tmp_path / "iter_0000009").rename(tmp_path / "iter_0000009.old")
+    fresh = torch.nn.Linear(2, 2)
+    assert load_checkpoint(tmp_path, fresh, None, None) == {
+        "next_rollout_id": 10,
+        "extra_state": {"cursor": 3},
+    }
+    assert torch.equal(fresh.weight, saved.weight)
     with pytest.raises(ValueError, match="keep_last=0"):
         save_checkpoint(tmp_path, 1, torch.nn.Linear(2, 2), None, None, keep_last=0)

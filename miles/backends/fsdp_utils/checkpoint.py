@@ -199,6 +199,9 @@ def load_checkpoint(
     if rollout_id is None:
         return None
     path = checkpoint_dir(load_dir, rollout_id)
+    old = path.with_name(path.name + ".old")
+    if not (path / "meta.pt").exists() and (old / "meta.pt").exists():
+        path = old  # a re-save of the same id crashed between its two renames: the previous copy is complete
     if not (path / "meta.pt").exists():
         raise FileNotFoundError(
             f"{Path(load_dir) / TRACKER_FILE} names rollout {rollout_id} but {path} is incomplete"
