@@ -208,33 +208,46 @@ class FSDPTrainer(TrainBackend):
 
     # ------------------------------------------------------------------------------------------------ refit
     def update_weights(self, engine_urls: list[str], weight_version: str) -> None:
-        from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater
+        cfg = self.config
+        was_offloaded = self._offloaded
+        if was_offloaded:
+            self.wake_up()
+        if self._weight_updater is None or self._weight_updater.engine_urls != [
+            u.rstrip("/") for u in engine_urls
+        ]:
+            self._weight_updater = self._make_weight_updater(list(engine_urls))
+        self._weight_updater.update(
+            self.model, cfg.train.update_weight_buffer_size, weight_version, dtype=self.param_dtype
+        )
+        if was_offloaded:
+            self.sleep()
+
+    def _make_weight_updater(self, engine_urls: list[str]) -> Any:
+        """Tensor handles (CUDA IPC) when colocated on GPU; shared memory on CPU, which any process on this node
+        can map, so CPU runs use handles in disaggregated placement too. GPU disaggregated: NCCL broadcast."""
+        from miles.backends.fsdp_utils.update_weight_utils import (
+            ColocatedWeightUpdater,
+            DistributedWeightUpdater,
+        )
+        from miles.ray.utils import get_free_port, get_node_ip
 
         cfg = self.config
-        if not cfg.cluster.colocate and self.ps.is_cuda:
-            from miles.backends.fsdp_utils.update_weight_utils import DistributedWeightUpdater
-
-            DistributedWeightUpdater()  # raises NotImplementedError: CUDA-IPC handles need the engine on our GPU
-        # Tensor handles: CUDA IPC when colocated on GPU; shared memory on CPU, which any process on this node can
-        # map, so CPU runs use this path in disaggregated placement too.
-        if self._offloaded:
-            self.wake_up()
-            offload_after = True
-        else:
-            offload_after = False
-        if self._weight_updater is None or self._weight_updater.engine_urls != list(engine_urls):
-            self._weight_updater = ColocatedWeightUpdater(
-                list(engine_urls),
-                ranks_per_engine=cfg.cluster.rollout_num_gpus_per_engine,
-                rank=self.ps.rank,
-                world_size=self.ps.world_size,
-                group=None,
-                api_key=cfg.engine.engine_api_key,
-                timeout_s=cfg.train.train_timeout,
-            )
-        self._weight_updater.update(self.model, cfg.train.update_weight_buffer_size, weight_version)
-        if offload_after:
-            self.sleep()
+        common = dict(
+            ranks_per_engine=cfg.cluster.rollout_num_gpus_per_engine,
+            rank=self.ps.rank,
+            world_size=self.ps.world_size,
+            api_key=cfg.engine.engine_api_key,
+            timeout_s=cfg.train.train_timeout,
+        )
+        if cfg.cluster.colocate or not self.ps.is_cuda:
+            return ColocatedWeightUpdater(engine_urls, **common)
+        endpoint = [(get_node_ip(), get_free_port()) if self.ps.rank == 0 else None]
+        dist.broadcast_object_list(endpoint, src=0)
+        updater = DistributedWeightUpdater(
+            engine_urls, master_address=endpoint[0][0], master_port=endpoint[0][1], **common
+        )
+        updater.connect()
+        return updater
 
 
 def _param_dtype(train_dtype: str, is_cuda: bool) -> torch.dtype:
