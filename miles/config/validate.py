@@ -179,6 +179,13 @@ def _parallelism(v: Values) -> None:
         v.fail("context_parallel_size", f"must divide the actor world size {world} (nodes * gpus per node)")
         return
     dp = world // cp
+    with suppress(_Skip):
+        if v["rollout_batch_size"] % dp:
+            v.fail(
+                "rollout_batch_size",
+                f"must be a multiple of the data-parallel size {dp}: each prompt group stays on one DP rank "
+                "so that group-normalized advantages see the whole group",
+            )
     if v["use_dynamic_batch_size"]:
         if v["max_tokens_per_gpu"] is None:
             v.missing("max_tokens_per_gpu", "with --use-dynamic-batch-size (token budget per micro-batch)")
@@ -247,6 +254,23 @@ def _algo(v: Values) -> None:
     with suppress(_Skip):
         if v["mis_lower"] >= v["mis_upper"]:
             v.fail("mis_lower", f"must be < --mis-upper={v['mis_upper']}")
+    with suppress(_Skip):
+        estimator = v["advantage_estimator"]
+        if v["kl_coef"] > 0 and not estimator.startswith("reinforce_plus_plus") and not v[
+            "custom_advantage_function_path"
+        ]:
+            v.fail(
+                "kl_coef",
+                f"the KL reward penalty is applied by the reinforce_plus_plus estimators, not {estimator!r} "
+                "(use --use-kl-loss --kl-loss-coef for a KL loss)",
+            )
+    with suppress(_Skip):
+        if v["use_rollout_logprobs"] and (v["use_tis"] or v["use_mis"] or v["custom_tis_function_path"]):
+            v.fail(
+                "use_rollout_logprobs",
+                "already makes the PPO ratio relative to the rollout policy; --use-tis / --use-mis / "
+                "--custom-tis-function-path would correct the same mismatch twice",
+            )
     with suppress(_Skip):
         if v["advantage_estimator"] == "rloo" and v["n_samples_per_prompt"] < 2:
             v.fail("advantage_estimator", "rloo needs --n-samples-per-prompt >= 2 (leave-one-out baseline)")

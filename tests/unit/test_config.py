@@ -248,10 +248,10 @@ def test_batch_rules(minimal_argv: list[str]) -> None:
     assert parse_config(base).train.global_batch_size == 8
     assert any("--micro-batch-size=4" in e for e in _errors(base + ["--micro-batch-size", "4"]))
     errors = _errors(base + ["--actor-num-gpus-per-node", "3"])
-    assert errors == [
-        "--global-batch-size=8: must be a multiple of the data-parallel size 3 (world 3 / cp 1)"
-    ]
-    dynamic = base + ["--actor-num-gpus-per-node", "3", "--use-dynamic-batch-size"]
+    assert "--global-batch-size=8: must be a multiple of the data-parallel size 3 (world 3 / cp 1)" in errors
+    assert [e for e in errors if not e.startswith(("--global-batch-size", "--rollout-batch-size"))] == []
+    dynamic = base + ["--actor-num-gpus-per-node", "3", "--rollout-batch-size", "3", "--global-batch-size", "6",
+                      "--use-dynamic-batch-size"]
     assert _errors(dynamic)[0].startswith("--max-tokens-per-gpu is required with --use-dynamic-batch-size")
     assert parse_config(dynamic + ["--max-tokens-per-gpu", "100"]).train.use_dynamic_batch_size
     errors = _errors(

@@ -20,9 +20,11 @@ def _reference_ok(rbs: int, n: int, gbs: int, world: int, cp: int, mbs: int, dyn
         return False
     if world % cp != 0:
         return False
+    dp = world // cp
+    if rbs % dp != 0:  # prompt groups stay whole on one DP rank
+        return False
     if dynamic:
         return True
-    dp = world // cp
     if gbs % dp != 0:
         return False
     per_rank = gbs // dp
@@ -54,7 +56,7 @@ def test_batch_rules_match_reference(
         cfg = parse_config(argv)
     except ConfigError as e:
         assert not expected, e.violations
-        flags = ("--global-batch-size", "--context-parallel-size", "--micro-batch-size")
+        flags = ("--global-batch-size", "--context-parallel-size", "--micro-batch-size", "--rollout-batch-size")
         assert all(v.startswith(flags) for v in e.violations), e.violations
         return
     assert expected

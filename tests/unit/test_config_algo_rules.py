@@ -1,0 +1,36 @@
+"""Cross-field rules between the algorithm flags and the data-parallel layout."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles.config import ConfigError, parse_config
+
+BASE = ["--hf-checkpoint", "/m", "--prompt-data", "/d.jsonl", "--num-rollout", "2", "--rollout-batch-size", "4",
+        "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--actor-num-gpus-per-node", "2", "--colocate"]
+
+
+def _violations(extra: list[str]) -> str:
+    with pytest.raises(ConfigError) as e:
+        parse_config(BASE + extra)
+    return str(e.value)
+
+
+def test_kl_reward_penalty_needs_a_reinforce_estimator():
+    assert "--kl-coef" in _violations(["--kl-coef", "0.1"])
+    cfg = parse_config(BASE + ["--kl-coef", "0.1", "--advantage-estimator", "reinforce_plus_plus"])
+    assert cfg.algo.kl_coef == 0.1
+    parse_config(BASE + ["--kl-coef", "0.0"])  # the reference script passes 0 with grpo
+
+
+def test_rollout_logprobs_and_tis_are_exclusive():
+    assert "--use-rollout-logprobs" in _violations(["--use-rollout-logprobs", "--use-tis"])
+    parse_config(BASE + ["--use-rollout-logprobs"])
+    parse_config(BASE + ["--use-tis"])
+
+
+def test_prompt_groups_must_split_evenly_over_dp():
+    message = _violations(["--rollout-batch-size", "3", "--global-batch-size", "6"])
+    assert "--rollout-batch-size=3" in message and "data-parallel size 2" in message
+    # cp=2 on 2 workers leaves dp=1: any batch size works
+    parse_config(BASE + ["--rollout-batch-size", "3", "--global-batch-size", "6", "--context-parallel-size", "2"])
