@@ -275,12 +275,14 @@ def _fake_distributed_engine(port: int, out: str, ready) -> None:
             elif endpoint == "destroy_weights_update_group":
                 dist.destroy_process_group(seen["group"])
                 torch.save({k: seen[k] for k in ("tensors", "calls", "init")}, out)
-                threading.Thread(target=self.server.shutdown).start()
             data = json.dumps({"success": True, "message": ""}).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+            self.wfile.flush()
+            if endpoint == "destroy_weights_update_group":  # stop only once the answer is out
+                threading.Thread(target=self.server.shutdown).start()
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
     ready.set()
