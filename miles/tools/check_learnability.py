@@ -8,9 +8,12 @@ and model sizes are right before an end-to-end run.
 
     python -m miles.tools.check_learnability --task echo --steps 40 --prompts 16 --n 8 --lr 5e-3
 
-Measured on the default tiny model (hidden 64, 2 layers, vocab 48), task "echo", plain prompts, 2 new tokens,
-16 prompts x 8 samples per step, Adam lr 5e-3: mean reward ~0.05 over the first 3 steps, ~0.5 by step 12-15
-and 0.8-0.97 over the last 3 of 40 steps for seeds 0-2 (10-20 s on one CPU thread).
+Measured with the defaults (tiny model hidden 64, 2 layers, vocab 48; task "echo"; 2 new tokens; 16 prompts x
+8 samples per step; Adam lr 5e-3, no clipping; 40 steps; 13-25 s on one CPU thread), mean reward over the
+first 3 -> last 3 steps, seeds 0/1/2:
+  plain prompts:      0.057 -> 0.727, 0.036 -> 0.701, 0.065 -> 0.984  (+0.3 reached by step ~12-20)
+  `--format chat`:    0.044 -> 0.711, 0.026 -> 0.734, 0.044 -> 0.951  (+0.3 reached by step ~20-32)
+With 8 prompts per step (64 samples) learning is about half as fast and noisier; lr 1e-2 collapses often.
 """
 
 from __future__ import annotations

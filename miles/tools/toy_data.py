@@ -4,17 +4,17 @@ Every task maps a prompt to a one-digit answer determined by the prompt. Rows ar
 with plain-string prompts (`--format plain`, run with `--input-key prompt --label-key label` and no chat
 template):
 
-    {"prompt": "echo 3", "label": "3"}
+    {"prompt": "echo 3 3 3 3", "label": "3"}
 
-or, with `--format chat`, as chat messages (run with `--apply-chat-template`):
+or, with `--format chat`, as chat messages (run with `--apply-chat-template`; a plain-string prompt given to
+`--apply-chat-template` is read as one user message, which is the same thing):
 
-    {"prompt": [{"role": "user", "content": "echo 3"}], "label": "3"}
+    {"prompt": [{"role": "user", "content": "echo 3 3 3 3"}], "label": "3"}
 
 `label` is the answer as a string, scored with the "math" reward (the last number of the response). A
 random policy of the tiny model hits it now and then (~5% with 2 new tokens: a digit is ~1/5 of its
-vocabulary), which is the learning signal GRPO needs. Plain prompts end with the digit, so the model's last
-position already "sees" it; through the chat template the digit sits a few tokens back and the model must
-first learn to attend to it, which takes many more steps (see `miles.tools.check_learnability`).
+vocabulary), which is the learning signal GRPO needs; both formats learn it within ~40 steps of 16 prompts x
+8 samples (see `miles.tools.check_learnability` for the measured curves).
 
     python -m miles.tools.toy_data --task echo --out data.jsonl --n 1000 --seed 0
 """
@@ -42,22 +42,25 @@ class ToyTask:
     words: tuple[str, ...]
 
 
-def _echo(digits: str) -> Callable[[random.Random], tuple[str, str]]:
+def _echo(digits: str, repeats: int) -> Callable[[random.Random], tuple[str, str]]:
     def make(rng: random.Random) -> tuple[str, str]:
         d = rng.choice(digits)
-        return f"echo {d}", d
+        return "echo " + " ".join([d] * repeats), d
 
     return make
 
 
+# The digit is repeated so that it dominates what the last prompt position attends to at initialisation:
+# through the chat template (which ends in "<|im_start|>assistant\n") a single digit is learned several times
+# slower. Four answers keep the per-answer signal of a 128-sample step large enough.
 TASKS: dict[str, ToyTask] = {
     t.name: t
     for t in (
-        ToyTask("echo", "repeat the digit (one of 0-3): 'echo 3' -> '3'", _echo("0123"), ("echo",)),
+        ToyTask("echo", "the repeated digit, one of 0-3: 'echo 3 3 3 3' -> '3'", _echo("0123", 4), ("echo",)),
         ToyTask(
             "echo10",
-            "repeat the digit (one of 0-9; learns slower): 'echo 7' -> '7'",
-            _echo(DIGITS),
+            "the repeated digit, one of 0-9 (learns about twice slower): 'echo 7 7 7 7' -> '7'",
+            _echo(DIGITS, 4),
             ("echo",),
         ),
     )
@@ -76,8 +79,8 @@ def get_task(name: str) -> ToyTask:
 def make_rows(task: str, n: int, seed: int = 0, fmt: str = "plain") -> list[dict[str, object]]:
     """`n` rows of `task`, deterministic in `seed`.
 
-    `fmt="plain"`: `{"prompt": "echo 3", "label": "3"}`;
-    `fmt="chat"`: `{"prompt": [{"role": "user", "content": "echo 3"}], "label": "3"}`.
+    `fmt="plain"`: `{"prompt": "echo 3 3 3 3", "label": "3"}`;
+    `fmt="chat"`: `{"prompt": [{"role": "user", "content": "echo 3 3 3 3"}], "label": "3"}`.
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
