@@ -53,18 +53,23 @@ def _config(model_dir: str, world: int, extra: list[str]):
     )
 
 
-def _train_body(rank: int, world: int, model_dir: str, out: str, extra: list[str]) -> None:
+def _train_body(rank: int, world: int, model_dir: str, out: str, extra: list[str], rollouts: int = 1) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from miles.backends.fsdp_utils.actor import FSDPTrainer
     from miles.utils.seqlen_balancing import partition_samples_by_dp
 
     samples = _rollout(model_dir)
-    parts = partition_samples_by_dp([len(s["tokens"]) for s in samples], [s["group_index"] for s in samples], world,
-                                    balance=False)
-    trainer = FSDPTrainer(_config(model_dir, world, extra), rank, world)
+    cp = int(extra[extra.index("--context-parallel-size") + 1]) if "--context-parallel-size" in extra else 1
+    parts = partition_samples_by_dp(
+        [len(s["tokens"]) for s in samples], [s["group_index"] for s in samples], world // cp, balance=False
+    )
+    cfg = _config(model_dir, world, extra)
+    dp_rank = rank // cfg.train.context_parallel_size
+    trainer = FSDPTrainer(cfg, rank, world)
     assert trainer.init("actor", with_ref="--use-kl-loss" in extra) == 0
-    metrics = trainer.train(0, [samples[i] for i in parts[rank]])
+    for rollout_id in range(rollouts):
+        metrics = trainer.train(rollout_id, [samples[i] for i in parts[dp_rank]])
     state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save({k: v.clone() for k, v in state.items()}, out + ".pt")
@@ -72,12 +77,12 @@ def _train_body(rank: int, world: int, model_dir: str, out: str, extra: list[str
             json.dump(metrics, f)
 
 
-def _run(tmp_path, world: int, extra: list[str], name: str) -> tuple[dict, dict]:
+def _run(tmp_path, world: int, extra: list[str], name: str, rollouts: int = 1) -> tuple[dict, dict]:
     model_dir = str(tmp_path / "model")
     if not os.path.exists(model_dir):
         save_tiny_qwen3(model_dir, vocab_size=VOCAB)
     out = str(tmp_path / name)
-    run_distributed(_train_body, world, model_dir, out, extra, init_pg=False)
+    run_distributed(_train_body, world, model_dir, out, extra, rollouts, init_pg=False)
     with open(out + ".json") as f:
         return torch.load(out + ".pt"), json.load(f)
 
@@ -115,3 +120,81 @@ def test_kl_loss_with_reference_model_keeps_first_ppo_kl_zero(tmp_path):
     _, m = _run(tmp_path, 2, ["--use-kl-loss", "--kl-loss-coef", "0.1", "--kl-loss-type", "low_var_kl"], "kl")
     assert m["train/first_mb_ppo_kl_abs_max"] == 0.0
     assert m["train/kl_loss"] == 0.0  # reference == actor before the first update
+
+
+def test_cp2_update_equals_cp1(tmp_path):
+    extra = ["--optimizer", "sgd", "--lr", "0.5", "--micro-batch-size", "2"]
+    w1, m1 = _run(tmp_path, 1, extra, "cp1")
+    w2, m2 = _run(tmp_path, 2, extra + ["--context-parallel-size", "2"], "cp2")
+    assert m2["train/first_mb_ppo_kl_abs_max"] == 0.0
+    # the first-step log-probs agree with the engine's (here: a plain forward) and hence with cp=1
+    assert m2["train/train_rollout_logprob_abs_diff"] < 1e-5
+    for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/train_rollout_logprob_abs_diff"):
+        assert m1[key] == pytest.approx(m2[key], abs=1e-5), key
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=0)
+
+
+def test_reference_model_follows_the_actor_with_ref_update_interval(tmp_path):
+    kl = ["--use-kl-loss", "--kl-loss-coef", "0.1", "--kl-loss-type", "k3"]
+    _, frozen = _run(tmp_path, 1, kl, "frozen", rollouts=2)
+    _, updated = _run(tmp_path, 1, kl + ["--ref-update-interval", "1"], "updated", rollouts=2)
+    assert frozen["train/kl_loss"] > 0.0  # the actor moved away from the initial reference
+    assert updated["train/kl_loss"] == 0.0  # the reference took the actor's weights after rollout 0
+
+
+VARIANTS = {
+    "gspo": ["--advantage-estimator", "gspo"],
+    "rloo": ["--advantage-estimator", "rloo"],
+    "reinforce_pp_kl_reward": ["--advantage-estimator", "reinforce_plus_plus", "--kl-coef", "0.05",
+                               "--gamma", "0.9"],
+    "reinforce_pp_baseline": ["--advantage-estimator", "reinforce_plus_plus_baseline"],
+    "dr_grpo_whitened": ["--disable-grpo-std-normalization", "--normalize-advantages",
+                         "--loss-reduction", "constant_sum"],
+    "tis_dual_clip_entropy": ["--use-tis", "--tis-clip", "1.5", "--eps-clip-c", "3", "--entropy-coef", "0.01"],
+    "mis_sequence_opsm": ["--use-mis", "--mis-level", "sequence", "--use-opsm"],
+    "rollout_logprobs_token_mean": ["--use-rollout-logprobs", "--calculate-per-token-loss"],
+    "unbiased_kl_sgd_cosine": ["--use-kl-loss", "--kl-loss-coef", "0.1", "--use-unbiased-kl", "--optimizer", "sgd",
+                               "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--min-lr", "1e-4"],
+}
+
+
+def _variants_body(rank: int, world: int, model_dir: str, out: str) -> None:
+    from miles.backends.fsdp_utils.actor import FSDPTrainer
+
+    samples = _rollout(model_dir)
+    results = {}
+    for name, extra in VARIANTS.items():
+        trainer = FSDPTrainer(_config(model_dir, world, extra), rank, world)
+        trainer.init("actor", with_ref="--use-kl-loss" in extra or "--kl-coef" in extra)
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        metrics = trainer.train(0, samples)
+        moved = max(float((p.detach() - b).abs().max()) for p, b in zip(trainer.model.parameters(), before))
+        results[name] = {**metrics, "moved": moved}
+    with open(out, "w") as f:
+        json.dump(results, f)
+
+
+def test_every_estimator_and_loss_option_trains(tmp_path):
+    """One rollout per algorithm configuration through the real trainer (1 process): finite metrics, the
+    metrics each option promises, an update that moves the weights, and ppo_kl == 0 on the first micro-batch."""
+    model_dir = str(tmp_path / "model")
+    save_tiny_qwen3(model_dir, vocab_size=VOCAB)
+    out = str(tmp_path / "variants.json")
+    run_distributed(_variants_body, 1, model_dir, out, init_pg=False)
+    with open(out) as f:
+        results = json.load(f)
+    expected_keys = {
+        "tis_dual_clip_entropy": ["train/tis", "train/tis_clipfrac", "train/entropy_loss"],
+        "mis_sequence_opsm": ["train/mis_masked_frac", "train/opsm_masked_frac"],
+        "unbiased_kl_sgd_cosine": ["train/kl_loss"],
+    }
+    for name, m in results.items():
+        for key, value in m.items():
+            assert value == value and abs(value) != float("inf"), (name, key, value)
+        assert m["train/first_mb_ppo_kl_abs_max"] == 0.0, name
+        assert m["moved"] > 0.0, name
+        for key in ["train/loss", "train/pg_loss", "train/grad_norm", "train/ois"] + expected_keys.get(name, []):
+            assert key in m, (name, key)
+    # cosine schedule with one warmup step: the first step runs at lr / 1 after warmup, then decays
+    assert results["unbiased_kl_sgd_cosine"]["train/lr"] <= 1e-2

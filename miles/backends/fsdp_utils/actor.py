@@ -118,6 +118,9 @@ class FSDPTrainer(TrainBackend):
         out = metrics.reduce(ps.dp_group)
         out.update(rb.batch_metrics(batch, ps.dp_group))
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        interval = cfg.train.ref_update_interval
+        if self.ref_model is not None and interval and (rollout_id + 1) % interval == 0:
+            self._update_reference_model()
         out["timing/train_logprob_prep"] = t_prep
         return out
 
@@ -134,6 +137,18 @@ class FSDPTrainer(TrainBackend):
                 for sample_i, values in zip(pack.indices, lp):
                     log_probs[sample_i] = values.detach().float()
         return log_probs, None
+
+    @torch.no_grad()
+    def _update_reference_model(self) -> None:
+        """--ref-update-interval: the reference model takes the actor's current weights (shard by shard: both
+        modules are sharded on the same mesh, so local shards correspond one to one)."""
+        ref_params = dict(self.ref_model.named_parameters())
+        for name, param in self.model.named_parameters():
+            target = ref_params[name]
+            dst = target.to_local() if hasattr(target, "to_local") else target
+            src = param.to_local() if hasattr(param, "to_local") else param
+            dst.copy_(src.detach().to(dst.device))
+        logger.info("reference model updated from the actor")
 
     def _cp(self):
         if self.ps.cp_size == 1:
