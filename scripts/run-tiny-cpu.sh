@@ -6,7 +6,7 @@
 # Output: one line per rollout, metrics in $RUN_DIR/metrics.jsonl, a DCP checkpoint in $RUN_DIR/ckpt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh test
+[ "${MILES_SKIP_INSTALL:-0}" = 1 ] || bash scripts/install.sh test
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=1
 
 ART=${MILES_TINY_DIR:-artifacts/tiny}
@@ -22,7 +22,7 @@ python3 -m miles.train \
   --hf-checkpoint "$ART/model" \
   --prompt-data "$ART/echo.jsonl" --input-key prompt --label-key label --apply-chat-template --rollout-shuffle \
   --rm-type math \
-  --num-rollout "${NUM_ROLLOUT:-80}" --rollout-batch-size 16 --n-samples-per-prompt 8 \
+  --num-rollout "${NUM_ROLLOUT:-60}" --rollout-batch-size 16 --n-samples-per-prompt 8 \
   --rollout-max-response-len 2 --rollout-temperature 1.0 \
   --global-batch-size 128 --micro-batch-size 32 \
   --advantage-estimator grpo --eps-clip 0.2 --eps-clip-high 0.28 \
