@@ -32,6 +32,7 @@ class RolloutManager:
         self.config = cfg = Config.from_dict(config_dict)
         self.timeout = float(cfg.rollout.rollout_request_timeout)
         self._load_data()
+        self._eval_sets: dict[str, Any] = {}  # eval name -> PromptDataset, loaded on first use
         self._start_engines(placement, num_rollout_workers)
 
     # ----------------------------------------------------------------------------------------------- setup
@@ -152,9 +153,11 @@ class RolloutManager:
         settings = self._sampling(temperature, ev.eval_max_response_len or r.rollout_max_response_len)
         metrics: dict[str, float] = {}
         for name, path in zip(pairs[0::2], pairs[1::2]):
-            dataset = PromptDataset(path, **self._dataset_kwargs)
+            if name not in self._eval_sets:
+                self._eval_sets[name] = PromptDataset(path, **self._dataset_kwargs)
+            dataset = self._eval_sets[name]
             source = RolloutDataSource(
-                dataset, n_samples_per_prompt=ev.n_samples_per_eval_prompt, shuffle=False
+                dataset, n_samples_per_prompt=ev.n_samples_per_eval_prompt, shuffle=False, seed=0
             )
             samples = [s for g in source.next_batch(len(dataset)) for s in g]
             self._generate_and_score(samples, settings)
