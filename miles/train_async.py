@@ -7,49 +7,18 @@ for the in-flight generation to finish, so weights never change in the middle of
 
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Any
 
-from miles.config import ConfigError, parse_config
-from miles.train import _due, format_step
-
-logger = logging.getLogger("miles.train_async")
-
-
-def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg = parse_config(argv)
-    except ConfigError as e:
-        print(f"miles.train_async: invalid configuration\n{e}", file=sys.stderr)
-        return 2
-    if cfg.cluster.colocate:
-        print(
-            "miles.train_async: --colocate shares devices between engines and trainers, so generation cannot "
-            "overlap training; use miles.train, or drop --colocate and set --rollout-num-gpus",
-            file=sys.stderr,
-        )
-        return 2
-    if cfg.dry_run:
-        print(cfg.to_yaml())
-        return 0
-    cfg.raise_if_unimplemented()
-    logging.basicConfig(level=cfg.log.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    from miles.ray.setup import build_system
-
-    system = build_system(cfg)
-    try:
-        run_async_loop(cfg, system)
-    finally:
-        system.shutdown()
-    return 0
+from miles.train import finish_step, maybe_save, run_driver
 
 
 def run_async_loop(cfg: Any, system: Any) -> None:
+    import ray
+
     from miles.ray.utils import ray_get
 
-    actor, choreo, tracker, timer = system.train_group, system.choreography, system.tracker, system.timer
+    actor, choreo, timer = system.train_group, system.choreography, system.timer
     num = cfg.rollout.num_rollout
 
     def launch(rollout_id: int) -> Any:
@@ -57,35 +26,30 @@ def run_async_loop(cfg: Any, system: Any) -> None:
 
     in_flight = launch(system.start_rollout_id)
     for rollout_id in range(system.start_rollout_id, num):
-        with timer.phase("rollout_wait"):
+        with timer.phase("rollout"):  # the time spent waiting for it
             samples, metrics = ray_get(in_flight, system.timeout, f"rollout {rollout_id}")
         in_flight = launch(rollout_id + 1)  # generated with the current (pre-update) weights
         with timer.phase("train"):
             metrics.update(actor.train(rollout_id, system.split_by_dp(samples)))
-        if _due(cfg.checkpoint.save_interval, rollout_id, num) and cfg.checkpoint.save:
-            with timer.phase("save"):
-                actor.save(rollout_id)
+        maybe_save(cfg, system, rollout_id)
         with timer.phase("refit"):
-            next_rollout = (
-                ray_get(in_flight, system.timeout, f"rollout {rollout_id + 1}") if in_flight else None
-            )
+            if in_flight is not None:  # never change weights under a running generation
+                in_flight = ray.put(ray_get(in_flight, system.timeout, f"rollout {rollout_id + 1}"))
             choreo.refit(weight_version=str(rollout_id + 1))
-            in_flight = _ready(next_rollout)
-        if _due(cfg.eval.eval_interval, rollout_id, num):
-            with timer.phase("eval"):
-                metrics.update(system.evaluate(rollout_id))
-        metrics.update(timer.pop())
-        tracker.log(rollout_id, metrics)
-        print(format_step(rollout_id, metrics), flush=True)
+        finish_step(cfg, system, rollout_id, metrics)
 
 
-def _ready(value: Any) -> Any:
-    """Wrap an already-fetched rollout so the loop can `ray_get` it like a future."""
-    if value is None:
-        return None
-    import ray
+def _refuse(cfg: Any) -> str | None:
+    if cfg.cluster.colocate:
+        return (
+            "--colocate shares devices between engines and trainers, so generation cannot overlap training; "
+            "use miles.train, or drop --colocate and set --rollout-num-gpus"
+        )
+    return None
 
-    return ray.put(value)
+
+def main(argv: list[str] | None = None) -> int:
+    return run_driver(argv, run_async_loop, prog="miles.train_async", refuse=_refuse)
 
 
 def cli() -> None:
