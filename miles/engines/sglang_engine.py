@@ -252,6 +252,10 @@ class EngineProcess:
         self.shutdown()
 
 
+# A GPU engine with tp_size > 1 spans several bundles' GPUs, so its actor must not be confined to one device.
+ENGINE_ACTOR_RUNTIME_ENV = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+
+
 @functools.cache
 def make_engine_actor_class() -> Any:
     """The Ray actor class `RolloutEngineActor` wrapping an `EngineProcess` (imports ray on first call)."""
@@ -264,6 +268,12 @@ def make_engine_actor_class() -> Any:
             self.engine = EngineProcess(**engine_kwargs)
 
         def launch(self) -> str:
+            gpu_ids = ray.get_gpu_ids()
+            if self.engine.kind == "sglang" and gpu_ids:
+                # The actor is started with RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES (see
+                # ENGINE_ACTOR_RUNTIME_ENV), so the server sees every GPU of the node and its tp_size GPUs
+                # start at the one Ray assigned to this actor's bundle.
+                self.engine.sglang_args.setdefault("base_gpu_id", str(int(min(float(g) for g in gpu_ids))))
             return self.engine.launch().url
 
         def url(self) -> str:

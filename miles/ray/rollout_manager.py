@@ -61,7 +61,11 @@ class RolloutManager:
 
     def _start_engines(self, placement: Placement, num_rollout_workers: int) -> None:
         from miles.engines.router import Router
-        from miles.engines.sglang_engine import make_engine_actor_class, resolve_engine_kind
+        from miles.engines.sglang_engine import (
+            ENGINE_ACTOR_RUNTIME_ENV,
+            make_engine_actor_class,
+            resolve_engine_kind,
+        )
 
         cfg = self.config
         kind = resolve_engine_kind(cfg.rollout.rollout_engine)
@@ -78,7 +82,10 @@ class RolloutManager:
         for i in range(num_engines):
             args = {**local_args, "random-seed": cfg.rollout.rollout_seed + i}
             self.engines.append(
-                actor_cls.options(**placement.engine_options(i, per_engine)).remote(
+                actor_cls.options(
+                    **placement.engine_options(i, per_engine),
+                    **({"runtime_env": ENGINE_ACTOR_RUNTIME_ENV} if kind == "sglang" else {}),
+                ).remote(
                     model_path=cfg.model.hf_checkpoint,
                     kind=kind,
                     host=cfg.engine.engine_host,
@@ -90,7 +97,9 @@ class RolloutManager:
                 )
             )
         self.engine_urls: list[str] = ray_get(
-            [e.launch.remote() for e in self.engines], self.timeout, f"starting {num_engines} {kind} engine(s)"
+            [e.launch.remote() for e in self.engines],
+            self.timeout,
+            f"starting {num_engines} {kind} engine(s)",
         )
         self.router = Router(self.engine_urls, startup_timeout=self.timeout).launch()
         self.router_url = self.router.url
