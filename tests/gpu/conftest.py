@@ -1,0 +1,12 @@
+"""Every test in tests/gpu needs CUDA: marked `gpu` and skipped cleanly without a GPU."""
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(pytest.mark.gpu)
+            if not torch.cuda.is_available():
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
