@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh test
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-exec python3 -m pytest tests -m "not gpu" -p no:cacheprovider --durations=15 "$@"
+exec "${PYTHON:-python3}" -m pytest tests -m "not gpu" -p no:cacheprovider --durations=15 "$@"
