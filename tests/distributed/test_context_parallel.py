@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.distributed._util import run_distributed
 
 WORLD = 2
 TEMPERATURE = 0.8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tiny_model():
@@ -64,61 +57,46 @@ def _loss(lps, ents):
     return sum((lp * (k + 1)).sum() for k, lp in enumerate(lps)) + 0.5 * sum(e.sum() for e in ents)
 
 
-def _worker(rank: int, port: int, errors) -> None:
-    try:
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-        from miles.backends.fsdp_utils.context_parallel import CPContext, shard_for_cp
-        from miles.backends.fsdp_utils.data_packing import pack_sequences
-        from miles.backends.fsdp_utils.forward import forward_packed
+def _body(rank: int, world_size: int) -> None:
+    """Runs in each of WORLD gloo processes (see tests/distributed/_util.py)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    torch.set_num_threads(1)
+    from miles.backends.fsdp_utils.context_parallel import CPContext, shard_for_cp
+    from miles.backends.fsdp_utils.data_packing import pack_sequences
+    from miles.backends.fsdp_utils.forward import forward_packed
 
-        cp = CPContext(group=dist.group.WORLD, rank=rank, size=WORLD)
-        base = _tiny_model()
-        for name, samples in _cases().items():
-            (packed,) = pack_sequences(samples, num_packs=1)
-            shard = shard_for_cp(packed.tokens, packed.position_ids, packed.cu_seqlens, cp)
-            assert shard.tokens.numel() - packed.num_tokens == packed.num_tokens % WORLD, name
+    cp = CPContext(group=dist.group.WORLD, rank=rank, size=WORLD)
+    base = _tiny_model()
+    for name, samples in _cases().items():
+        (packed,) = pack_sequences(samples, num_packs=1)
+        shard = shard_for_cp(packed.tokens, packed.position_ids, packed.cu_seqlens, cp)
+        assert shard.tokens.numel() - packed.num_tokens == packed.num_tokens % WORLD, name
 
-            ref_model, cp_model = copy.deepcopy(base), copy.deepcopy(base)
-            ref_lp, ref_ent = forward_packed(ref_model, packed, TEMPERATURE, cp=None, with_entropy=True)
-            _loss(ref_lp, ref_ent).backward()
-            lp, ent = forward_packed(cp_model, packed, TEMPERATURE, cp=cp, with_entropy=True)
-            _loss(lp, ent).backward()
+        ref_model, cp_model = copy.deepcopy(base), copy.deepcopy(base)
+        ref_lp, ref_ent = forward_packed(ref_model, packed, TEMPERATURE, cp=None, with_entropy=True)
+        _loss(ref_lp, ref_ent).backward()
+        lp, ent = forward_packed(cp_model, packed, TEMPERATURE, cp=cp, with_entropy=True)
+        _loss(lp, ent).backward()
 
-            for a, b, c in zip(lp, ref_lp, packed.response_lengths.tolist()):
-                assert a.shape == (c,), name
-                torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=f"{name} log-probs")
-            for a, b in zip(ent, ref_ent):
-                torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=f"{name} entropy")
-            for (pname, p), q in zip(cp_model.named_parameters(), ref_model.parameters()):
-                grad = p.grad.clone()
-                dist.all_reduce(grad)
-                grad /= WORLD  # mean over the CP group, what FSDP2 averaging over the dp_cp mesh does
-                torch.testing.assert_close(grad, q.grad, atol=1e-5, rtol=1e-5, msg=f"{name} grad {pname}")
-                # each rank alone holds only part of the gradient: the CP split is real
-            if name == "short_and_padded":
-                local = cp_model.lm_head.weight.grad
-                assert not torch.allclose(local, ref_model.lm_head.weight.grad, atol=1e-4)
-        dist.barrier()
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        for a, b, c in zip(lp, ref_lp, packed.response_lengths.tolist()):
+            assert a.shape == (c,), name
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=f"{name} log-probs")
+        for a, b in zip(ent, ref_ent):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=f"{name} entropy")
+        for (pname, p), q in zip(cp_model.named_parameters(), ref_model.parameters()):
+            grad = p.grad.clone()
+            dist.all_reduce(grad)
+            grad /= WORLD  # mean over the CP group, what FSDP2 averaging over the dp_cp mesh does
+            torch.testing.assert_close(grad, q.grad, atol=1e-5, rtol=1e-5, msg=f"{name} grad {pname}")
+            # each rank alone holds only part of the gradient: the CP split is real
+        if name == "short_and_padded":
+            local = cp_model.lm_head.weight.grad
+            assert not torch.allclose(local, ref_model.lm_head.weight.grad, atol=1e-4)
+    dist.barrier()
 
 
 def test_cp2_equals_cp1():
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.spawn(_worker, args=(_free_port(), errors), nprocs=WORLD, join=True)
-    except Exception as e:
-        msgs = []
-        while not errors.empty():
-            msgs.append(errors.get())
-        pytest.fail("\n".join(msgs) or str(e))
+    run_distributed(_body, WORLD)
 
 
 def test_cp_context_and_shard_validation():
