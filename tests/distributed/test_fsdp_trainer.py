@@ -33,9 +33,14 @@ def _rollout(model_dir: str, n_groups: int = 4, n_per_group: int = 2, seed: int 
             lp = compute_log_probs(logits[len(prompt) - 1 : -1], torch.tensor(response), 0.8)
             samples.append(
                 dict(
-                    index=len(samples), group_index=g, tokens=tokens, response_length=len(response),
-                    loss_mask=[1] * len(response), rollout_log_probs=lp.tolist(),
-                    reward=float(rng.random() < 0.5) + 0.1 * k, status="completed",
+                    index=len(samples),
+                    group_index=g,
+                    tokens=tokens,
+                    response_length=len(response),
+                    loss_mask=[1] * len(response),
+                    rollout_log_probs=lp.tolist(),
+                    reward=float(rng.random() < 0.5) + 0.1 * k,
+                    status="completed",
                 )
             )
     return samples
@@ -45,10 +50,33 @@ def _config(model_dir: str, world: int, extra: list[str]):
     from miles.config import parse_config
 
     return parse_config(
-        ["--hf-checkpoint", model_dir, "--prompt-data", "unused.jsonl", "--num-rollout", "3",
-         "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8",
-         "--actor-num-gpus-per-node", str(world), "--colocate", "--rollout-temperature", "0.8",
-         "--lr", "1e-2", "--optimizer", "adam", "--seed", "7", "--run-dir", os.path.dirname(model_dir)]
+        [
+            "--hf-checkpoint",
+            model_dir,
+            "--prompt-data",
+            "unused.jsonl",
+            "--num-rollout",
+            "3",
+            "--rollout-batch-size",
+            "4",
+            "--n-samples-per-prompt",
+            "2",
+            "--global-batch-size",
+            "8",
+            "--actor-num-gpus-per-node",
+            str(world),
+            "--colocate",
+            "--rollout-temperature",
+            "0.8",
+            "--lr",
+            "1e-2",
+            "--optimizer",
+            "adam",
+            "--seed",
+            "7",
+            "--run-dir",
+            os.path.dirname(model_dir),
+        ]
         + extra
     )
 
@@ -70,7 +98,9 @@ def _train_body(rank: int, world: int, model_dir: str, out: str, extra: list[str
     assert trainer.init("actor", with_ref="--use-kl-loss" in extra) == 0
     for rollout_id in range(rollouts):
         metrics = trainer.train(rollout_id, [samples[i] for i in parts[dp_rank]])
-    state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(
+        trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if rank == 0:
         torch.save({k: v.clone() for k, v in state.items()}, out + ".pt")
         with open(out + ".json", "w") as f:
@@ -101,8 +131,13 @@ def test_dp2_update_equals_dp1(tmp_path, extra):
     assert m1["train/first_mb_ppo_kl_abs_max"] == 0.0
     assert m2["train/first_mb_ppo_kl_abs_max"] == 0.0
     assert m1["train/ppo_kl"] == 0.0  # one optimizer step per rollout: every micro-batch is on-policy
-    for key in ("train/loss", "train/pg_loss", "train/pg_clipfrac", "train/grad_norm",
-                "train/train_rollout_logprob_abs_diff"):
+    for key in (
+        "train/loss",
+        "train/pg_loss",
+        "train/pg_clipfrac",
+        "train/grad_norm",
+        "train/train_rollout_logprob_abs_diff",
+    ):
         assert key in m1, key
         assert m1[key] == pytest.approx(m2[key], abs=1e-5), key
     assert m1["train/train_rollout_logprob_abs_diff"] < 1e-5
@@ -146,16 +181,54 @@ def test_reference_model_follows_the_actor_with_ref_update_interval(tmp_path):
 VARIANTS = {
     "gspo": ["--advantage-estimator", "gspo"],
     "rloo": ["--advantage-estimator", "rloo"],
-    "reinforce_pp_kl_reward": ["--advantage-estimator", "reinforce_plus_plus", "--kl-coef", "0.05",
-                               "--gamma", "0.9"],
+    "reinforce_pp_kl_reward": [
+        "--advantage-estimator",
+        "reinforce_plus_plus",
+        "--kl-coef",
+        "0.05",
+        "--gamma",
+        "0.9",
+    ],
     "reinforce_pp_baseline": ["--advantage-estimator", "reinforce_plus_plus_baseline"],
-    "dr_grpo_whitened": ["--disable-grpo-std-normalization", "--normalize-advantages",
-                         "--loss-reduction", "constant_sum"],
-    "tis_dual_clip_entropy": ["--use-tis", "--tis-clip", "1.5", "--eps-clip-c", "3", "--entropy-coef", "0.01"],
+    "dr_grpo_whitened": [
+        "--disable-grpo-std-normalization",
+        "--normalize-advantages",
+        "--loss-reduction",
+        "constant_sum",
+    ],
+    "tis_dual_clip_entropy": [
+        "--use-tis",
+        "--tis-clip",
+        "1.5",
+        "--eps-clip-c",
+        "3",
+        "--entropy-coef",
+        "0.01",
+    ],
     "mis_sequence_opsm": ["--use-mis", "--mis-level", "sequence", "--use-opsm"],
     "rollout_logprobs_token_mean": ["--use-rollout-logprobs", "--calculate-per-token-loss"],
-    "unbiased_kl_sgd_cosine": ["--use-kl-loss", "--kl-loss-coef", "0.1", "--use-unbiased-kl", "--optimizer", "sgd",
-                               "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--min-lr", "1e-4"],
+    "custom_functions": [
+        "--custom-advantage-function-path",
+        "tests.distributed.custom_fns:sign_advantage",
+        "--custom-tis-function-path",
+        "tests.distributed.custom_fns:half_weights",
+        "--custom-loss-function-path",
+        "tests.distributed.custom_fns.doubled_loss",
+    ],
+    "unbiased_kl_sgd_cosine": [
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        "0.1",
+        "--use-unbiased-kl",
+        "--optimizer",
+        "sgd",
+        "--lr-decay-style",
+        "cosine",
+        "--lr-warmup-iters",
+        "1",
+        "--min-lr",
+        "1e-4",
+    ],
 }
 
 
@@ -188,13 +261,16 @@ def test_every_estimator_and_loss_option_trains(tmp_path):
         "tis_dual_clip_entropy": ["train/tis", "train/tis_clipfrac", "train/entropy_loss"],
         "mis_sequence_opsm": ["train/mis_masked_frac", "train/opsm_masked_frac"],
         "unbiased_kl_sgd_cosine": ["train/kl_loss"],
+        "custom_functions": ["train/custom_weight", "train/doubled"],
     }
     for name, m in results.items():
         for key, value in m.items():
             assert value == value and abs(value) != float("inf"), (name, key, value)
         assert m["train/first_mb_ppo_kl_abs_max"] == 0.0, name
         assert m["moved"] > 0.0, name
-        for key in ["train/loss", "train/pg_loss", "train/grad_norm", "train/ois"] + expected_keys.get(name, []):
+        for key in ["train/loss", "train/pg_loss", "train/grad_norm", "train/ois"] + expected_keys.get(
+            name, []
+        ):
             assert key in m, (name, key)
     # cosine schedule with one warmup step: the first step runs at lr / 1 after warmup, then decays
     assert results["unbiased_kl_sgd_cosine"]["train/lr"] <= 1e-2
