@@ -179,8 +179,8 @@ def test_reference_model_follows_the_actor_with_ref_update_interval(tmp_path):
 
 
 VARIANTS = {
-    "gspo": ["--advantage-estimator", "gspo"],
-    "rloo": ["--advantage-estimator", "rloo"],
+    "gspo_cpu_offload": ["--advantage-estimator", "gspo", "--fsdp-cpu-offload"],
+    "rloo_grad_checkpointing": ["--advantage-estimator", "rloo", "--gradient-checkpointing"],
     "reinforce_pp_kl_reward": [
         "--advantage-estimator",
         "reinforce_plus_plus",

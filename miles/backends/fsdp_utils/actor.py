@@ -43,10 +43,11 @@ class FSDPTrainer(TrainBackend):
         self.ps = ps = init_distributed(None, cfg.train.train_timeout, cfg.train.context_parallel_size)
         _set_cpu_threads(ps)
         self.param_dtype = _param_dtype(cfg.model.train_dtype, ps.is_cuda)
+        _select_attention_kernel(cfg.model.attn_implementation, ps.is_cuda)
         model_kwargs = dict(
             param_dtype=self.param_dtype,
             reduce_dtype=torch.float32,
-            attn_implementation=cfg.model.attn_implementation,
+            attn_implementation="sdpa",  # packed forwards switch to miles_varlen; the kernel is chosen above
         )
         self.model = build_fsdp_model(
             cfg.model.hf_checkpoint,
@@ -263,6 +264,25 @@ class FSDPTrainer(TrainBackend):
         )
         updater.connect()
         return updater
+
+
+def _select_attention_kernel(attn_implementation: str, is_cuda: bool) -> None:
+    """--attn-implementation picks the kernel behind the packed (varlen) attention every training forward uses:
+    flash_attention_2/3 -> flash-attn varlen (CUDA, the `gpu` extra); sdpa/eager -> per-sequence SDPA;
+    miles_varlen -> flash-attn on CUDA, SDPA on CPU."""
+    from miles.backends.fsdp_utils.attention import set_varlen_backend
+
+    if attn_implementation.startswith("flash_attention"):
+        if not is_cuda:
+            raise ValueError(
+                f"--attn-implementation {attn_implementation} needs a CUDA device and flash-attn "
+                "(pip install 'miles[gpu]'); on CPU use --attn-implementation sdpa"
+            )
+        set_varlen_backend("flash")
+    elif attn_implementation == "miles_varlen":
+        set_varlen_backend("auto")
+    else:
+        set_varlen_backend("sdpa")
 
 
 def _param_dtype(train_dtype: str, is_cuda: bool) -> torch.dtype:
