@@ -73,8 +73,11 @@ class Config:
                 for g in dataclasses.fields(owner):
                     yield owner, g
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain nested dict: run-wide keys, then `{section: {field: value}}`; lists and dicts are copies."""
+    def to_dict(self, redact_secrets: bool = False) -> dict[str, Any]:
+        """Plain nested dict: run-wide keys, then `{section: {field: value}}`; lists and dicts are copies.
+
+        With `redact_secrets`, fields marked secret (API keys) read "<redacted>" (for logs and trackers; such a
+        dict does not round-trip)."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -84,6 +87,11 @@ class Config:
                 out[f.name] = {
                     g.name: copy.deepcopy(getattr(value, g.name)) for g in dataclasses.fields(value)
                 }
+        if redact_secrets:
+            for owner, f in self._leaves():
+                if f.metadata.get("secret") and getattr(owner, f.name) is not None:
+                    target = out if owner is self else out[_section_name(self, owner)]
+                    target[f.name] = "<redacted>"
         return out
 
     @classmethod
@@ -103,13 +111,7 @@ class Config:
         """
         import yaml
 
-        data = self.to_dict()
-        if redact_secrets:
-            for owner, f in self._leaves():
-                if f.metadata.get("secret") and getattr(owner, f.name) is not None:
-                    target = data if owner is self else data[_section_name(self, owner)]
-                    target[f.name] = "<redacted>"
-        return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+        return yaml.safe_dump(self.to_dict(redact_secrets), sort_keys=False, default_flow_style=False)
 
     def unimplemented_flags(self) -> list[str]:
         """`--flag=value` for every not-yet-implemented flag set to a non-default value."""

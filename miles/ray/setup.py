@@ -84,7 +84,7 @@ def build_system(cfg: Any) -> System:
         wandb_group=cfg.log.wandb_group,
         wandb_key=cfg.log.wandb_key,
         wandb_mode=cfg.log.wandb_mode,
-        config=cfg.to_dict(),
+        config=cfg.to_dict(redact_secrets=True),
     )
     rollout = ray.remote(RolloutManager).options(num_cpus=0).remote(cfg.to_dict(), placement, num_rollout)
     env_vars = {"HF_HUB_OFFLINE": "1", **dict(cfg.cluster.train_env_vars)}

@@ -34,3 +34,10 @@ def test_prompt_groups_must_split_evenly_over_dp():
     assert "--rollout-batch-size=3" in message and "data-parallel size 2" in message
     # cp=2 on 2 workers leaves dp=1: any batch size works
     parse_config(BASE + ["--rollout-batch-size", "3", "--global-batch-size", "6", "--context-parallel-size", "2"])
+
+
+def test_secrets_are_redacted_for_trackers_but_round_trip_otherwise():
+    cfg = parse_config(BASE + ["--use-wandb", "--wandb-project", "p", "--wandb-key", "SECRET"])
+    assert cfg.to_dict(redact_secrets=True)["log"]["wandb_key"] == "<redacted>"
+    assert "SECRET" not in cfg.to_yaml()
+    assert type(cfg).from_dict(cfg.to_dict()).log.wandb_key == "SECRET"
