@@ -260,7 +260,7 @@ class Scheduler:
         p = req.params
         if (not p.ignore_eos and token in self.eos_ids) or token in p.stop_token_ids:
             return {"type": "stop", "matched": token}
-        if p.stop:
+        if p.stop and self._stop_in_tail(req.output_ids, p):
             text = self._decode(req.output_ids, p.skip_special_tokens)
             hits = [(text.find(s), s) for s in p.stop if s in text]
             if hits:
@@ -270,6 +270,17 @@ class Scheduler:
         if len(req.output_ids) >= p.max_new_tokens:
             return {"type": "length", "length": p.max_new_tokens}
         return None
+
+    def _stop_in_tail(self, ids: list[int], p: Any) -> bool:
+        """Whether a stop string may have just completed: checked on the last few tokens only, so a long
+        generation is not re-decoded whole at every step. A string that was not there before this token ends
+        in it and spans at most 4 tokens per character (byte-level pieces), plus one partial character. With
+        skip_special_tokens, tokens may decode to nothing, so the whole output is checked."""
+        if p.skip_special_tokens:
+            return True
+        window = 4 * max(len(s) for s in p.stop) + 4
+        tail = self._decode(ids[-window:], False)
+        return any(s in tail for s in p.stop)
 
     def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
