@@ -17,8 +17,16 @@ def _model(dtype: torch.dtype):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    config = Qwen3Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
     return Qwen3ForCausalLM(config).to("cuda", dtype).eval()
 
 
@@ -41,33 +49,25 @@ def _per_sequence(model, samples, temperature):
     return ref
 
 
-def test_sdpa_packed_equals_per_sequence_fp32():
-    model = _model(torch.float32)
+def _check_packed(model, temperature: float, backend: str, atol: float) -> None:
+    """Packed forward with the varlen `backend` against per-sequence forwards of the same model."""
     samples = _samples()
-    ref = _per_sequence(model, samples, 0.7)
-    set_varlen_backend("sdpa")
+    ref = _per_sequence(model, samples, temperature)
+    set_varlen_backend(backend)
     try:
         (packed,) = pack_sequences(samples, num_packs=1)
         with torch.no_grad():
-            lps, _ = forward_packed(model, packed, 0.7)
+            lps, _ = forward_packed(model, packed, temperature)
     finally:
         set_varlen_backend("auto")
     for i, lp in zip(packed.sample_indices.tolist(), lps):
-        torch.testing.assert_close(lp, ref[i], atol=1e-5, rtol=0)
+        torch.testing.assert_close(lp, ref[i], atol=atol, rtol=0)
+
+
+def test_sdpa_packed_equals_per_sequence_fp32():
+    _check_packed(_model(torch.float32), 0.7, "sdpa", atol=1e-5)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash-attn not installed")
 def test_flash_varlen_packed_matches_per_sequence_bf16():
-    model = _model(torch.bfloat16)
-    samples = _samples()
-    model.set_attn_implementation("sdpa")
-    ref = _per_sequence(model, samples, 1.0)
-    set_varlen_backend("flash")
-    try:
-        (packed,) = pack_sequences(samples, num_packs=1)
-        with torch.no_grad():
-            lps, _ = forward_packed(model, packed, 1.0)
-    finally:
-        set_varlen_backend("auto")
-    for i, lp in zip(packed.sample_indices.tolist(), lps):
-        torch.testing.assert_close(lp, ref[i], atol=5e-2, rtol=0)  # bf16 kernels differ in rounding
+    _check_packed(_model(torch.bfloat16), 1.0, "flash", atol=5e-2)  # bf16 kernels differ in rounding
