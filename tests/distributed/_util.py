@@ -109,19 +109,11 @@ def run_distributed(
 
 def save_tiny_qwen3(path: str, seed: int = 0, tie_word_embeddings: bool = True, vocab_size: int = 96) -> str:
     """Write a random 2-layer Qwen3 causal LM (hidden 32) in HF format to ``path``; returns ``path``."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
-    config = Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-        tie_word_embeddings=tie_word_embeddings,
-    )
+    from tests.tiny_models import tiny_qwen3_config
+
+    config = tiny_qwen3_config(vocab_size, tie_word_embeddings)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path)

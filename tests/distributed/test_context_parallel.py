@@ -10,27 +10,14 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed._util import run_distributed
+from tests.tiny_models import tiny_qwen3
 
 WORLD = 2
 TEMPERATURE = 0.8
 
 
 def _tiny_model():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=80,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    return Qwen3ForCausalLM(cfg).float()
+    return tiny_qwen3(seed=0, vocab_size=80)
 
 
 def _cases() -> dict[str, list[dict]]:

@@ -11,7 +11,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import Qwen3ForCausalLM  # noqa: E402
 
 from miles.algo.logprobs import compute_entropy, compute_log_probs  # noqa: E402
 from miles.backends.fsdp_utils.attention import (  # noqa: E402
@@ -22,24 +22,13 @@ from miles.backends.fsdp_utils.attention import (  # noqa: E402
 )
 from miles.backends.fsdp_utils.data_packing import pack_sequences  # noqa: E402
 from miles.backends.fsdp_utils.forward import forward_packed  # noqa: E402
+from tests.tiny_models import tiny_qwen3  # noqa: E402
 
 TEMPERATURE = 0.7
 
 
 def tiny_model(seed: int = 0) -> Qwen3ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    model = Qwen3ForCausalLM(cfg).float()
+    model = tiny_qwen3(seed, vocab_size=96, max_position_embeddings=256)
     model.set_attn_implementation("sdpa")
     return model
 
