@@ -105,9 +105,9 @@ class FSDPTrainer(TrainBackend):
         batch = rb.RankBatch.from_rollout(rollout_data, ps.device)
         steps = rb.plan_steps(batch, cfg, ps, self.steps_per_rollout)
         with torch.no_grad():
-            batch.old_log_probs, entropy = self._log_probs(self.model, batch, steps, with_entropy=False)
+            batch.old_log_probs = self._log_probs(self.model, batch, steps)
             if self.ref_model is not None:
-                batch.ref_log_probs, _ = self._log_probs(self.ref_model, batch, steps, with_entropy=False)
+                batch.ref_log_probs = self._log_probs(self.ref_model, batch, steps)
         if cfg.algo.use_rollout_logprobs:
             batch.require_rollout_log_probs()
         rb.compute_advantages_for(batch, cfg, ps.dp_group)
@@ -125,19 +125,18 @@ class FSDPTrainer(TrainBackend):
         out["timing/train_logprob_prep"] = t_prep
         return out
 
-    def _log_probs(self, model, batch, steps, with_entropy: bool):
+    def _log_probs(self, model, batch: rb.RankBatch, steps: list[list[rb.Pack]]) -> list[torch.Tensor]:
+        """Log-probs of every sample's response under `model`, over exactly the packs training will use."""
         from miles.backends.fsdp_utils.forward import forward_packed
 
         temperature = self.config.rollout.rollout_temperature
         log_probs: list[torch.Tensor | None] = [None] * len(batch)
         for step_packs in steps:
             for pack in step_packs:
-                lp, _ = forward_packed(
-                    model, pack.packed, temperature, cp=self._cp(), with_entropy=with_entropy
-                )
+                lp, _ = forward_packed(model, pack.packed, temperature, cp=self._cp())
                 for sample_i, values in zip(pack.indices, lp):
                     log_probs[sample_i] = values.detach().float()
-        return log_probs, None
+        return log_probs
 
     @torch.no_grad()
     def _update_reference_model(self) -> None:
