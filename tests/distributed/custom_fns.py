@@ -26,3 +26,9 @@ def doubled_loss(inputs: LossInputs, settings: LossSettings):
     loss, metrics = compute_loss(inputs, settings)
     metrics["doubled"] = metric(1.0, 1.0)
     return 2 * loss, metrics
+
+
+def first_token_even(args, sample) -> float:
+    """1 when the first response token id is even: a random policy scores about half, so every prompt group
+    has a reward spread and the first update is never a no-op."""
+    return float(sample.response_length > 0 and sample.tokens[-sample.response_length] % 2 == 0)

@@ -20,7 +20,7 @@ def test_async_disaggregated_cp2_dynamic(tmp_path):
     run_dir = str(tmp_path / "run")
     argv = [
         "--hf-checkpoint", str(model), "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label",
-        "--rm-type", "math", "--num-rollout", "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+        "--custom-rm-path", "tests.distributed.custom_fns:first_token_even", "--num-rollout", "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
         "--rollout-max-response-len", "3", "--global-batch-size", "16", "--lr", "5e-3",
         "--actor-num-gpus-per-node", "2", "--context-parallel-size", "2", "--rollout-num-gpus", "1",
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", "40", "--run-dir", run_dir,
@@ -32,7 +32,9 @@ def test_async_disaggregated_cp2_dynamic(tmp_path):
     assert all(r["train/first_mb_ppo_kl_abs_max"] == 0.0 for r in rows)
     # rollout 0 came from the initial weights, which trained on it: on-policy
     assert rows[0]["train/train_rollout_logprob_abs_diff"] <= 1e-5
-    # rollout 1 was generated while the trainer stepped on rollout 0: one policy version behind
+    # rollout 1 was generated while the trainer stepped on rollout 0: one policy version behind (the reward
+    # gives every group a spread, so that step moves the weights)
+    assert rows[0]["train/grad_norm"] > 0.0
     assert rows[1]["train/train_rollout_logprob_abs_diff"] > 1e-5
 
 
