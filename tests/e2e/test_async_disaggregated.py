@@ -20,7 +20,7 @@ def test_async_disaggregated_cp2_dynamic(tmp_path):
     run_dir = str(tmp_path / "run")
     argv = [
         "--hf-checkpoint", str(model), "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label",
-        "--custom-rm-path", "tests.distributed.custom_fns:first_token_even", "--num-rollout", "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+        "--custom-rm-path", "tests.integration.custom_fns:first_token_even", "--num-rollout", "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
         "--rollout-max-response-len", "3", "--global-batch-size", "16", "--lr", "5e-3",
         "--actor-num-gpus-per-node", "2", "--context-parallel-size", "2", "--rollout-num-gpus", "1",
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", "40", "--run-dir", run_dir,

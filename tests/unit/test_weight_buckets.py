@@ -1,4 +1,4 @@
-"""Bucket planning and gathering on an unsharded tiny Qwen3 (the sharded path is in tests/distributed)."""
+"""Bucket planning and gathering on an unsharded tiny Qwen3 (the sharded path is in tests/integration)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import httpx
 import pytest
 import torch
 
-from tests.distributed._util import run_distributed
+from tests.integration._util import run_distributed
 
 
 def _trainer_body(rank: int, world: int, model_dir: str, urls: list[str], out: str) -> None:

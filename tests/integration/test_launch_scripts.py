@@ -14,7 +14,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_qwen3_4b_script_passes_dry_run():
     proc = subprocess.run(
-        ["bash", "scripts/run-qwen3-4B-fsdp.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=60
+        ["bash", "scripts/run-qwen3-4B-fsdp.sh", "--dry-run"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     cfg = yaml.safe_load(proc.stdout)
@@ -32,8 +36,14 @@ def test_help_imports_nothing_heavy():
         "heavy = [m for m in ('torch', 'ray', 'transformers') if m in sys.modules]\n"
         "print('HEAVY', heavy)"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0, proc.stderr
     assert "--rollout-batch-size" in proc.stdout and "HEAVY []" in proc.stdout
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed._util import run_distributed
+from tests.integration._util import run_distributed
 from tests.tiny_models import tiny_qwen3
 
 WORLD = 2
@@ -45,7 +45,7 @@ def _loss(lps, ents):
 
 
 def _body(rank: int, world_size: int) -> None:
-    """Runs in each of WORLD gloo processes (see tests/distributed/_util.py)."""
+    """Runs in each of WORLD gloo processes (see tests/integration/_util.py)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     torch.set_num_threads(1)
     from miles.backends.fsdp_utils.context_parallel import CPContext, shard_for_cp

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from tests.distributed._util import run_distributed, save_tiny_qwen3
+from tests.integration._util import run_distributed, save_tiny_qwen3
 
 VOCAB = 96
 
@@ -209,11 +209,11 @@ VARIANTS = {
     "rollout_logprobs_token_mean": ["--use-rollout-logprobs", "--calculate-per-token-loss"],
     "custom_functions": [
         "--custom-advantage-function-path",
-        "tests.distributed.custom_fns:sign_advantage",
+        "tests.integration.custom_fns:sign_advantage",
         "--custom-tis-function-path",
-        "tests.distributed.custom_fns:half_weights",
+        "tests.integration.custom_fns:half_weights",
         "--custom-loss-function-path",
-        "tests.distributed.custom_fns.doubled_loss",
+        "tests.integration.custom_fns.doubled_loss",
     ],
     "unbiased_kl_sgd_cosine": [
         "--use-kl-loss",

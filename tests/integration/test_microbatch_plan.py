@@ -7,7 +7,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from tests.distributed._util import run_distributed
+from tests.integration._util import run_distributed
 
 WORLD = 2
 CAP = 256  # max_tokens_per_gpu
@@ -22,7 +22,7 @@ def _lengths(rank: int) -> list[int]:
 
 
 def _body(rank: int, world_size: int) -> None:
-    """Runs in each of WORLD gloo processes (see tests/distributed/_util.py)."""
+    """Runs in each of WORLD gloo processes (see tests/integration/_util.py)."""
     torch.set_num_threads(1)
     from miles.backends.fsdp_utils.data_packing import (
         dist_allreduce_max,
