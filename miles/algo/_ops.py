@@ -2,6 +2,11 @@
 
 The backend unpacks its packed micro-batch into one 1-D tensor per sample; here those lists are concatenated
 for vectorised math and split back, and per-sample masked sums are taken with index_add (differentiable).
+
+Masking rule of the whole package: a value at a loss-mask-0 position is never read. Masked values are removed
+by SELECTING with the mask (`masked`, `masked_list`), never by multiplying with it: ``nan * 0`` is nan, and a
+value that was multiplied away still sends ``0 * inf = nan`` back through the backward pass of whatever
+produced it. Selection before any nonlinearity keeps both the forward values and the gradients finite.
 """
 
 from __future__ import annotations
@@ -43,6 +48,21 @@ def sample_ids(lengths: list[int], device: torch.device) -> Tensor:
     )
 
 
+def masked(values: Tensor, mask: Tensor) -> Tensor:
+    """`values * mask` where mask != 0 and exactly 0 elsewhere, whatever `values` holds there (nan, inf).
+
+    The gradient w.r.t. `values` is `mask` at kept positions and exactly 0 at masked ones."""
+    kept = values * mask.to(values.dtype)
+    return torch.where(mask != 0, kept, torch.zeros((), dtype=kept.dtype, device=kept.device))
+
+
+def masked_list(values: list[Tensor], masks: list[Tensor]) -> list[Tensor]:
+    """`masked` per sample; positions with mask 0 become 0 (use before exp, log, division or a reduction)."""
+    return [
+        torch.where(m != 0, v, torch.zeros((), dtype=v.dtype, device=v.device)) for v, m in zip(values, masks)
+    ]
+
+
 def per_sample_sum(flat: Tensor, lengths: list[int]) -> Tensor:
     """Tensor[B]: sum of `flat` over each sample's tokens (differentiable)."""
     out = torch.zeros(len(lengths), dtype=flat.dtype, device=flat.device)
@@ -51,7 +71,6 @@ def per_sample_sum(flat: Tensor, lengths: list[int]) -> Tensor:
 
 def per_sample_masked_mean(flat: Tensor, flat_mask: Tensor, lengths: list[int]) -> Tensor:
     """Tensor[B]: each sample's mean of `flat` over its mask==1 tokens; 0 for a sample with no such token."""
-    mask = flat_mask.to(flat.dtype)
-    num = per_sample_sum(flat * mask, lengths)
-    den = per_sample_sum(mask, lengths)
+    num = per_sample_sum(masked(flat, flat_mask), lengths)
+    den = per_sample_sum(flat_mask.to(flat.dtype), lengths)
     return num / den.clamp(min=1.0)

@@ -3,7 +3,8 @@
 Every estimator is a function ``fn(inputs: AdvantageInputs) -> AdvantageOutputs`` registered by name with
 ``@register_advantage(name)``; ``compute_advantages(name, inputs)`` dispatches through the registry. Outputs are
 per sample, aligned with ``loss_masks`` (one tensor of length L_i per sample). Values at positions with
-loss mask 0 carry no meaning; the loss ignores them.
+loss mask 0 carry no meaning; the loss ignores them (it selects with the mask, so even nan/inf there is
+harmless), and so do the KL penalty and the whitening here.
 
 Batch-level whitening (reinforce_plus_plus*, and ``--normalize-advantages`` for any estimator) needs statistics
 over the whole data-parallel batch, which this package cannot collect (no collectives here). The backend does:
@@ -145,27 +146,47 @@ def _group_index(group_ids: Tensor) -> tuple[Tensor, Tensor]:
     return inverse, counts
 
 
-def group_mean(rewards: Tensor, group_ids: Tensor) -> Tensor:
-    """Tensor[B]: the mean reward of each sample's prompt group (float32)."""
-    rewards = rewards.float()
+@dataclass
+class _GroupStats:
+    """Per-sample float64 statistics of each sample's prompt group."""
+
+    mean: Tensor  # [B] group mean; exactly the reward itself when every reward of the group is equal
+    std: Tensor  # [B] unbiased (n - 1) group std; exactly 0 for equal rewards and for groups of one
+    size: Tensor  # [B] long: samples in the group
+
+
+def _group_stats(rewards: Tensor, group_ids: Tensor) -> _GroupStats:
+    """Group statistics in float64, two-pass (mean, then centred squares).
+
+    A group whose rewards are all equal gets mean == reward exactly, so r - mean is exactly 0 even when the
+    value is not exact in binary (eight samples rewarded 5.3: a computed mean can differ from 5.3 in the last
+    bit, and dividing that residue by std + eps would give a nonzero advantage)."""
+    r = rewards.double()
     inverse, counts = _group_index(group_ids)
-    sums = torch.zeros(counts.numel(), dtype=rewards.dtype, device=rewards.device).index_add(
-        0, inverse, rewards
-    )
-    return (sums / counts.to(rewards.dtype))[inverse]
+    num_groups = counts.numel()
+    sums = torch.zeros(num_groups, dtype=r.dtype, device=r.device).index_add(0, inverse, r)
+    group_max = torch.full((num_groups,), -torch.inf, dtype=r.dtype, device=r.device)
+    group_max = group_max.scatter_reduce(0, inverse, r, reduce="amax")
+    group_min = torch.full((num_groups,), torch.inf, dtype=r.dtype, device=r.device)
+    group_min = group_min.scatter_reduce(0, inverse, r, reduce="amin")
+    equal = (group_max == group_min)[inverse]
+    mean = torch.where(equal, r, (sums / counts.to(r.dtype))[inverse])
+    sq = torch.zeros(num_groups, dtype=r.dtype, device=r.device).index_add(0, inverse, (r - mean).square())
+    var = sq / (counts.to(r.dtype) - 1).clamp(min=1)
+    return _GroupStats(mean=mean, std=var.sqrt()[inverse], size=counts[inverse])
+
+
+def group_mean(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """Tensor[B]: the mean reward of each sample's prompt group (computed in float64, returned as float32;
+    exactly the common value for a group whose rewards are all equal)."""
+    return _group_stats(rewards, group_ids).mean.float()
 
 
 def group_std(rewards: Tensor, group_ids: Tensor) -> Tensor:
-    """Tensor[B]: the UNBIASED (Bessel-corrected, divide by n-1) std of each sample's group; 0 for groups of
-    size 1 (where the unbiased std is undefined)."""
-    rewards = rewards.float()
-    inverse, counts = _group_index(group_ids)
-    centred = rewards - group_mean(rewards, group_ids)
-    sq = torch.zeros(counts.numel(), dtype=rewards.dtype, device=rewards.device).index_add(
-        0, inverse, centred.square()
-    )
-    var = sq / (counts.to(rewards.dtype) - 1).clamp(min=1)
-    return var.sqrt()[inverse]
+    """Tensor[B]: the UNBIASED (Bessel-corrected, divide by n-1) std of each sample's group, computed in
+    float64 and returned as float32; 0 for groups of size 1 (where the unbiased std is undefined) and exactly 0
+    for groups whose rewards are all equal."""
+    return _group_stats(rewards, group_ids).std.float()
 
 
 def _broadcast(values: Tensor, loss_masks: list[Tensor]) -> list[Tensor]:
@@ -175,11 +196,6 @@ def _broadcast(values: Tensor, loss_masks: list[Tensor]) -> list[Tensor]:
     ]
 
 
-def _group_sizes(group_ids: Tensor) -> Tensor:
-    inverse, counts = _group_index(group_ids)
-    return counts[inverse]
-
-
 # ----------------------------------------------------------------------------------------------- estimators
 
 
@@ -187,13 +203,14 @@ def _group_sizes(group_ids: Tensor) -> Tensor:
 def grpo_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
     """GRPO: A_i = (r_i - mean_g) / (std_g + eps), statistics over sample i's prompt group g ONLY (never over
     the batch). std_g is the unbiased (n-1) group std. ``std_normalize=False`` gives Dr.GRPO: A_i = r_i - mean_g.
-    A sample alone in its group gets advantage 0 (there is nothing to compare it with). The scalar is
+    A sample alone in its group gets advantage 0 (there is nothing to compare it with), and so does every
+    sample of a group whose rewards are all equal, exactly. Statistics are taken in float64. The scalar is
     broadcast to every token of the response; returns == advantages."""
-    rewards = inputs.rewards.float()
-    adv = rewards - group_mean(rewards, inputs.group_ids)
+    stats = _group_stats(inputs.rewards, inputs.group_ids)
+    adv = inputs.rewards.double() - stats.mean
     if inputs.std_normalize:
-        adv = adv / (group_std(rewards, inputs.group_ids) + inputs.eps)
-    adv = torch.where(_group_sizes(inputs.group_ids) > 1, adv, torch.zeros_like(adv))
+        adv = adv / (stats.std + inputs.eps)
+    adv = torch.where(stats.size > 1, adv, torch.zeros_like(adv))
     per_token = _broadcast(adv, inputs.loss_masks)
     return AdvantageOutputs(advantages=per_token, returns=[t.clone() for t in per_token])
 
@@ -206,11 +223,12 @@ def gspo_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
 
 @register_advantage("rloo")
 def rloo_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
-    """RLOO: A_i = r_i - mean_{j != i, j in group(i)} r_j  (= n/(n-1) * (r_i - mean_g)); 0 for groups of size 1.
-    Broadcast to every response token; returns == advantages."""
-    rewards = inputs.rewards.float()
-    n = _group_sizes(inputs.group_ids).to(rewards.dtype)
-    centred = rewards - group_mean(rewards, inputs.group_ids)
+    """RLOO: A_i = r_i - mean_{j != i, j in group(i)} r_j  (= n/(n-1) * (r_i - mean_g)); 0 for groups of size 1
+    and, exactly, for groups whose rewards are all equal (float64 statistics). Broadcast to every response
+    token; returns == advantages."""
+    stats = _group_stats(inputs.rewards, inputs.group_ids)
+    n = stats.size.double()
+    centred = inputs.rewards.double() - stats.mean
     adv = torch.where(n > 1, centred * n / (n - 1).clamp(min=1), torch.zeros_like(centred))
     per_token = _broadcast(adv, inputs.loss_masks)
     return AdvantageOutputs(advantages=per_token, returns=[t.clone() for t in per_token])
@@ -245,7 +263,7 @@ def _reinforce_returns(inputs: AdvantageInputs, rewards: Tensor) -> AdvantageOut
     kls = _token_kl(inputs)
     returns = []
     for reward, kl, mask in zip(rewards.tolist(), kls, inputs.loss_masks):
-        token_rewards = -inputs.kl_coef * kl * mask.float()
+        token_rewards = -inputs.kl_coef * _ops.masked(kl, mask.float())
         positions = torch.nonzero(mask.bool()).flatten()
         if positions.numel() > 0:
             token_rewards[positions[-1]] += reward
@@ -265,9 +283,10 @@ def reinforce_plus_plus_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
 @register_advantage("reinforce_plus_plus_baseline", whiten=True)
 def reinforce_plus_plus_baseline_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
     """REINFORCE++ with a group baseline: as reinforce_plus_plus on r_i - mean_g (the group-mean reward is
-    subtracted first; a sample alone in its group thus gets reward 0). Whitened afterwards by the backend."""
-    rewards = inputs.rewards.float()
-    return _reinforce_returns(inputs, rewards - group_mean(rewards, inputs.group_ids))
+    subtracted first, in float64; a sample alone in its group, or in a group of equal rewards, thus gets reward
+    exactly 0). Whitened afterwards by the backend."""
+    stats = _group_stats(inputs.rewards, inputs.group_ids)
+    return _reinforce_returns(inputs, (inputs.rewards.double() - stats.mean).float())
 
 
 # -------------------------------------------------------------------------------------- batch whitening
@@ -279,9 +298,9 @@ def local_moments(values: list[Tensor], masks: list[Tensor]) -> Tensor:
     All-reduce (SUM) it over the DP group and pass it to `masked_whiten`.
     """
     _ops.check_aligned("values", values, masks)
-    flat = _ops.cat(values).detach().double()
     mask = _ops.cat(masks).double()
-    return torch.stack([(flat * mask).sum(), (flat.square() * mask).sum(), mask.sum()])
+    flat = _ops.masked(_ops.cat(values).detach().double(), mask)
+    return torch.stack([flat.sum(), _ops.masked(flat.square(), mask).sum(), mask.sum()])
 
 
 def masked_whiten(
@@ -289,7 +308,7 @@ def masked_whiten(
 ) -> list[Tensor]:
     """(v - mean) / sqrt(var + eps) with mean and the BIASED (population, divide by count) variance from the
     global `stats` = (sum, sum_sq, count), e.g. all-reduced `local_moments`. Positions with mask 0 are set to
-    0. Raises ValueError if the count is 0."""
+    0 (whatever they held). Raises ValueError if the count is 0."""
     _ops.check_aligned("values", values, masks)
     if stats.shape != (3,):
         raise ValueError(f"stats must be Tensor[3] (sum, sum_sq, count), got shape {tuple(stats.shape)}")
@@ -299,4 +318,4 @@ def masked_whiten(
     mean = total / count
     var = max(total_sq / count - mean * mean, 0.0)
     scale = (var + eps) ** -0.5
-    return [((v.float() - mean) * scale) * m.float() for v, m in zip(values, masks)]
+    return [_ops.masked((v.float() - mean) * scale, m.float()) for v, m in zip(values, masks)]

@@ -53,7 +53,7 @@ def compute_approx_kl(
     `kl_type` is one of ``k1, k2, k3, low_var_kl`` (see the module docstring).
 
     If `old_log_probs` is given (``--use-unbiased-kl``), the estimate is multiplied by the importance weight
-    ``exp(log_probs - old_log_probs)``. Tokens are sampled from pi_old, not from the current pi, so this weight
+    ``exp(clamp(log_probs - old_log_probs, -20, 20))`` (clamped like the PPO ratio so it cannot overflow). Tokens are sampled from pi_old, not from the current pi, so this weight
     makes the estimator (and its gradient: the weight is NOT detached) unbiased for KL(pi_theta || pi_ref) when
     pi_theta has moved away from pi_old during the step. On the first micro-step the weight is exactly 1.
     """
@@ -70,5 +70,8 @@ def compute_approx_kl(
             raise ValueError(
                 f"old_log_probs shape {tuple(old_log_probs.shape)} != log_probs shape {tuple(log_probs.shape)}"
             )
-        kl = torch.exp(log_probs.float() - old_log_probs.float()) * kl
+        log_w = (log_probs.float() - old_log_probs.float()).clamp(
+            -_LOW_VAR_LOG_RATIO_CLAMP, _LOW_VAR_LOG_RATIO_CLAMP
+        )
+        kl = torch.exp(log_w) * kl
     return kl

@@ -17,10 +17,14 @@ and why it carries 1/dp_size). Metrics are (numerator, count) pairs (miles.algo.
 - ``opsm_masked_frac`` (use_opsm): fraction of loss tokens in sequences masked by OPSM;
 - with rollout log-probs: ``train_rollout_logprob_abs_diff``, ``ois`` and, when enabled, ``tis``,
   ``tis_clipfrac``, ``mis_masked_frac`` (miles.algo.mismatch).
+
+Values at loss-mask-0 positions of every input are replaced by 0 (selected, not multiplied) before any
+arithmetic, so nan/inf there reaches neither the loss, its gradient, nor a metric.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -142,8 +146,22 @@ def _custom_tis(path: str) -> CustomTISFn:
     return load_custom_tis_function(path)
 
 
+def mask_loss_inputs(inputs: LossInputs) -> LossInputs:
+    """A copy of `inputs` with every per-token value at a loss-mask-0 position set to 0 (gradients there are 0).
+
+    `compute_loss` applies it first; a custom loss may call it too."""
+    masks = inputs.loss_masks
+    replaced = {
+        f.name: _ops.masked_list(getattr(inputs, f.name), masks)
+        for f in dataclasses.fields(inputs)
+        if f.name != "loss_masks" and getattr(inputs, f.name) is not None
+    }
+    return dataclasses.replace(inputs, **replaced)
+
+
 def compute_loss(inputs: LossInputs, settings: LossSettings) -> tuple[Tensor, dict[str, Tensor]]:
     """Scalar loss of one micro-batch and its metrics ((numerator, count) pairs); see the module docstring."""
+    inputs = mask_loss_inputs(inputs)
     metrics: dict[str, Tensor] = {}
     terms = [(1.0, "pg_loss", _policy_token_losses(inputs, settings, metrics))]
     terms += _regulariser_terms(inputs, settings)

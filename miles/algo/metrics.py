@@ -21,9 +21,13 @@ def metric(numerator: Tensor | float, count: Tensor | float) -> Tensor:
 
 
 def masked_metric(values: Tensor, mask: Tensor) -> Tensor:
-    """Mean of `values` over mask == 1 positions, as a (sum, count) pair."""
+    """Mean of `values` over mask == 1 positions, as a (sum, count) pair (values at mask-0 positions, even
+    nan/inf, are never read)."""
     m = mask.detach().double()
-    return metric((values.detach().double() * m).sum(), m.sum())
+    kept = torch.where(
+        m != 0, values.detach().double() * m, torch.zeros((), dtype=torch.float64, device=m.device)
+    )
+    return metric(kept.sum(), m.sum())
 
 
 def accumulate_metrics(total: dict[str, Tensor], new: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -57,6 +57,7 @@ def compute_mis_mask(
     level "token": drop token t iff exp(old_t - rollout_t) is outside [lower, upper].
     level "sequence": drop every token of sample i iff its geometric-mean ratio
     exp(mean_t (old_t - rollout_t)) (mean over the sample's loss tokens) is outside [lower, upper].
+    Values at mask-0 positions are not read (those positions get weight 1 at level "token").
     """
     if level not in MIS_LEVELS:
         raise ValueError(f"mis_level={level!r}; choose one of {list(MIS_LEVELS)}")
@@ -67,6 +68,8 @@ def compute_mis_mask(
     lengths = _ops.lengths_of(loss_masks)
     if not lengths:
         return []
+    old_log_probs = _ops.masked_list(old_log_probs, loss_masks)
+    rollout_log_probs = _ops.masked_list(rollout_log_probs, loss_masks)
     log_ratio = (_ops.cat(old_log_probs).float() - _ops.cat(rollout_log_probs).float()).detach()
     if level == "sequence":
         seq = _ops.per_sample_masked_mean(log_ratio, _ops.cat(loss_masks), lengths)
@@ -110,10 +113,13 @@ def compute_mismatch_weights(
     - ``tis``: mean TIS weight; ``tis_clipfrac``: fraction of tokens whose ratio was clipped   (use_tis)
     - ``mis_masked_frac``: fraction of loss tokens dropped by MIS, at either level             (use_mis)
 
-    A `custom_fn` replaces TIS and MIS (called as ``custom_fn(old, rollout, masks, settings)``).
+    A `custom_fn` replaces TIS and MIS (called as ``custom_fn(old, rollout, masks, settings)``). Values at
+    mask-0 positions are set to 0 first (so weights there are finite and metrics never read them).
     """
     _ops.check_aligned("old_log_probs", old_log_probs, loss_masks)
     _ops.check_aligned("rollout_log_probs", rollout_log_probs, loss_masks)
+    old_log_probs = _ops.masked_list(old_log_probs, loss_masks)
+    rollout_log_probs = _ops.masked_list(rollout_log_probs, loss_masks)
     mask = _ops.cat(loss_masks)
     log_ratio = (_ops.cat(old_log_probs).float() - _ops.cat(rollout_log_probs).float()).detach()
     ratio = torch.exp(log_ratio)

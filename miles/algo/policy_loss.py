@@ -3,6 +3,11 @@
 All functions return PER-TOKEN values; how they are reduced to a scalar (and what that divides by) is the job
 of miles.algo.reductions. Sign convention: ``ppo_kl = old_log_probs - log_probs`` (log pi_old - log pi_theta at
 the sampled tokens), so ``ratio = exp(-ppo_kl) = pi_theta / pi_old``.
+
+The log-ratio is clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] = [-20, 20] before `exp` (as verl and OpenRLHF
+do): exp(89) overflows float32, and the backward of a clipped token (whose loss does not depend on the ratio)
+would then compute 0 * inf = nan for every parameter. Inside the clamp nothing changes; beyond it the ratio is
+e^{+-20}, far outside any clip range. Values at loss-mask-0 positions are set to 0 before any arithmetic.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from torch import Tensor
 from miles.algo import _ops
 from miles.algo.registry import Registry
 
+LOG_RATIO_CLAMP = 20.0
+
 
 def compute_policy_loss(
     ppo_kl: Tensor,
@@ -27,13 +34,14 @@ def compute_policy_loss(
 ) -> tuple[Tensor, Tensor]:
     """Per-token PPO clipped surrogate loss and clip indicator (same shape as the inputs).
 
-    ratio = exp(-ppo_kl);  loss = max(-A * ratio, -A * clip(ratio, 1 - eps_clip, 1 + eps_clip_high)).
+    ratio = exp(clamp(-ppo_kl, -20, 20));  loss = max(-A * ratio, -A * clip(ratio, 1 - eps_clip, 1 + eps_clip_high)).
     Dual clip (``eps_clip_c`` > 1, Ye et al. 2020): for tokens with A < 0 the loss is further capped,
     loss = min(loss, -A * eps_clip_c), so a huge ratio on a bad token cannot produce an unbounded update.
 
     Returns ``(per_token_loss, per_token_clipfrac)`` where clipfrac is 1.0 where the clipped term is strictly
     larger than the unclipped one (the ratio is outside the trust region in the direction that matters, so the
-    token gets no gradient), else 0.0. Gradient flows through `ppo_kl` only.
+    token gets no gradient), else 0.0. Gradient flows through `ppo_kl` only; a token whose log-ratio lies
+    beyond the +-20 clamp gets exactly zero gradient (never nan).
     """
     if ppo_kl.shape != advantages.shape:
         raise ValueError(f"ppo_kl shape {tuple(ppo_kl.shape)} != advantages shape {tuple(advantages.shape)}")
@@ -42,7 +50,7 @@ def compute_policy_loss(
     if eps_clip_c is not None and eps_clip_c <= 1.0:
         raise ValueError(f"eps_clip_c={eps_clip_c} must be > 1 (dual-clip bound on the ratio) or None")
     advantages = advantages.detach().float()
-    ratio = torch.exp(-ppo_kl.float())
+    ratio = torch.exp((-ppo_kl.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
     loss = torch.maximum(unclipped, clipped)
@@ -99,6 +107,15 @@ def _check(
     _ops.check_aligned("advantages", advantages, masks)
 
 
+def _masked_inputs(
+    log_probs: list[Tensor], old_log_probs: list[Tensor], advantages: list[Tensor], masks: list[Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Concatenated float32 (new, old, advantages) with 0 at every mask-0 position (selected, not multiplied)."""
+    return tuple(
+        _ops.cat(_ops.masked_list(values, masks)).float() for values in (log_probs, old_log_probs, advantages)
+    )
+
+
 @register_policy_loss("ppo")
 def ppo_policy_loss(
     log_probs: list[Tensor],
@@ -113,8 +130,9 @@ def ppo_policy_loss(
     """PPO/GRPO: token-level ratio pi_theta(x_t) / pi_old(x_t), clipped per token (`compute_policy_loss`)."""
     _check(log_probs, old_log_probs, advantages, loss_masks)
     lengths = _ops.lengths_of(loss_masks)
-    ppo_kl = _ops.cat(old_log_probs).detach().float() - _ops.cat(log_probs).float()
-    loss, clipfrac = compute_policy_loss(ppo_kl, _ops.cat(advantages), eps_clip, eps_clip_high, eps_clip_c)
+    new, old, adv = _masked_inputs(log_probs, old_log_probs, advantages, loss_masks)
+    ppo_kl = old.detach() - new
+    loss, clipfrac = compute_policy_loss(ppo_kl, adv, eps_clip, eps_clip_high, eps_clip_c)
     return PolicyLossOutputs(
         loss=_ops.split(loss, lengths),
         clipfrac=_ops.split(clipfrac, lengths),
@@ -145,13 +163,13 @@ def gspo_policy_loss(
     """
     _check(log_probs, old_log_probs, advantages, loss_masks)
     lengths = _ops.lengths_of(loss_masks)
-    new = _ops.cat(log_probs).float()
-    old = _ops.cat(old_log_probs).detach().float()
+    new, old, adv = _masked_inputs(log_probs, old_log_probs, advantages, loss_masks)
+    old = old.detach()
     mask = _ops.cat(loss_masks)
     seq_log_ratio = _ops.per_sample_masked_mean((new - old).detach(), mask, lengths)
     token_log_ratio = new - new.detach() + seq_log_ratio[_ops.sample_ids(lengths, new.device)]
     ppo_kl = -token_log_ratio
-    loss, clipfrac = compute_policy_loss(ppo_kl, _ops.cat(advantages), eps_clip, eps_clip_high, eps_clip_c)
+    loss, clipfrac = compute_policy_loss(ppo_kl, adv, eps_clip, eps_clip_high, eps_clip_c)
     return PolicyLossOutputs(
         loss=_ops.split(loss, lengths),
         clipfrac=_ops.split(clipfrac, lengths),
@@ -184,8 +202,8 @@ def compute_opsm_mask(
     if not lengths:
         return []
     mask = _ops.cat(loss_masks)
-    diff = (_ops.cat(behaviour_log_probs).float() - _ops.cat(log_probs).float()).detach()
-    seq_kl = _ops.per_sample_masked_mean(diff, mask, lengths)
-    seq_adv = _ops.per_sample_masked_mean(_ops.cat(advantages).detach().float(), mask, lengths)
+    new, behaviour, adv = _masked_inputs(log_probs, behaviour_log_probs, advantages, loss_masks)
+    seq_kl = _ops.per_sample_masked_mean((behaviour - new).detach(), mask, lengths)
+    seq_adv = _ops.per_sample_masked_mean(adv.detach(), mask, lengths)
     keep = ~((seq_adv < 0) & (seq_kl > delta))
     return _ops.split(keep.float()[_ops.sample_ids(lengths, mask.device)], lengths)

@@ -55,7 +55,7 @@ def _sample_mean_numerator(losses: list[Tensor], masks: list[Tensor]) -> Tensor:
 
 def _token_sum(losses: list[Tensor], masks: list[Tensor]) -> Tensor:
     flat, mask, _ = _masked_flat(losses, masks)
-    return (flat * mask).sum()
+    return _ops.masked(flat, mask).sum()
 
 
 def _num_tokens(masks: list[Tensor]) -> float:
@@ -120,14 +120,18 @@ def reduction_denominator(
 def reduce_loss(name: str, losses: list[Tensor], masks: list[Tensor], denominator: float) -> Tensor:
     """Scalar loss of one micro-batch: ``numerator / denominator`` where numerator is, per reduction:
 
-    - ``sample_mean``: sum over samples of each sample's mean over its loss tokens (a sample with no loss
-      token contributes 0). Divided by `denominator` = global number of samples / dp_size.
+    - ``sample_mean``: sum over samples of each sample's mean over its loss tokens. Divided by `denominator`
+      = global number of samples / dp_size. A sample with no loss token (an aborted one) contributes 0 to the
+      sum and still COUNTS in the number of samples: the divisor is a constant of the step (its sample count,
+      as in the reference miles/slime), so how many samples were aborted does not rescale the others.
     - ``token_mean``: sum of all masked token losses. Divided by `denominator` = global number of loss
       tokens / dp_size. Every token weighs the same, however long its sequence.
     - ``constant_sum`` (Dr.GRPO): sum of all masked token losses. Divided by `denominator` = constant *
       global number of samples / dp_size, i.e. a per-sample token SUM normalised by a fixed length.
 
     Get `denominator` from `reduction_denominator`; see the module docstring for why it carries 1/dp_size.
+    Values at mask-0 positions are never read (selected away, so nan/inf there changes neither the loss nor
+    its gradient).
     """
     if not denominator > 0:
         raise ValueError(f"denominator={denominator} must be > 0")

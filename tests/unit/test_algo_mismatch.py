@@ -53,13 +53,14 @@ def test_mis_mask_matches_loop(seed, level):
     keep = compute_mis_mask(old, rollout, masks, level, 0.7, 1.4)
     for k, o, r, m in zip(keep, old, rollout, masks):
         diffs = [a - b for a, b in zip(o.tolist(), r.tolist())]
-        if level == "token":
+        if level == "token":  # values at mask-0 positions are never read: only loss tokens are compared
             expected = [1.0 if 0.7 <= math.exp(d) <= 1.4 else 0.0 for d in diffs]
+            assert _kept([k.tolist()], [m]) == _kept([expected], [m])
         else:
             kept = [d for d, mm in zip(diffs, m.tolist()) if mm]
             geo = math.exp(sum(kept) / len(kept)) if kept else 1.0
             expected = [1.0 if 0.7 <= geo <= 1.4 else 0.0] * len(diffs)
-        assert k.tolist() == expected
+            assert k.tolist() == expected
 
 
 def test_mis_sequence_hand():
@@ -93,12 +94,13 @@ def test_mismatch_weights_and_metrics(seed):
     assert values["tis"] == pytest.approx(sum(min(max(x, 0.5), 1.5) for x in ratios) / len(ratios))
     assert values["tis_clipfrac"] == pytest.approx(sum(not 0.5 <= x <= 1.5 for x in ratios) / len(ratios))
     assert values["mis_masked_frac"] == pytest.approx(sum(not 0.4 <= x <= 2.5 for x in ratios) / len(ratios))
-    for w, o, r in zip(weights, old, rollout):
+    for w, o, r, m in zip(weights, old, rollout, masks):
         expected = []
         for a, b in zip(o.tolist(), r.tolist()):
             x = math.exp(a - b)
             expected.append(min(max(x, 0.5), 1.5) if 0.4 <= x <= 2.5 else 0.0)
-        torch.testing.assert_close(w, torch.tensor(expected))
+        keep = m != 0  # values at mask-0 positions are never read: only loss tokens are compared
+        torch.testing.assert_close(w[keep], torch.tensor(expected)[keep])
 
 
 def test_no_correction_gives_no_weights_but_metrics():

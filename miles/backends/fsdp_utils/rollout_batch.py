@@ -243,11 +243,8 @@ class MetricSum:
 
 
 def batch_metrics(batch: RankBatch, dp_group: Any) -> dict[str, float]:
-    """Advantage statistics over the DP group."""
-    adv = torch.cat([a * m for a, m in zip(batch.advantages, batch.loss_masks)])
-    mask = torch.cat(batch.loss_masks)
-    t = torch.stack([adv.sum().double(), (adv * adv).sum().double(), mask.sum().double()])
-    t = _all_reduce_sum(t, dp_group)
+    """Advantage statistics over the DP group (loss tokens only: mask-0 positions are never read)."""
+    t = _all_reduce_sum(local_moments(batch.advantages, batch.loss_masks), dp_group)
     n = max(float(t[2]), 1.0)
     mean = float(t[0]) / n
     return {
