@@ -68,7 +68,10 @@ def run_driver(
     prog: str,
     refuse: Callable[[Any], str | None] = lambda cfg: None,
 ) -> int:
-    """Parse and validate (exit 2 on bad input), honour --dry-run, then build the system and run `loop`."""
+    """Parse and validate, run the pre-flight checks (files, model, rewards: exit 2 on bad input), honour
+    --dry-run, then build the system and run `loop`. Nothing before `build_system` imports Ray."""
+    from miles.config.preflight import run_preflight
+
     try:
         cfg = parse_config(argv)
     except ConfigError as e:
@@ -78,11 +81,15 @@ def run_driver(
     if problem:
         print(f"{prog}: {problem}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=cfg.log.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run_preflight(cfg)
+    except ConfigError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
     if cfg.dry_run:
         print(cfg.to_yaml())
         return 0
-    cfg.raise_if_unimplemented()
-    logging.basicConfig(level=cfg.log.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from miles.ray.setup import build_system
 

@@ -32,11 +32,11 @@ def _section_name(cfg: Config, owner: Any) -> str:
 class ConfigError(ValueError):
     """Every violation found in one configuration, one per line."""
 
-    def __init__(self, violations: list[str]) -> None:
+    def __init__(self, violations: list[str], title: str = "invalid configuration") -> None:
         self.violations = list(violations)
         count = len(self.violations)
         lines = "\n".join(f"  - {v}" for v in self.violations)
-        super().__init__(f"invalid configuration ({count} problem{'s' if count != 1 else ''}):\n{lines}")
+        super().__init__(f"{title} ({count} problem{'s' if count != 1 else ''}):\n{lines}")
 
 
 @section

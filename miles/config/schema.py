@@ -212,9 +212,12 @@ def coerce(spec: FieldSpec, value: Any) -> Any:
 
 
 def check_field(spec: FieldSpec, value: Any) -> str | None:
-    """The problem with a coerced value against the field's choices and bounds, or None."""
+    """The problem with a coerced value against the field's choices and bounds, or None. Float values must be
+    finite (NaN is already refused by coercion)."""
     if value is None:
         return None
+    if spec.kind == FLOAT and not math.isfinite(value):
+        return "must be a finite number"  # no float flag means "unlimited": inf lr, timeouts, ... are typos
     choices = spec.choices
     if choices is not None and value not in choices:
         return f"must be one of {{{', '.join(choices)}}}"

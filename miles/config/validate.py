@@ -6,6 +6,7 @@ earlier check is "bad": later rules that read it are skipped, so one mistake yie
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import time
 from collections.abc import Callable
@@ -256,9 +257,11 @@ def _algo(v: Values) -> None:
             v.fail("mis_lower", f"must be < --mis-upper={v['mis_upper']}")
     with suppress(_Skip):
         estimator = v["advantage_estimator"]
-        if v["kl_coef"] > 0 and not estimator.startswith("reinforce_plus_plus") and not v[
-            "custom_advantage_function_path"
-        ]:
+        if (
+            v["kl_coef"] > 0
+            and not estimator.startswith("reinforce_plus_plus")
+            and not v["custom_advantage_function_path"]
+        ):
             v.fail(
                 "kl_coef",
                 f"the KL reward penalty is applied by the reinforce_plus_plus estimators, not {estimator!r} "
@@ -296,6 +299,26 @@ def _optim(v: Values) -> None:
             v.fail("lr_warmup_iters", f"must be <= --lr-decay-iters={decay}")
 
 
+def is_loopback_host(host: str) -> bool:
+    """Whether `host` names only this machine (`localhost`, 127.0.0.0/8, ::1)."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost
+
+
+def _engine_access(v: Values) -> None:
+    host = v["engine_host"]
+    if not is_loopback_host(host) and not v["engine_api_key"]:
+        v.fail(
+            "engine_host",
+            "is reachable from other machines, but no --engine-api-key is set: anyone on the network could "
+            "update the engines' weights; set --engine-api-key or bind 127.0.0.1",
+        )
+
+
 def _function_paths(v: Values) -> None:
     for name in FIELDS:
         if name.startswith("custom_") and name.endswith("_path"):
@@ -313,6 +336,7 @@ RULES: list[Callable[[Values], None]] = [
     _algo,
     _sampling,
     _optim,
+    _engine_access,
     _function_paths,
 ]
 

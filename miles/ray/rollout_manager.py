@@ -148,6 +148,7 @@ class RolloutManager:
         settings = self._sampling(r.rollout_temperature, r.rollout_max_response_len)
         num_failed = self._generate_and_score(samples, settings)
         metrics = rollout_metrics(samples, num_failed)
+        metrics["rollout/dropped_prompts"] = float(self.data_source.dataset.num_filtered)  # too long, at load
         if self.config.log.dump_details:
             _dump_samples(Path(self.config.log.dump_details) / f"rollout_{rollout_id:07d}.jsonl", samples)
         return [s.to_dict() for s in samples], metrics

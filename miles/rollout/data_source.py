@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import random
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from typing import Any
 
 from miles.utils.types import Sample
 
+logger = logging.getLogger(__name__)
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 
@@ -30,13 +32,24 @@ class PromptRecord:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
+def _decode_line(raw: bytes, where: str, first: bool) -> str:
+    try:
+        return raw.decode("utf-8-sig" if first else "utf-8")  # a byte-order mark may open the file
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+            "save the file as UTF-8"
+        ) from None
+
+
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Yield (location, row) for each non-blank line; location is 'file:line N' (1-based)."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    """Yield (location, row) for each non-blank line; location is 'file: line N' (1-based)."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}: line {lineno}"
+            line = _decode_line(raw, where, first=lineno == 1)
             if not line.strip():
                 continue
-            where = f"{path}: line {lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
@@ -48,20 +61,28 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
 
 def _iter_parquet(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """Yield (location, row) per Parquet row; location is 'file: row N' (1-based)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     rownum = 0
-    for batch in pq.ParquetFile(path).iter_batches():
-        for row in batch.to_pylist():
-            rownum += 1
-            yield f"{path}: row {rownum}", row
+    try:
+        for batch in pq.ParquetFile(path).iter_batches():
+            for row in batch.to_pylist():
+                rownum += 1
+                yield f"{path}: row {rownum}", row
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(
+            f"{path}: cannot read as Parquet after row {rownum} ({type(e).__name__}: {e})"
+        ) from e
 
 
 def iter_rows(path: str | os.PathLike[str]) -> Iterator[tuple[str, dict[str, Any]]]:
     """Rows of a JSONL or Parquet file, each with a human-readable location for error messages."""
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ValueError(f"prompt data file {p} does not exist")
+    if not p.is_file():
+        raise ValueError(f"prompt data file {p} is not a file")
     suffix = p.suffix.lower()
     if suffix in JSONL_SUFFIXES:
         return _iter_jsonl(p)
@@ -83,6 +104,55 @@ def _check_messages(where: str, key: str, messages: Any) -> list[dict[str, str]]
     return messages
 
 
+def check_row(
+    where: str,
+    row: dict[str, Any],
+    input_key: str,
+    label_key: str | None,
+    metadata_key: str | None,
+    apply_chat_template: bool,
+) -> tuple[str | list[dict[str, str]], Any, dict[str, Any]]:
+    """(prompt, label, metadata) of one row, checked without a tokenizer; ValueError naming `where` and the key.
+
+    The prompt is returned as chat messages with `apply_chat_template` (a string becomes one user message),
+    else as the string itself."""
+    required = [input_key] + ([label_key] if label_key is not None else [])
+    for key in required:
+        if row.get(key) is None:
+            raise ValueError(f"{where}: missing key {key!r} (present: {sorted(row)})")
+    prompt = row[input_key]
+    if apply_chat_template:
+        prompt = _check_messages(where, input_key, prompt)
+    elif not isinstance(prompt, str):
+        raise ValueError(
+            f"{where}: key {input_key!r} is a {type(prompt).__name__}, not a string; "
+            "chat messages need --apply-chat-template"
+        )
+    metadata = row.get(metadata_key) if metadata_key is not None else None
+    if metadata is None:
+        metadata = {}
+    elif not isinstance(metadata, dict):
+        raise ValueError(f"{where}: key {metadata_key!r} must be an object, got {type(metadata).__name__}")
+    label = row[label_key] if label_key is not None else None
+    return prompt, label, metadata
+
+
+def check_first_row(
+    path: str | os.PathLike[str],
+    input_key: str,
+    label_key: str | None,
+    metadata_key: str | None,
+    apply_chat_template: bool,
+) -> None:
+    """Read only the first row of a prompt file and check it as `PromptDataset` would (a pre-flight check).
+
+    ValueError naming the file, the line or row and the key; also for a missing, empty or unreadable file."""
+    for where, row in iter_rows(path):
+        check_row(where, row, input_key, label_key, metadata_key, apply_chat_template)
+        return
+    raise ValueError(f"prompt data file {path} has no rows")
+
+
 class PromptDataset:
     """Prompts (+ labels, metadata) read from a JSONL or Parquet file and tokenized once.
 
@@ -92,7 +162,7 @@ class PromptDataset:
     With `apply_chat_template`, the prompt is a list of chat messages (a plain string is taken as one user
     message) rendered with the tokenizer's chat template and a generation prompt; otherwise it must be a
     string, tokenized as is (with the tokenizer's default special tokens). Prompts longer than
-    `max_prompt_len` tokens are dropped (counted in `num_filtered`).
+    `max_prompt_len` tokens are dropped: counted in `num_filtered` and logged (with the first one's location).
     """
 
     def __init__(
@@ -110,14 +180,25 @@ class PromptDataset:
         self.path = Path(path)
         self.records: list[PromptRecord] = []
         self.num_filtered = 0
+        first_dropped = None
         for where, row in iter_rows(self.path):
             record = self._make_record(
                 where, row, input_key, label_key, metadata_key, tokenizer, apply_chat_template
             )
             if max_prompt_len is not None and len(record.prompt_ids) > max_prompt_len:
                 self.num_filtered += 1
+                first_dropped = first_dropped or f"{where} ({len(record.prompt_ids)} tokens)"
                 continue
             self.records.append(record)
+        if self.num_filtered:
+            logger.warning(
+                "%s: dropped %d of %d prompts longer than --rollout-max-prompt-len=%d tokens (first: %s)",
+                self.path,
+                self.num_filtered,
+                self.num_filtered + len(self.records),
+                max_prompt_len,
+                first_dropped,
+            )
         if not self.records:
             extra = (
                 f" ({self.num_filtered} longer than max_prompt_len={max_prompt_len})"
@@ -136,31 +217,15 @@ class PromptDataset:
         tokenizer: Any,
         apply_chat_template: bool,
     ) -> PromptRecord:
-        required = [input_key] + ([label_key] if label_key is not None else [])
-        for key in required:
-            if row.get(key) is None:
-                raise ValueError(f"{where}: missing key {key!r} (present: {sorted(row)})")
-        prompt = row[input_key]
+        prompt, label, metadata = check_row(
+            where, row, input_key, label_key, metadata_key, apply_chat_template
+        )
         if apply_chat_template:
-            messages = _check_messages(where, input_key, prompt)
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        elif isinstance(prompt, str):
-            ids = tokenizer(prompt)["input_ids"]
         else:
-            raise ValueError(
-                f"{where}: key {input_key!r} is a {type(prompt).__name__}, not a string; "
-                "chat messages need --apply-chat-template"
-            )
-        metadata = row.get(metadata_key) if metadata_key is not None else None
-        if metadata is None:
-            metadata = {}
-        elif not isinstance(metadata, dict):
-            raise ValueError(
-                f"{where}: key {metadata_key!r} must be an object, got {type(metadata).__name__}"
-            )
-        label = row[label_key] if label_key is not None else None
-        return PromptRecord(prompt=prompt, prompt_ids=list(ids), label=label, metadata=metadata)
+            ids = tokenizer(prompt)["input_ids"]
+        return PromptRecord(prompt=row[input_key], prompt_ids=list(ids), label=label, metadata=metadata)
 
     def __len__(self) -> int:
         return len(self.records)

@@ -62,7 +62,8 @@ def _save_load_body(rank: int, world_size: int, path: str, root: str) -> None:
     _step(model, opt, sched, rank, seed=2)
     expected, expected_lr = _full(model), sched.get_last_lr()
 
-    # A save that dies half-way (after some shards are written) must leave the tracker and iter_0000003 alone.
+    # A save that dies half-way (after some shards are written) must leave the tracker and iter_0000003 alone,
+    # remove its partial .tmp and raise on every rank, naming the checkpoint.
     real_save = ckpt.dcp.save
 
     def crashing_save(state, checkpoint_id):
@@ -70,12 +71,14 @@ def _save_load_body(rank: int, world_size: int, path: str, root: str) -> None:
         raise OSError("disk full (simulated)")
 
     ckpt.dcp.save = crashing_save
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(
+        RuntimeError, match=r"iter_0000005 failed on rank \d: OSError: disk full \(simulated\)"
+    ):
         save_checkpoint(root, 5, model, opt, sched, extra_state={"cursor": 99})
     ckpt.dcp.save = real_save
     torch.distributed.barrier()
     assert read_tracker(root) == 3
-    assert (Path(root) / "iter_0000005.tmp").exists() and not (Path(root) / "iter_0000005").exists()
+    assert not (Path(root) / "iter_0000005.tmp").exists() and not (Path(root) / "iter_0000005").exists()
 
     # Fresh model/optimizer/scheduler and scrambled RNG: load, then the next step must equal the unsaved run.
     torch.manual_seed(12345)
@@ -93,7 +96,7 @@ def _save_load_body(rank: int, world_size: int, path: str, root: str) -> None:
         diff = (p - expected[name]).abs().max().item()
         assert diff <= 1e-6, f"{name}: resumed step differs from uninterrupted step by {diff}"
 
-    # The next save clears the stale tmp dir; keep_last prunes older checkpoints after the tracker moves.
+    # keep_last prunes older checkpoints after the tracker moves.
     save_checkpoint(root, 5, model2, opt2, sched2, extra_state={"cursor": 8}, keep_last=1)
     names = sorted(p.name for p in Path(root).iterdir())
     assert names == ["iter_0000005", TRACKER_FILE], names

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.rollout.data_source import PromptDataset, RolloutDataSource
+from miles.rollout.data_source import PromptDataset, RolloutDataSource, check_first_row
 from miles.utils.types import Sample
 
 
@@ -105,15 +105,42 @@ def test_file_errors(tmp_path: Path) -> None:
         _dataset(tmp_path / "empty.jsonl")
 
 
+def test_non_utf8_line_names_file_and_line(tmp_path: Path) -> None:
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "label": "1"}\n{"prompt": "caf\xe9", "label": "2"}\n')
+    with pytest.raises(ValueError, match=r"d\.jsonl: line 2: not valid UTF-8 \(byte 0xe9 at column 16\)"):
+        _dataset(p)
+    check_first_row(p, "prompt", "label", None, False)  # the byte-order mark of line 1 is accepted
+
+
+def test_check_first_row_reads_only_the_first_row(tmp_path: Path) -> None:
+    p = _write_jsonl(tmp_path / "d.jsonl", ["", {"prompt": "a", "label": 1}, "{broken"])
+    check_first_row(p, "prompt", "label", "meta", False)
+    with pytest.raises(ValueError, match=r"d\.jsonl: line 2: missing key 'answer'"):
+        check_first_row(p, "prompt", "answer", "meta", False)
+    with pytest.raises(ValueError, match=r"line 2: key 'prompt' is a list, not a string"):
+        check_first_row(
+            _write_jsonl(tmp_path / "m.jsonl", ["", {"prompt": [1]}]), "prompt", None, None, False
+        )
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(ValueError, match=r"empty\.jsonl has no rows"):
+        check_first_row(tmp_path / "empty.jsonl", "prompt", None, None, False)
+    with pytest.raises(ValueError, match=r"is not a file"):
+        check_first_row(tmp_path, "prompt", None, None, False)
+
+
 def test_no_label_key(tmp_path: Path) -> None:
     ds = _dataset(_write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}]), label_key=None, metadata_key=None)
     assert ds[0].label is None
 
 
-def test_max_prompt_len_filters(tmp_path: Path) -> None:
+def test_max_prompt_len_filters(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     p = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "label": 1}, {"prompt": "abcdef", "label": 2}])
-    ds = _dataset(p, max_prompt_len=3)
+    with caplog.at_level("WARNING", logger="miles.rollout.data_source"):
+        ds = _dataset(p, max_prompt_len=3)
     assert len(ds) == 1 and ds.num_filtered == 1 and ds[0].label == 1
+    assert "dropped 1 of 2 prompts longer than --rollout-max-prompt-len=3 tokens" in caplog.text
+    assert "d.jsonl: line 2 (7 tokens)" in caplog.text
     with pytest.raises(ValueError, match="max_prompt_len"):
         _dataset(p, max_prompt_len=1)
 
@@ -134,6 +161,11 @@ def test_parquet(tmp_path: Path) -> None:
     pq.write_table(bad, tmp_path / "bad.parquet", row_group_size=2)
     with pytest.raises(ValueError, match=r"bad\.parquet: row 3: missing key 'label'"):
         _dataset(tmp_path / "bad.parquet")
+
+    data = (tmp_path / "d.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"cut\.parquet: cannot read as Parquet"):
+        _dataset(tmp_path / "cut.parquet")
 
 
 @pytest.fixture

@@ -13,6 +13,11 @@ Atomicity: everything is written to ``iter_XXXXXXX.tmp/``; after a barrier rank 
 ``iter_XXXXXXX`` and only then replaces the tracker file (write to a temp file + ``os.replace``). `load_checkpoint`
 reads only what the tracker names, so a crash at any point of a save leaves the previous checkpoint in charge.
 
+Errors: a failed write on any rank (a full disk reads "no space left on <path>") removes the ``.tmp`` directory and
+raises on every rank, naming the checkpoint; the tracker still names the previous checkpoint. Loading checks
+every file before reading it: a truncated or missing DCP shard, ``meta.pt`` or RNG file is a ValueError naming
+the file. ``meta.pt`` and the RNG files hold only plain values and tensors and load with ``weights_only=True``.
+
 RNG and world size: RNG state is per rank. When a checkpoint is loaded with a different world size there is no
 meaningful mapping of old ranks to new ones, so RNG is *not* restored (each rank keeps its current, freshly seeded
 generators) and a warning is logged; model/optimizer shards are resharded by DCP as usual.
@@ -20,6 +25,7 @@ generators) and a warning is logged; model/optimizer shards are resharded by DCP
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
@@ -65,7 +71,14 @@ def _barrier() -> None:
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """RNG state as plain values and tensors only (the numpy key array becomes a tensor), so that it loads
+    with ``torch.load(weights_only=True)``."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (str(kind), torch.from_numpy(keys.copy()), int(pos), int(has_gauss), float(cached)),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -73,7 +86,8 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -96,11 +110,15 @@ def _fsync_dir(path: Path) -> None:
 
 def _write_tracker(root: Path, rollout_id: int) -> None:
     tmp = root / f"{TRACKER_FILE}.tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{rollout_id}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / TRACKER_FILE)
+    try:
+        with open(tmp, "w") as f:
+            f.write(f"{rollout_id}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, root / TRACKER_FILE)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(root)
 
 
@@ -120,6 +138,63 @@ def _prune(root: Path, keep_last: int, protect: int) -> None:
     for rid in ids[: max(0, len(ids) - keep_last)]:
         if rid != protect:
             shutil.rmtree(checkpoint_dir(root, rid), ignore_errors=True)
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether `flag` is true on any rank (collective; plain `flag` without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _chain(error: BaseException | None) -> list[BaseException]:
+    """`error`, its causes and contexts, and the per-rank failures a DCP CheckpointException carries."""
+    seen: list[BaseException] = []
+    todo = [error] if error is not None else []
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is x for x in seen):
+            continue
+        seen.append(e)
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f for f in failures.values() if isinstance(f, BaseException)]
+    return seen
+
+
+def _is_disk_full(error: BaseException | None, where: Path) -> bool:
+    for e in _chain(error):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        # torch.save reports a failed write as "PytorchStreamWriter failed writing file ...", without errno
+        if "file write failed" in str(e) or "No space left" in str(e):
+            try:
+                return shutil.disk_usage(where).free < 64 * 1024**2
+            except OSError:
+                return False
+    return False
+
+
+def _save_error(error: BaseException | None, final: Path, tmp: Path, rank: int) -> Exception:
+    if error is None:
+        return RuntimeError(
+            f"saving checkpoint {final} failed on another rank (its error is in that rank's log)"
+        )
+    if _is_disk_full(error, final.parent):
+        return OSError(
+            errno.ENOSPC,
+            f"no space left on {final.parent} while saving checkpoint {final} (rank {rank}); "
+            f"removed the partial {tmp.name}, the previous checkpoint is still the latest",
+        )
+    return RuntimeError(
+        f"saving checkpoint {final} failed on rank {rank}: {type(error).__name__}: {error}; "
+        f"removed the partial {tmp.name}"
+    )
 
 
 def save_checkpoint(
@@ -144,32 +219,50 @@ def save_checkpoint(
     root = Path(save_dir)
     final = checkpoint_dir(root, rollout_id)
     tmp = final.with_name(final.name + ".tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # leftover of a crashed save
-        (tmp / "rng").mkdir(parents=True)
-    _barrier()
 
-    dcp.save(_train_state(model, optimizer), checkpoint_id=str(tmp))
-    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
-    if rank == 0:
-        meta = {
-            "rollout_id": rollout_id,
-            "next_rollout_id": rollout_id + 1,
-            "world_size": world_size,
-            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-            "extra_state": dict(extra_state or {}),
-        }
-        torch.save(meta, tmp / "meta.pt")
-    _barrier()  # every rank's files are complete
+    def prepare() -> None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftover of a crashed save
+            (tmp / "rng").mkdir(parents=True)
 
-    if rank == 0:
-        _commit(tmp, final)
-        _write_tracker(root, rollout_id)
-        if keep_last is not None:
-            _prune(root, keep_last, protect=rollout_id)
-        logger.info("saved checkpoint %s", final)
-    _barrier()
+    def write() -> None:
+        dcp.save(_train_state(model, optimizer), checkpoint_id=str(tmp))
+        torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+        if rank == 0:
+            meta = {
+                "rollout_id": rollout_id,
+                "next_rollout_id": rollout_id + 1,
+                "world_size": world_size,
+                "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+                "extra_state": dict(extra_state or {}),
+            }
+            torch.save(meta, tmp / "meta.pt")
+
+    def commit() -> None:
+        if rank == 0:
+            _commit(tmp, final)
+            _write_tracker(root, rollout_id)
+            if keep_last is not None:
+                _prune(root, keep_last, protect=rollout_id)
+            logger.info("saved checkpoint %s", final)
+
+    for step in (prepare, write, commit):  # each ends in a collective, so a failure raises on every rank
+        _run_save_step(step, final, tmp, rank)
     return final
+
+
+def _run_save_step(step: Any, final: Path, tmp: Path, rank: int) -> None:
+    """Run one save step on this rank; if it failed on any rank, remove the partial files and raise on all."""
+    error: Exception | None = None
+    try:
+        step()
+    except Exception as e:  # noqa: BLE001 - re-raised below, on every rank, with the checkpoint named
+        error = e
+    if _any_rank(error is not None):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()
+        raise _save_error(error, final, tmp, rank) from error
 
 
 def read_tracker(load_dir: str | os.PathLike) -> int | None:
@@ -181,6 +274,43 @@ def read_tracker(load_dir: str | os.PathLike) -> int | None:
     if not text.isdigit():
         raise ValueError(f"{tracker}: expected a rollout id, found {text!r}")
     return int(text)
+
+
+def _torch_load(path: Path) -> Any:
+    """``torch.load(path, weights_only=True)``; ValueError naming the file when it is missing or unreadable."""
+    if not path.is_file():
+        raise ValueError(f"checkpoint file {path} is missing")
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - truncated zip, bad pickle, non-allowed type: name the file
+        raise ValueError(
+            f"checkpoint file {path} cannot be read (truncated or corrupt?): {type(e).__name__}: {e}"
+        ) from e
+
+
+def check_dcp_files(path: str | os.PathLike) -> None:
+    """Check a DCP checkpoint directory before loading it: ``.metadata`` readable and every shard file it
+    names present and at least as long as the bytes it must hold. ValueError naming the file otherwise."""
+    path = Path(path)
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - a truncated pickle raises anything from EOFError to KeyError
+        raise ValueError(
+            f"checkpoint metadata {path / '.metadata'} cannot be read (missing, truncated or corrupt): "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            raise ValueError(f"checkpoint shard {shard} is missing (named by {path / '.metadata'})")
+        actual = shard.stat().st_size
+        if actual < size:
+            raise ValueError(
+                f"checkpoint shard {shard} is truncated: {actual} bytes, its metadata needs {size}"
+            )
 
 
 def load_checkpoint(
@@ -197,6 +327,8 @@ def load_checkpoint(
     """
     rollout_id = read_tracker(load_dir)
     if rollout_id is None:
+        if _rank_world()[0] == 0:
+            logger.warning("no checkpoint in %s (no %s): starting from scratch", load_dir, TRACKER_FILE)
         return None
     path = checkpoint_dir(load_dir, rollout_id)
     old = path.with_name(path.name + ".old")
@@ -206,10 +338,14 @@ def load_checkpoint(
         raise FileNotFoundError(
             f"{Path(load_dir) / TRACKER_FILE} names rollout {rollout_id} but {path} is incomplete"
         )
-    meta = torch.load(path / "meta.pt", weights_only=False)
+    meta = _torch_load(path / "meta.pt")
+    check_dcp_files(path)
 
     state = _train_state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as e:  # noqa: BLE001 - e.g. a checkpoint of another model: name the checkpoint
+        raise ValueError(f"cannot load checkpoint {path} into this model: {type(e).__name__}: {e}") from e
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
@@ -221,7 +357,7 @@ def load_checkpoint(
 
     rank, world_size = _rank_world()
     if world_size == meta["world_size"]:
-        _set_rng_state(torch.load(path / "rng" / f"rank_{rank:05d}.pt", weights_only=False))
+        _set_rng_state(_torch_load(path / "rng" / f"rank_{rank:05d}.pt"))
     elif rank == 0:
         logger.warning(
             "%s was saved by %d ranks, loading with %d: RNG state not restored (kept the current seeding)",

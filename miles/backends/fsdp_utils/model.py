@@ -37,25 +37,34 @@ def load_hf_model(
     dtype: torch.dtype = torch.float32,
     gradient_checkpointing: bool = False,
     on_meta: bool = False,
+    flag: str = "--hf-checkpoint",
 ) -> nn.Module:
     """Build ``AutoModelForCausalLM`` from the HF directory ``path`` (weights on CPU, ``use_cache`` off).
 
-    The model is returned in train mode. ``on_meta=True`` reads only ``config.json`` and builds the model on the meta device (no weights, no memory);
-    `build_fsdp_model` uses this on every rank but 0. Tied embeddings stay tied in both cases.
+    The model is returned in train mode. ``on_meta=True`` reads only ``config.json`` and builds the model on the
+    meta device (no weights, no memory); `build_fsdp_model` uses this on every rank but 0. Tied embeddings stay
+    tied in both cases. A missing directory, config or weights, a truncated safetensors file, or any load
+    failure is a ValueError naming `flag` and the file (miles.utils.hf_files).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from miles.utils.hf_files import check_hf_dir
+
     _check_attn(attn_implementation)
-    if on_meta:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=True)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(
-                config, attn_implementation=attn_implementation, dtype=dtype, trust_remote_code=True
+    check_hf_dir(path, flag, need_tokenizer=False)
+    try:
+        if on_meta:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(
+                    config, attn_implementation=attn_implementation, dtype=dtype, trust_remote_code=True
+                )
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, attn_implementation=attn_implementation, dtype=dtype, trust_remote_code=True
             )
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, attn_implementation=attn_implementation, dtype=dtype, trust_remote_code=True
-        )
+    except Exception as e:  # noqa: BLE001 - transformers/safetensors errors rarely name the directory
+        raise ValueError(f"{flag}={path!r}: cannot load the model: {type(e).__name__}: {e}") from e
     model.config.use_cache = False  # packed forwards silently ignore packing with a KV cache
     # from_pretrained returns eval mode, from_config train mode: make every rank agree (gradient checkpointing
     # only recomputes in train mode, and the recompute issues FSDP all-gathers that all ranks must join).
@@ -126,6 +135,7 @@ def build_fsdp_model(
     gradient_checkpointing: bool = False,
     device: torch.device | str = "cpu",
     reshard_after_forward: bool = True,
+    flag: str = "--hf-checkpoint",
 ) -> nn.Module:
     """Load ``path`` on global rank 0 only, shard it with `apply_fsdp2` and broadcast the weights to all ranks.
 
@@ -139,7 +149,7 @@ def build_fsdp_model(
         )
     is_src = dist.get_rank() == 0
     model = load_hf_model(
-        path, attn_implementation, torch.float32, gradient_checkpointing, on_meta=not is_src
+        path, attn_implementation, torch.float32, gradient_checkpointing, on_meta=not is_src, flag=flag
     )
     full_sd = model.state_dict() if is_src else {}
     shard_device = torch.device("cpu") if cpu_offload else torch.device(device)
@@ -161,13 +171,20 @@ def build_reference_model(
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sdpa",
+    flag: str = "--ref-load (or --hf-checkpoint)",
 ) -> nn.Module:
     """A frozen FSDP2 copy of ``path`` for reference log-probs: CPUOffloadPolicy, eval mode, no grads.
 
     Its parameters live on CPU and are copied to the compute device layer by layer during the forward.
     """
     model = build_fsdp_model(
-        path, mesh, param_dtype, reduce_dtype, cpu_offload=True, attn_implementation=attn_implementation
+        path,
+        mesh,
+        param_dtype,
+        reduce_dtype,
+        cpu_offload=True,
+        attn_implementation=attn_implementation,
+        flag=flag,
     )
     model.eval()
     model.requires_grad_(False)

@@ -1,0 +1,167 @@
+"""Pre-flight: every check of a parsed Config that needs the filesystem or an import, run by the driver after
+`parse_config` and before Ray starts (and by `--dry-run`), so a bad path fails in a second, not after minutes.
+
+    run_preflight(cfg)      # raises PreflightError listing every problem, one per line, each naming its flag
+
+Checked: no unbuilt flag is set; a reward is configured, `--rm-type` is registered and every `--custom-*-path`
+imports; the prompt and eval files exist and their first rows parse with `--input-key` / `--label-key`; the
+model directories hold a config, weights (safetensors complete) and, for the policy, a tokenizer; `--load`
+is a checkpoint root (or, when it does not exist yet, equals `--save`: the run starts fresh and says so).
+
+This module imports no torch, ray or transformers; user modules named by `--custom-*-path` are imported.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from miles.config.core import ConfigError
+
+logger = logging.getLogger(__name__)
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"  # = miles.backends.fsdp_utils.checkpoint.TRACKER_FILE
+CUSTOM_FUNCTION_FLAGS = (
+    ("rollout", "custom_rm_path"),
+    ("algo", "custom_advantage_function_path"),
+    ("algo", "custom_tis_function_path"),
+    ("algo", "custom_loss_function_path"),
+)
+
+
+class PreflightError(ConfigError):
+    """Every problem the pre-flight checks found, one per line."""
+
+    def __init__(self, violations: list[str]) -> None:
+        super().__init__(violations, title="pre-flight check failed")
+
+
+def unbuilt_flags(cfg: Any) -> list[str]:
+    """A problem per flag listed in NOT_IMPLEMENTED that is set to a non-default value."""
+    return [
+        f"{flag}: accepted but not implemented yet (listed in NOT_IMPLEMENTED, miles/config/sections.py); "
+        "remove it"
+        for flag in cfg.unimplemented_flags()
+    ]
+
+
+def reward_problems(rm_type: str | None, custom_rm_path: str | None) -> list[str]:
+    """A reward must be configured, and a `--rm-type` must be registered."""
+    if not rm_type and not custom_rm_path:
+        return ["no reward function: set --rm-type (a built-in type) or --custom-rm-path (module:function)"]
+    if custom_rm_path or not rm_type:
+        return []
+    from miles.rollout.rm_hub import reward_types
+
+    if rm_type not in reward_types():
+        hint = difflib.get_close_matches(rm_type, reward_types(), n=1)
+        extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+        return [f"--rm-type={rm_type!r}: unknown reward type{extra}; registered: {reward_types()}"]
+    return []
+
+
+def function_path_problems(paths: dict[str, str | None]) -> list[str]:
+    """Import every `{flag: 'module:function'}` that is set; a problem names the flag, the path and the cause."""
+    from miles.utils.misc import load_function
+
+    problems = []
+    for flag, path in paths.items():
+        if path:
+            try:
+                load_function(path, flag)
+            except ValueError as e:
+                problems.append(str(e))
+    return problems
+
+
+def data_file_problems(flag: str, path: str, keys: dict[str, Any]) -> list[str]:
+    """The prompt file given by `flag` exists and its first row parses with the configured keys."""
+    from miles.rollout.data_source import check_first_row
+
+    try:
+        check_first_row(path, **keys)
+    except ValueError as e:
+        return [f"{flag}: {e}"]
+    return []
+
+
+def load_dir_problems(load: str | None, save: str | None) -> list[str]:
+    """`--load` must be a checkpoint root written by `--save`, unless it is `--save` itself and holds nothing
+    yet: then the run starts fresh (logged)."""
+    if not load:
+        return []
+    root = Path(load)
+    same_as_save = save is not None and os.path.abspath(load) == os.path.abspath(save)
+    tracker = root / TRACKER_FILE
+    if root.is_dir() and tracker.is_file():
+        return _tracker_problems(root, tracker)
+    if root.exists() and not root.is_dir():
+        return [f"--load={load!r}: is a file, not a checkpoint directory"]
+    if same_as_save:
+        state = "does not exist yet" if not root.exists() else f"holds no {TRACKER_FILE} yet"
+        logger.warning("--load=%r %s; it is also --save: starting fresh", load, state)
+        return []
+    if not root.exists():
+        hint = ""
+        if root.parent.is_dir():
+            close = difflib.get_close_matches(root.name, [p.name for p in root.parent.iterdir()], n=1)
+            hint = f" (did you mean {str(root.parent / close[0])!r}?)" if close else ""
+        return [
+            f"--load={load!r}: directory does not exist{hint}; to start fresh, drop --load or set it to --save"
+        ]
+    if root.name.startswith("iter_") and (root.parent / TRACKER_FILE).is_file():
+        return [f"--load={load!r}: is one checkpoint, not the root --save wrote: pass {str(root.parent)!r}"]
+    return [f"--load={load!r}: holds no {TRACKER_FILE}: not a checkpoint directory written by --save"]
+
+
+def _tracker_problems(root: Path, tracker: Path) -> list[str]:
+    text = tracker.read_text(errors="replace").strip()
+    if not text.isdigit():
+        return [f"--load: {tracker} should hold a rollout id, found {text[:40]!r}"]
+    name = f"iter_{int(text):07d}"
+    for candidate in (root / name, root / f"{name}.old"):  # .old: a re-save that crashed between renames
+        if (candidate / "meta.pt").is_file() and (candidate / ".metadata").is_file():
+            return []
+    return [f"--load: {tracker} names rollout {int(text)}, but {root / name} is missing or incomplete"]
+
+
+def run_preflight(cfg: Any) -> None:
+    """Run every check on `cfg`; raise PreflightError listing all problems found."""
+    d, m, c = cfg.data, cfg.model, cfg.checkpoint
+    checks: list[Callable[[], list[str]]] = [
+        lambda: unbuilt_flags(cfg),
+        lambda: reward_problems(cfg.rollout.rm_type, cfg.rollout.custom_rm_path),
+        lambda: function_path_problems(
+            {
+                f"--{name.replace('_', '-')}": getattr(getattr(cfg, sec), name)
+                for sec, name in CUSTOM_FUNCTION_FLAGS
+            }
+        ),
+        lambda: _hf_problems(m.hf_checkpoint, "--hf-checkpoint", need_tokenizer=True),
+        lambda: _hf_problems(c.ref_load, "--ref-load", need_tokenizer=False) if c.ref_load else [],
+        lambda: load_dir_problems(c.load, c.save),
+    ]
+    keys = dict(
+        input_key=d.input_key,
+        label_key=d.label_key,
+        metadata_key=d.metadata_key,
+        apply_chat_template=d.apply_chat_template,
+    )
+    checks.append(lambda: data_file_problems("--prompt-data", d.prompt_data, keys))
+    for name, path in cfg.eval.eval_datasets:
+        checks.append(
+            lambda name=name, path=path: data_file_problems(f"--eval-prompt-data {name}", path, keys)
+        )
+    problems = [problem for check in checks for problem in check()]
+    if problems:
+        raise PreflightError(problems)
+
+
+def _hf_problems(path: str, flag: str, need_tokenizer: bool) -> list[str]:
+    from miles.utils.hf_files import hf_dir_problems
+
+    return hf_dir_problems(path, flag, need_tokenizer)
