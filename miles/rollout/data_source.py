@@ -201,7 +201,7 @@ class PromptDataset:
             )
         if not self.records:
             extra = (
-                f" ({self.num_filtered} longer than max_prompt_len={max_prompt_len})"
+                f" (all {self.num_filtered} longer than --rollout-max-prompt-len={max_prompt_len} tokens)"
                 if self.num_filtered
                 else ""
             )

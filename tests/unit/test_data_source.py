@@ -141,7 +141,9 @@ def test_max_prompt_len_filters(tmp_path: Path, caplog: pytest.LogCaptureFixture
     assert len(ds) == 1 and ds.num_filtered == 1 and ds[0].label == 1
     assert "dropped 1 of 2 prompts longer than --rollout-max-prompt-len=3 tokens" in caplog.text
     assert "d.jsonl: line 2 (7 tokens)" in caplog.text
-    with pytest.raises(ValueError, match="max_prompt_len"):
+    with pytest.raises(
+        ValueError, match="no usable rows \\(all 2 longer than --rollout-max-prompt-len=1 tokens"
+    ):
         _dataset(p, max_prompt_len=1)
 
 

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -161,39 +162,53 @@ def _chain(error: BaseException | None) -> list[BaseException]:
             continue
         seen.append(e)
         todo += [e.__cause__, e.__context__]
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            todo += [f for f in failures.values() if isinstance(f, BaseException)]
+        if isinstance(e, CheckpointException):
+            todo += [exc for exc, _ in e.failures.values()]
     return seen
 
 
-def _is_disk_full(error: BaseException | None, where: Path) -> bool:
-    for e in _chain(error):
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        # torch.save reports a failed write as "PytorchStreamWriter failed writing file ...", without errno
-        if "file write failed" in str(e) or "No space left" in str(e):
-            try:
-                return shutil.disk_usage(where).free < 64 * 1024**2
-            except OSError:
-                return False
-    return False
+def _root_cause(error: BaseException) -> BaseException:
+    """The first error of the chain that is not a DCP CheckpointException wrapper (whose text is a traceback)."""
+    return next((e for e in _chain(error) if not isinstance(e, CheckpointException)), error)
 
 
-def _save_error(error: BaseException | None, final: Path, tmp: Path, rank: int) -> Exception:
+def _describe(error: BaseException) -> str:
+    cause = _root_cause(error)
+    return f"{type(cause).__name__}: {cause}"
+
+
+_FREE_WHEN_FULL = 64 * 1024**2  # bytes: a write that failed with less than this free ran out of space
+
+
+def _is_disk_full(error: BaseException, where: Path) -> bool:
+    """Whether a failed write ran out of space. Call it before removing the partial files: torch.save reports
+    a short write as "[enforce fail at inline_container.cc] ..." without an errno, so the free space decides."""
+    chain = _chain(error)
+    if any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain):
+        return True
+    io_error = any(
+        isinstance(e, OSError) or any(m in str(e) for m in ("inline_container", "PytorchStreamWriter"))
+        for e in chain
+    )
+    try:
+        return io_error and shutil.disk_usage(where).free < _FREE_WHEN_FULL
+    except OSError:
+        return False
+
+
+def _save_error(error: BaseException | None, disk_full: bool, final: Path, tmp: Path, rank: int) -> Exception:
     if error is None:
         return RuntimeError(
             f"saving checkpoint {final} failed on another rank (its error is in that rank's log)"
         )
-    if _is_disk_full(error, final.parent):
+    if disk_full:
         return OSError(
             errno.ENOSPC,
             f"no space left on {final.parent} while saving checkpoint {final} (rank {rank}); "
-            f"removed the partial {tmp.name}, the previous checkpoint is still the latest",
+            f"removed the partial {tmp.name} (the latest checkpoint is unchanged)",
         )
     return RuntimeError(
-        f"saving checkpoint {final} failed on rank {rank}: {type(error).__name__}: {error}; "
-        f"removed the partial {tmp.name}"
+        f"saving checkpoint {final} failed on rank {rank}: {_describe(error)}; removed the partial {tmp.name}"
     )
 
 
@@ -253,16 +268,17 @@ def save_checkpoint(
 
 def _run_save_step(step: Any, final: Path, tmp: Path, rank: int) -> None:
     """Run one save step on this rank; if it failed on any rank, remove the partial files and raise on all."""
-    error: Exception | None = None
+    error: BaseException | None = None
     try:
         step()
-    except Exception as e:  # noqa: BLE001 - re-raised below, on every rank, with the checkpoint named
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised below on every rank
         error = e
+    disk_full = error is not None and _is_disk_full(error, final.parent)  # before the partial files go
     if _any_rank(error is not None):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         _barrier()
-        raise _save_error(error, final, tmp, rank) from error
+        raise _save_error(error, disk_full, final, tmp, rank) from error
 
 
 def read_tracker(load_dir: str | os.PathLike) -> int | None:
@@ -294,10 +310,10 @@ def check_dcp_files(path: str | os.PathLike) -> None:
     path = Path(path)
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - a truncated pickle raises anything from EOFError to KeyError
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a cut pickle raises EOFError, KeyError, ...
         raise ValueError(
             f"checkpoint metadata {path / '.metadata'} cannot be read (missing, truncated or corrupt): "
-            f"{type(e).__name__}: {e}"
+            f"{_describe(e)}"
         ) from e
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -344,8 +360,8 @@ def load_checkpoint(
     state = _train_state(model, optimizer)
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:  # noqa: BLE001 - e.g. a checkpoint of another model: name the checkpoint
-        raise ValueError(f"cannot load checkpoint {path} into this model: {type(e).__name__}: {e}") from e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - e.g. another model's checkpoint
+        raise ValueError(f"cannot load checkpoint {path} into this model: {_describe(e)}") from e
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
