@@ -50,8 +50,9 @@ def test_colocated_grpo_steps_and_resume(tiny):
     for r in rows:
         for key in ("rollout/raw_reward", "train/loss", "train/pg_loss", "train/pg_clipfrac", "train/ppo_kl",
                     "train/grad_norm", "train/train_rollout_logprob_abs_diff", "timing/rollout", "timing/train",
-                    "timing/refit"):
+                    "timing/refit", "rollout/dropped_prompts"):
             assert key in r, key
+        assert r["rollout/dropped_prompts"] == 0.0  # no --rollout-max-prompt-len
         assert 0.0 <= r["rollout/raw_reward"] <= 1.0
         # old log-probs are recomputed with the rollout's weights: the first micro-batch is exactly on-policy
         assert r["train/first_mb_ppo_kl_abs_max"] == 0.0
