@@ -176,9 +176,12 @@ class EngineConfig:
 
     engine_host: str = opt("127.0.0.1", "address rollout engines bind to")
     engine_api_key: str | None = opt(
-        None, "API key for engine admin endpoints (needed off localhost)", secret=True
+        None, "key for the engines' admin endpoints (SGLang's --admin-api-key; needed off localhost)", secret=True
     )
     engine_max_running_requests: int = opt(64, "max concurrent requests per engine", ge=1)
+    check_weight_update_equal: bool = opt(
+        False, "after every refit, compare per-tensor checksums of trainer and engines (/weights_checker)"
+    )
     sglang_mem_fraction_static: float | None = opt(
         None, "SGLang: fraction of GPU memory for weights + KV cache", gt=0, lt=1
     )

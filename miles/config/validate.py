@@ -279,6 +279,15 @@ def _algo(v: Values) -> None:
             v.fail("advantage_estimator", "rloo needs --n-samples-per-prompt >= 2 (leave-one-out baseline)")
 
 
+def _engine(v: Values) -> None:
+    if v["check_weight_update_equal"] and v["rollout_num_gpus_per_engine"] > 1:
+        v.fail(
+            "check_weight_update_equal",
+            f"compares whole tensors, but engines with --rollout-num-gpus-per-engine="
+            f"{v['rollout_num_gpus_per_engine']} hold tensor-parallel shards; use 1 GPU per engine or drop it",
+        )
+
+
 def _sampling(v: Values) -> None:
     if v["rollout_top_k"] == 0:
         v.fail("rollout_top_k", "must be -1 (disabled) or >= 1")
@@ -334,6 +343,7 @@ RULES: list[Callable[[Values], None]] = [
     _requires,
     _eval_data,
     _algo,
+    _engine,
     _sampling,
     _optim,
     _engine_access,

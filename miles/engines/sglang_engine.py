@@ -96,8 +96,53 @@ def _flag_args(args: dict[str, Any] | None) -> list[str]:
     return out
 
 
+# Endpoints SGLang marks ADMIN_OPTIONAL (sglang/srt/entrypoints/http_server.py): an admin key unlocks them.
+ADMIN_ENDPOINTS = frozenset(
+    "/" + name
+    for name in (
+        "abort_request", "pause_generation", "continue_generation", "flush_cache", "update_weights_from_tensor",
+        "update_weights_from_disk", "update_weights_from_distributed", "init_weights_update_group",
+        "destroy_weights_update_group", "begin_weight_update", "end_weight_update", "release_memory_occupation",
+        "resume_memory_occupation", "get_weights_by_name", "weights_checker", "update_weight_version",
+    )
+)  # fmt: skip
+
+
+def engine_launch_kwargs(
+    kind: str,
+    index: int,
+    rollout_seed: int,
+    colocate: bool,
+    sglang_args: dict[str, Any] | None = None,
+    local_args: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The per-engine part of an `EngineProcess`'s arguments, as SGLang 0.5.23 needs them:
+
+    - `random_seed = rollout_seed + index` (SGLang draws a random seed per launch otherwise); a seed the user set
+      through `--sglang-random-seed` wins;
+    - colocated SGLang engines get `--enable-memory-saver` and `SGLANG_MEMORY_SAVER_CUDA_GRAPH=true`, without
+      which `/release_memory_occupation` frees nothing (torch_memory_saver regions are made only then).
+    Returns {"sglang_args", "local_args", "env"}.
+    """
+    sglang_args, local_args, env = dict(sglang_args or {}), dict(local_args or {}), {}
+    seed = rollout_seed + index
+    if kind == "sglang":
+        sglang_args.setdefault("random_seed", str(seed))
+        if colocate:
+            sglang_args["enable_memory_saver"] = True
+            env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "true"
+    else:
+        local_args.setdefault("random-seed", seed)
+    return {"sglang_args": sglang_args, "local_args": local_args, "env": env}
+
+
 class EngineProcess:
-    """One rollout engine server: its process, its URL and a small HTTP client."""
+    """One rollout engine server: its process, its URL and a small HTTP client.
+
+    `admin_api_key` becomes the server's `--admin-api-key` (required on the admin endpoints only: generation
+    stays open, so the router and rollout requests carry no key); `api_key` becomes `--api-key`, which guards
+    every endpoint but /health. `python` runs the server (default: this interpreter).
+    """
 
     def __init__(
         self,
@@ -112,6 +157,8 @@ class EngineProcess:
         env: dict[str, str] | None = None,
         log_path: str | None = None,
         startup_timeout: float = 600.0,
+        admin_api_key: str | None = None,
+        python: str | None = None,
     ):
         if kind not in ("sglang", "local"):
             raise ValueError(
@@ -127,6 +174,8 @@ class EngineProcess:
         self.sglang_args = dict(sglang_args or {})
         self.local_args = dict(local_args or {})
         self.api_key = api_key
+        self.admin_api_key = admin_api_key
+        self.python = python or sys.executable
         self.env = dict(env or {})
         self.log_path = log_path
         self.startup_timeout = startup_timeout
@@ -147,11 +196,13 @@ class EngineProcess:
         common = ["--model-path", self.model_path, "--host", self.host, "--port", str(self.port)]
         if self.api_key:
             common += ["--api-key", self.api_key]
+        if self.admin_api_key:
+            common += ["--admin-api-key", self.admin_api_key]
         if self.kind == "sglang":
-            return [sys.executable, "-m", "sglang.launch_server", *common, "--tp-size", str(self.tp_size)] + (
+            return [self.python, "-m", "sglang.launch_server", *common, "--tp-size", str(self.tp_size)] + (
                 _flag_args(self.sglang_args)
             )
-        return [sys.executable, "-m", "miles.engines.local", *common] + _flag_args(self.local_args)
+        return [self.python, "-m", "miles.engines.local", *common] + _flag_args(self.local_args)
 
     def launch(self) -> EngineProcess:
         """Start the server on a free port (unless one was given) and wait for /health; returns self."""
@@ -206,8 +257,10 @@ class EngineProcess:
                 )
             time.sleep(0.25)
 
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+    def _headers(self, path: str) -> dict[str, str]:
+        """SGLang's rule: an admin endpoint takes the admin key when one is set, every other one the API key."""
+        key = self.admin_api_key if path in ADMIN_ENDPOINTS and self.admin_api_key else self.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     def _check(self, resp: httpx.Response) -> Any:
         if resp.status_code >= 400:
@@ -217,12 +270,12 @@ class EngineProcess:
     def post(self, path: str, json: Any = None, timeout: float = 600.0) -> Any:
         """POST JSON to the engine; returns the decoded answer, EngineHTTPError on an error status."""
         return self._check(
-            self._client.post(self.url + path, json=json, timeout=timeout, headers=self._headers())
+            self._client.post(self.url + path, json=json, timeout=timeout, headers=self._headers(path))
         )
 
     def get(self, path: str, timeout: float = 60.0) -> Any:
         """GET from the engine; returns the decoded answer, EngineHTTPError on an error status."""
-        return self._check(self._client.get(self.url + path, timeout=timeout, headers=self._headers()))
+        return self._check(self._client.get(self.url + path, timeout=timeout, headers=self._headers(path)))
 
     def shutdown(self, timeout: float = 15.0) -> None:
         """Terminate the server (SIGTERM to its process group), then kill it if it lingers."""

@@ -3,39 +3,65 @@
 Colocated mode alternates one set of devices between the engines and the trainer: the engines release weights and
 KV cache before training, the trainer refits the engines' weights and then sleeps, and the engines re-create their
 KV cache. Disaggregated mode keeps both resident, so every step here is a no-op except the refit itself.
+
+SGLang 0.5.23 resumes only what was released (its scheduler dies with `KeyError: 'weights'` on a resume of a tag
+it never released), so the choreography remembers which tags the engines released: the start-up refit, on
+engines that hold their freshly loaded weights, resumes nothing.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+class EngineMemory(Protocol):
+    """Release/resume on every rollout engine (POST /release_memory_occupation, /resume_memory_occupation)."""
+
+    def release_memory(self, tags: list[str]) -> None: ...
+
+    def resume_memory(self, tags: list[str]) -> None: ...
+
+
+class Trainer(Protocol):
+    """The training side of the choreography (RayTrainGroup, or a plain object in tests)."""
+
+    def update_weights(self, engine_urls: list[str], weight_version: str) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
 
 
 class MemoryChoreography:
-    def __init__(self, colocate: bool, train_group: Any, rollout_manager: Any, timeout: float) -> None:
-        from miles.ray.utils import ray_get
+    """Release before training, refit, resume after; tracks which tags the engines hold released."""
 
-        self._get = ray_get
+    def __init__(
+        self, colocate: bool, trainer: Trainer, engines: EngineMemory, engine_urls: list[str]
+    ) -> None:
         self.colocate = colocate
-        self.train_group = train_group
-        self.rollout = rollout_manager
-        self.timeout = timeout
-        self.engine_urls: list[str] = ray_get(
-            rollout_manager.get_engine_urls.remote(), timeout, "engine urls"
-        )
-
-    def _rollout_call(self, phase: str, method: str, *args: Any) -> None:
-        self._get(getattr(self.rollout, method).remote(*args), self.timeout, phase)
+        self.trainer = trainer
+        self.engines = engines
+        self.engine_urls = list(engine_urls)
+        self.released: set[str] = set()  # fresh engines hold everything
 
     def before_train(self) -> None:
+        """Colocated: the engines give the devices back (all tags), then the trainer onloads."""
         if self.colocate:
-            self._rollout_call("engines release memory", "release_memory", None)
-            self.train_group.wake_up()
+            self.engines.release_memory(list(MEMORY_TAGS))
+            self.released = set(MEMORY_TAGS)
+            self.trainer.wake_up()
 
     def refit(self, weight_version: str) -> None:
         """Push the trainer's weights to the engines and leave the engines ready to generate."""
+        if self.colocate and "weights" in self.released:
+            self.engines.resume_memory(["weights"])
+            self.released.discard("weights")
+        self.trainer.update_weights(self.engine_urls, weight_version)
         if self.colocate:
-            self._rollout_call("engines resume weights", "resume_memory", ["weights"])
-        self.train_group.update_weights(self.engine_urls, weight_version)
-        if self.colocate:
-            self.train_group.sleep()
-            self._rollout_call("engines resume kv cache", "resume_memory", ["kv_cache", "cuda_graph"])
+            self.trainer.sleep()
+            rest = [t for t in MEMORY_TAGS if t in self.released]
+            if rest:
+                self.engines.resume_memory(rest)
+                self.released.difference_update(rest)

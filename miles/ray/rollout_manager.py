@@ -63,6 +63,7 @@ class RolloutManager:
         from miles.engines.router import Router
         from miles.engines.sglang_engine import (
             ENGINE_ACTOR_RUNTIME_ENV,
+            engine_launch_kwargs,
             make_engine_actor_class,
             resolve_engine_kind,
         )
@@ -80,7 +81,10 @@ class RolloutManager:
         }
         self.engines = []
         for i in range(num_engines):
-            args = {**local_args, "random-seed": cfg.rollout.rollout_seed + i}
+            launch = engine_launch_kwargs(
+                kind, i, cfg.rollout.rollout_seed, cfg.cluster.colocate, dict(cfg.engine.sglang_args),
+                {k: v for k, v in local_args.items() if v is not None},
+            )  # fmt: skip
             self.engines.append(
                 actor_cls.options(
                     **placement.engine_options(i, per_engine),
@@ -90,10 +94,9 @@ class RolloutManager:
                     kind=kind,
                     host=cfg.engine.engine_host,
                     tp_size=per_engine,
-                    sglang_args=dict(cfg.engine.sglang_args),
-                    local_args={k: v for k, v in args.items() if v is not None},
-                    api_key=cfg.engine.engine_api_key,
+                    admin_api_key=cfg.engine.engine_api_key,
                     startup_timeout=self.timeout,
+                    **launch,
                 )
             )
         self.engine_urls: list[str] = ray_get(

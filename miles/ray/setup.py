@@ -69,6 +69,19 @@ class System:
             ray.shutdown()
 
 
+class RolloutEngineMemory:
+    """`EngineMemory` over the RolloutManager actor: each call is a Ray call with a deadline naming the phase."""
+
+    def __init__(self, rollout: Any, timeout: float) -> None:
+        self.rollout, self.timeout = rollout, timeout
+
+    def release_memory(self, tags: list[str]) -> None:
+        ray_get(self.rollout.release_memory.remote(tags), self.timeout, f"engines release memory {tags}")
+
+    def resume_memory(self, tags: list[str]) -> None:
+        ray_get(self.rollout.resume_memory.remote(tags), self.timeout, f"engines resume memory {tags}")
+
+
 def build_system(cfg: Any) -> System:
     num_actor, num_rollout = worker_counts(cfg)
     colocate = cfg.cluster.colocate
@@ -91,10 +104,12 @@ def build_system(cfg: Any) -> System:
     train_group = RayTrainGroup(cfg, placement, num_actor, env_vars)
     start = train_group.init(with_ref=needs_reference_model(cfg))
     ray_get(rollout.set_start_rollout.remote(start), timeout, "positioning the data cursor")
-    choreography = MemoryChoreography(colocate, train_group, rollout, timeout)
-    choreography.refit(
-        weight_version=str(start)
-    )  # engines start from the trainer's (possibly resumed) weights
+    engine_urls = ray_get(rollout.get_engine_urls.remote(), timeout, "engine urls")
+    choreography = MemoryChoreography(
+        colocate, train_group, RolloutEngineMemory(rollout, timeout), engine_urls
+    )
+    # engines start from the trainer's (possibly resumed) weights; fresh engines released nothing to resume
+    choreography.refit(weight_version=str(start))
     logger.info(
         "system ready: %d training workers, %d rollout workers, colocate=%s, gpu=%s, start rollout %d",
         num_actor,

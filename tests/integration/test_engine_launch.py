@@ -82,7 +82,7 @@ def test_import_does_not_pull_ray_or_sglang():
 def test_non_loopback_needs_api_key(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--model-path", "/m", "--host", "0.0.0.0"])
-    assert "--api-key is required" in capsys.readouterr().err
+    assert "--admin-api-key (or --api-key) is required" in capsys.readouterr().err
     assert parse_args(["--model-path", "/m", "--host", "0.0.0.0", "--api-key", "k"]).api_key == "k"
 
 
@@ -98,17 +98,21 @@ def test_startup_failure_reports_phase_and_log(tmp_path):
 @pytest.fixture(scope="module")
 def keyed_engine(tmp_path_factory):
     path = build_tiny_model(tmp_path_factory.mktemp("tiny"))
-    with EngineProcess(str(path), kind="local", api_key="s3cret", local_args={"num-threads": 1}) as eng:
+    with EngineProcess(
+        str(path), kind="local", admin_api_key="s3cret", local_args={"num-threads": 1}
+    ) as eng:
         yield eng
 
 
-def test_api_key_guards_admin_endpoints(keyed_engine):
+def test_admin_api_key_guards_admin_endpoints_only(keyed_engine):
     plain = httpx.Client(trust_env=False)
     assert plain.post(keyed_engine.url + "/flush_cache").status_code == 401
     bad = plain.post(keyed_engine.url + "/flush_cache", headers={"Authorization": "Bearer nope"})
-    assert bad.status_code == 401 and bad.json()["success"] is False
-    assert keyed_engine.post("/flush_cache")["success"]  # EngineProcess sends the key
+    assert bad.status_code == 401 and bad.json() == {"error": "Unauthorized"}  # SGLang's answer
+    assert keyed_engine.post("/flush_cache")["success"]  # EngineProcess sends the admin key
     assert plain.get(keyed_engine.url + "/health").status_code == 200
+    body = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 1}}
+    assert plain.post(keyed_engine.url + "/generate", json=body, timeout=60).status_code == 200
 
 
 def test_startup_deadline(keyed_engine):

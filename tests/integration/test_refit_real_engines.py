@@ -73,7 +73,7 @@ def test_refit_makes_engine_weights_equal_trainer_weights(tmp_path, engines):
     base = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     assert any(not torch.equal(trainer[k], base[k]) for k in trainer), "training did not change the weights"
     for proc in procs:
-        assert httpx.get(f"{proc.url}/get_weight_version").json()["weight_version"] == "v1"
+        assert httpx.get(f"{proc.url}/model_info").json()["weight_version"] == "v1"
         for name, tensor in trainer.items():
             got = httpx.post(
                 f"{proc.url}/get_weights_by_name",

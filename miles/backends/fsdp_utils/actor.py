@@ -253,6 +253,7 @@ class FSDPTrainer(TrainBackend):
             world_size=self.ps.world_size,
             api_key=cfg.engine.engine_api_key,
             timeout_s=cfg.train.train_timeout,
+            check_equal=cfg.engine.check_weight_update_equal,
         )
         if cfg.cluster.colocate or not self.ps.is_cuda:
             return ColocatedWeightUpdater(engine_urls, **common)

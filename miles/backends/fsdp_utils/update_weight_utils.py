@@ -14,6 +14,12 @@ rank's tensors alive until the engine has answered.
 `DistributedWeightUpdater` (engines on other devices/nodes): training rank 0 and every engine rank form a separate
 process group (``/init_weights_update_group``); per bucket, rank 0 announces names/dtypes/shapes
 (``/update_weights_from_distributed``) and broadcasts the tensors in that order.
+
+Both follow SGLang 0.5.23's contract (docs/sglang-contract.md): every refit runs inside a weight-update session,
+``/begin_weight_update`` on every engine before the first bucket and ``/end_weight_update`` after the last, also
+when a bucket failed; no bucket (and so no collective) starts before every engine opened its session. After the
+session each engine must report the new ``weight_version`` (``/model_info``), and with ``check_equal`` its
+per-tensor checksums (``/weights_checker``) must equal the trainer's.
 """
 
 from __future__ import annotations
@@ -23,13 +29,21 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import httpx
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from miles.backends.fsdp_utils.engine_client import (
+    begin_sessions,
+    compare_checksums,
+    end_sessions,
+    engine_checksums,
+    post_engine,
+    verify_versions,
+)
 from miles.utils.serialization import serialize, share_named_tensors
+from miles.utils.weight_checksum import tensor_checksum
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +142,7 @@ class ColocatedWeightUpdater:
         group: dist.ProcessGroup | None = None,
         api_key: str | None = None,
         timeout_s: float = 600.0,
+        check_equal: bool = False,
     ) -> None:
         if ranks_per_engine < 1:
             raise ValueError(f"ranks_per_engine={ranks_per_engine}: must be >= 1 (the engine TP size)")
@@ -144,6 +159,7 @@ class ColocatedWeightUpdater:
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.check_equal = check_equal
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._global = [dist.get_global_rank(group, r) if group is not None else r for r in range(world_size)]
         # Control-plane groups on gloo: strings and flags travel on CPU whatever the training backend is.
@@ -160,19 +176,41 @@ class ColocatedWeightUpdater:
     def update(
         self, model: nn.Module, bucket_bytes: int, weight_version: str, dtype: torch.dtype | None = None
     ) -> int:
-        """Push all weights of ``model`` to the engines; returns the number of buckets. Collective."""
+        """Push all weights of ``model`` to the engines inside a weight-update session, then verify them;
+        returns the number of buckets. Collective: every rank raises together on any failure."""
         n_buckets = len(_plan(_hf_tensors(model, dtype), bucket_bytes))
-        for index, bucket in enumerate(iter_weight_buckets(model, bucket_bytes, dtype)):
-            error = None
-            try:
-                self._send_bucket(
-                    bucket, index, is_last=index == n_buckets - 1, weight_version=weight_version
+        url = self.engine_urls[self.engine_index] if self.is_leader else None
+        self._on_leaders(lambda: begin_sessions([url], self._headers, self.timeout_s, weight_version))
+        checksums: dict[str, str] = {}
+        try:
+            for index, bucket in enumerate(iter_weight_buckets(model, bucket_bytes, dtype)):
+                if self.check_equal and self.is_leader:
+                    checksums.update((name, tensor_checksum(t)) for name, t in bucket)
+                self._on_all(
+                    lambda b=bucket, i=index: self._send_bucket(b, i, i == n_buckets - 1, weight_version)
                 )
-            except Exception as exc:  # noqa: BLE001 - reported to every rank below, so none hangs
-                error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-            self._raise_if_any_failed(error)
-            del bucket
+                del bucket
+        finally:
+            self._on_leaders(lambda: end_sessions([url], self._headers, self.timeout_s, weight_version))
+        self._on_leaders(lambda: self._verify(url, weight_version, checksums))
         return n_buckets
+
+    def _verify(self, url: str, version: str, checksums: dict[str, str]) -> None:
+        verify_versions([url], version, self._headers, self.timeout_s)
+        if self.check_equal:
+            engine = engine_checksums(url, self._headers, self.timeout_s, version)
+            compare_checksums(url, checksums, engine, version)
+
+    def _on_all(self, fn: Callable[[], None]) -> None:
+        error = None
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below, so none hangs
+            error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        self._raise_if_any_failed(error)
+
+    def _on_leaders(self, fn: Callable[[], object]) -> None:
+        self._on_all(lambda: fn() if self.is_leader else None)
 
     def _send_bucket(
         self, bucket: list[tuple[str, torch.Tensor]], index: int, is_last: bool, weight_version: str
@@ -200,25 +238,19 @@ class ColocatedWeightUpdater:
         raise_if_any_failed(error, self.world_size, self._ctrl)
 
 
-def post_engine(
-    url: str, endpoint: str, body: dict, headers: dict[str, str], timeout_s: float, what: str
-) -> dict:
-    """POST ``body`` to ``{url}/{endpoint}`` and require ``success``; errors name the engine, ``what`` and the
-    phase (request: no answer in time / connection; status: non-200; response: not JSON or success=false)."""
-    where = f"engine {url}, {endpoint}, {what}"
-    try:
-        resp = httpx.post(f"{url}/{endpoint}", json=body, headers=headers, timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        raise RuntimeError(f"{where}, phase request: {type(exc).__name__}: {exc}") from exc
-    if resp.status_code != 200:
-        raise RuntimeError(f"{where}, phase status: HTTP {resp.status_code}: {resp.text[:500]}")
-    try:
-        answer = resp.json()
-    except ValueError as exc:
-        raise RuntimeError(f"{where}, phase response: not JSON: {resp.text[:500]!r}") from exc
-    if not answer.get("success", False):
-        raise RuntimeError(f"{where}, phase response: success=false: {answer.get('message', answer)}")
-    return answer
+def _wait_fail_fast(done: Callable[[], bool], answers: list[Future], timeout_s: float, what: str) -> None:
+    """Wait until ``done()``, failing at once when an engine's answer in ``answers`` is an error (a refusing
+    engine never joins the collective, which would otherwise wait for the whole group timeout)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        for f in answers:
+            if f.done() and f.exception() is not None:
+                raise RuntimeError(f"{what}: {f.exception()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not done within {timeout_s:.0f} s (an engine did not take part)")
+        time.sleep(0.005)
 
 
 def raise_if_any_failed(error: str | None, world_size: int, group: dist.ProcessGroup) -> None:
@@ -285,8 +317,10 @@ class DistributedWeightUpdater:
     engine ``e``'s TP ranks get ranks ``1 + e * ranks_per_engine ...``) and joins it as rank 0.
     `update`: all training ranks gather each bucket (FSDP collective); rank 0 announces it
     (``/update_weights_from_distributed`` with names, dtypes, shapes) to every engine and broadcasts the
-    tensors in that order while the requests are in flight. An engine that rejects the request leaves the
-    broadcast waiting until the group's timeout (``timeout_s``) expires.
+    tensors in that order while the requests are in flight, all inside one weight-update session per refit
+    (no broadcast starts before every engine opened it). The broadcasts are asynchronous and watched together
+    with the engines' answers: an engine that refuses a bucket fails the refit at once, naming the engine,
+    instead of leaving the collective to wait for the group's timeout (``timeout_s``).
     `disconnect` tears the group down (``/destroy_weights_update_group``).
     All three are collective over the training ranks (``group``; None: the default group), and all ranks
     raise together on failure.
@@ -305,6 +339,7 @@ class DistributedWeightUpdater:
         backend: str | None = None,
         api_key: str | None = None,
         timeout_s: float = 600.0,
+        check_equal: bool = False,
     ) -> None:
         if not engine_urls:
             raise ValueError("DistributedWeightUpdater: engine_urls is empty")
@@ -320,6 +355,7 @@ class DistributedWeightUpdater:
         self.rank, self.world_size = rank, world_size
         self.master_address, self.master_port = master_address, master_port
         self.group_name, self.backend, self.timeout_s = group_name, backend, timeout_s
+        self.check_equal = check_equal
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(world_size)]
         self._ctrl = dist.new_group(ranks, backend="gloo")  # collective over the default group
@@ -363,10 +399,14 @@ class DistributedWeightUpdater:
                 for e in range(len(self.engine_urls))
             ]
             pending = self._post_all("init_weights_update_group", bodies, f"group {self.group_name}")
-            self._group = init_weights_update_group(
-                self.master_address, self.master_port, 0, self.update_world_size,
-                self.group_name, self.backend, self.timeout_s,
+            joining = self._pool.submit(
+                init_weights_update_group, self.master_address, self.master_port, 0,
+                self.update_world_size, self.group_name, self.backend, self.timeout_s,
             )  # fmt: skip
+            _wait_fail_fast(
+                lambda: joining.done(), pending, self.timeout_s, f"joining group {self.group_name}"
+            )
+            self._group = joining.result()
             for f in pending:
                 f.result()
 
@@ -375,16 +415,33 @@ class DistributedWeightUpdater:
     def update(
         self, model: nn.Module, bucket_bytes: int, weight_version: str, dtype: torch.dtype | None = None
     ) -> int:
-        """Push all weights of ``model``; returns the number of buckets. Collective over the training ranks."""
+        """Push all weights of ``model`` inside a weight-update session on every engine, then verify them;
+        returns the number of buckets. Collective over the training ranks."""
         if self.rank == 0 and self._group is None:
             raise RuntimeError("DistributedWeightUpdater.update called before connect()")
         n_buckets = len(_plan(_hf_tensors(model, dtype), bucket_bytes))
-        for index, bucket in enumerate(iter_weight_buckets(model, bucket_bytes, dtype)):
-            is_last = index == n_buckets - 1
-            self._on_rank0(
-                lambda b=bucket, i=index, last=is_last: self._broadcast(b, i, last, weight_version)
-            )
+        urls, headers, timeout = self.engine_urls, self._headers, self.timeout_s
+        self._on_rank0(lambda: begin_sessions(urls, headers, timeout, weight_version))
+        checksums: dict[str, str] = {}
+        try:
+            for index, bucket in enumerate(iter_weight_buckets(model, bucket_bytes, dtype)):
+                if self.check_equal and self.rank == 0:
+                    checksums.update((name, tensor_checksum(t)) for name, t in bucket)
+                is_last = index == n_buckets - 1
+                self._on_rank0(
+                    lambda b=bucket, i=index, last=is_last: self._broadcast(b, i, last, weight_version)
+                )
+        finally:
+            self._on_rank0(lambda: end_sessions(urls, headers, timeout, weight_version))
+        self._on_rank0(lambda: self._verify(weight_version, checksums))
         return n_buckets
+
+    def _verify(self, version: str, checksums: dict[str, str]) -> None:
+        verify_versions(self.engine_urls, version, self._headers, self.timeout_s)
+        if self.check_equal:
+            for url in self.engine_urls:
+                engine = engine_checksums(url, self._headers, self.timeout_s, version)
+                compare_checksums(url, checksums, engine, version)
 
     def _broadcast(
         self, bucket: list[tuple[str, torch.Tensor]], index: int, is_last: bool, version: str
@@ -400,8 +457,17 @@ class DistributedWeightUpdater:
         pending = self._post_all(
             "update_weights_from_distributed", [body] * len(self.engine_urls), f"bucket {index}"
         )
-        for _, t in bucket:
-            dist.broadcast(t.contiguous(), group=self._group, group_src=0)
+        works = [
+            dist.broadcast(t.contiguous(), group=self._group, group_src=0, async_op=True) for _, t in bucket
+        ]
+        _wait_fail_fast(
+            lambda: all(w.is_completed() for w in works),
+            pending,
+            self.timeout_s,
+            f"broadcast of bucket {index}",
+        )
+        for w in works:
+            w.wait()
         for f in pending:
             f.result()
 

@@ -14,8 +14,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer-path", default=None, help="tokenizer directory (default: --model-path)")
     p.add_argument("--host", default="127.0.0.1", help="bind address; anything but loopback needs --api-key")
     p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None, help="as SGLang: required on every endpoint but /health*")
     p.add_argument(
-        "--api-key", default=None, help="required as 'Authorization: Bearer KEY' on admin endpoints"
+        "--admin-api-key",
+        default=None,
+        help="as SGLang: required on the admin endpoints (refit, memory, ...)",
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-running-requests", type=int, default=64, help="requests decoded together at most")
@@ -26,12 +29,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--random-seed", type=int, default=0, help="with the request id, seeds each request's sampler"
     )
     p.add_argument("--weight-version", default="default", help="initial weight version reported")
+    p.add_argument(
+        "--update-group-timeout",
+        type=float,
+        default=30.0,
+        help="seconds /init_weights_update_group waits for its peers before failing",
+    )
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a /generate call may take")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        p.error(f"--host {args.host} is not loopback: --api-key is required to protect the admin endpoints")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not (args.api_key or args.admin_api_key):
+        p.error(
+            f"--host {args.host} is not loopback: --admin-api-key (or --api-key) is required to protect the "
+            "admin endpoints"
+        )
     if not 0 <= args.port < 65536:
         p.error(f"--port {args.port} must be in [0, 65535]")
     return args
@@ -60,10 +72,13 @@ def main(argv: list[str] | None = None) -> None:
             max_total_tokens=args.max_total_tokens,
             random_seed=args.random_seed,
             weight_version=args.weight_version,
+            update_group_timeout=args.update_group_timeout,
         )
     )
     engine.start()
-    app = create_app(engine, args.host, args.port, args.api_key, args.request_timeout)
+    app = create_app(
+        engine, args.host, args.port, args.api_key, args.request_timeout, admin_api_key=args.admin_api_key
+    )
     logging.getLogger(__name__).info(
         "embedded engine serving %s on %s:%d", args.model_path, args.host, args.port
     )

@@ -67,12 +67,14 @@ def init_update_group(
     world_size: int,
     group_name: str = "weight_update_group",
     backend: str = "gloo",
+    timeout_s: float = 30.0,
 ) -> dist.ProcessGroup:
-    """Engine side of /init_weights_update_group (TP=1: the engine is rank `rank_offset`)."""
+    """Engine side of /init_weights_update_group (TP=1: the engine is rank `rank_offset`); gives up after
+    `timeout_s` when the peers do not all join."""
     if backend != "gloo":
         raise ValueError(f"backend {backend!r}: the embedded engine runs on CPU and supports only 'gloo'")
     return init_custom_process_group(
-        master_address, int(master_port), int(rank_offset), int(world_size), group_name
+        master_address, int(master_port), int(rank_offset), int(world_size), group_name, timeout_s=timeout_s
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -16,15 +17,15 @@ from typing import Any
 
 import torch
 
+from miles.engines.local.control import WeightControl
 from miles.engines.local.model_runner import make_runner
 from miles.engines.local.sampling import SamplingParams
 from miles.engines.local.scheduler import Scheduler
-from miles.engines.local.weights import EngineNotReady, WeightStore, unflatten_bucket
+from miles.engines.local.weights import EngineNotReady, WeightStore
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 # /generate fields: used, accepted but irrelevant here (routing/metadata), or accepted only at their neutral value
 _GEN_USED = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "return_text_in_logprobs"}
 _GEN_IGNORED = {
@@ -68,18 +69,10 @@ class EngineConfig:
     max_total_tokens: int | None = None
     random_seed: int = 0
     weight_version: str = "default"
+    update_group_timeout: float = 30.0  # seconds /init_weights_update_group may wait for its peers
 
 
-def _check_tags(tags: list[str] | None) -> list[str]:
-    if tags is None:
-        return list(MEMORY_TAGS)
-    bad = [t for t in tags if t not in MEMORY_TAGS]
-    if bad:
-        raise ValueError(f"unknown memory tags {bad}; allowed: {list(MEMORY_TAGS)} (or null for all)")
-    return list(tags)
-
-
-class LocalEngine:
+class LocalEngine(WeightControl):
     """The embedded rollout engine (TP=1, CPU or one device)."""
 
     def __init__(self, config: EngineConfig):
@@ -98,7 +91,11 @@ class LocalEngine:
         self.runner = make_runner(self.model)
         self.weight_version = config.weight_version
         self.kv_released = False
+        self.released_tags: set[str] = set()  # SGLang's `offload_tags`: filled by release, emptied by resume
+        self.session_open = False  # between /begin_weight_update and /end_weight_update
         self.update_groups: dict[str, Any] = {}
+        self._groups_lock = threading.Lock()
+        self.context_len = int(getattr(self.model.config, "max_position_embeddings", 0) or 0) or None
         self.scheduler = Scheduler(
             runner_fn=lambda: self.runner,
             tokenizer=self.tokenizer,
@@ -170,6 +167,8 @@ class LocalEngine:
         if len(set(rids)) != n:
             raise ValueError(f"rids within one request must be unique, got {rids}")
         params = [SamplingParams.from_dict(s) for s in sps]
+        for ids, p in zip(prompts, params):
+            self._check_context(len(ids), p.max_new_tokens)
         with_text = bool(body.get("return_text_in_logprobs", False))
         futures: list[Future] = []
         try:
@@ -180,6 +179,23 @@ class LocalEngine:
                 self.run("abort", rid=r)
             raise
         return rids, futures, is_batch
+
+    def _check_context(self, input_tokens: int, max_new_tokens: int) -> None:
+        """SGLang's context-length checks (TokenizerManager._validate_one_request), with its wording."""
+        ctx = self.context_len
+        if ctx is None:
+            return
+        if input_tokens >= ctx:
+            raise ValueError(
+                f"The input ({input_tokens} tokens) is longer than the model's context length ({ctx} tokens)."
+            )
+        if input_tokens + max_new_tokens > ctx:
+            raise ValueError(
+                f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You "
+                f"requested a total of {input_tokens + max_new_tokens} tokens: {input_tokens} tokens from the "
+                f"input messages and {max_new_tokens} tokens for the completion. Please reduce the number of "
+                "tokens in the input messages or the completion to fit within the limit."
+            )
 
     # ------------------------------------------------------------------ admin (run on the scheduler thread)
     def run(self, fn_name: str, **kwargs: Any) -> Future:
@@ -206,111 +222,6 @@ class LocalEngine:
     def _set_version(self, weight_version: str | None) -> None:
         if weight_version is not None:
             self.weight_version = str(weight_version)
-
-    def _op_update_weights_from_tensor(
-        self,
-        serialized_named_tensors: list[str],
-        load_format: str | None = None,
-        flush_cache: bool = True,
-        weight_version: str | None = None,
-        abort_all_requests: bool = False,
-    ) -> dict[str, Any]:
-        from miles.utils.serialization import deserialize
-
-        if load_format not in (None, "direct", "flattened_bucket"):
-            raise ValueError(
-                f"load_format {load_format!r} not supported; allowed: null (named tensors), 'flattened_bucket'"
-            )
-        if not isinstance(serialized_named_tensors, list) or not serialized_named_tensors:
-            raise ValueError(
-                "serialized_named_tensors must be a non-empty list (one base64 string per TP rank)"
-            )
-        named = deserialize(serialized_named_tensors[0])
-        if load_format == "flattened_bucket":
-            named = unflatten_bucket(named)
-        if abort_all_requests:
-            self.scheduler.abort(abort_all=True, message="aborted for weight update")
-        n = self.weights.load(named)
-        self._set_version(weight_version)
-        return {"success": True, "message": f"updated {n} tensors"}
-
-    def _op_update_weights_from_disk(
-        self, model_path: str, load_format: str | None = None, weight_version: str | None = None
-    ) -> dict[str, Any]:
-        from transformers import AutoModelForCausalLM
-
-        if load_format not in (None, "auto"):
-            raise ValueError(f"load_format {load_format!r} not supported; allowed: null, 'auto'")
-        fresh = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
-        named = dict(fresh.named_parameters())
-        missing = set(self.weights.names) - {self.weights.resolve(n) for n in named}
-        if missing:
-            raise ValueError(f"{model_path!r} lacks parameters {sorted(missing)[:5]} of the served model")
-        self.weights.load(named.items())
-        self.model_path = model_path
-        self._set_version(weight_version)
-        return {"success": True, "message": f"loaded {len(named)} tensors from {model_path}"}
-
-    def _op_release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
-        tags = _check_tags(tags)
-        n = self.scheduler.abort(abort_all=True, message="aborted by release_memory_occupation")
-        if "weights" in tags:
-            self.weights.release()
-        if "kv_cache" in tags:
-            self.kv_released = True  # every request's cache is dropped with the aborted requests
-        return {"success": True, "message": f"released {tags}; aborted {n} request(s)"}
-
-    def _op_resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
-        tags = _check_tags(tags)
-        if "weights" in tags:
-            self.weights.resume()
-        if "kv_cache" in tags:
-            self.kv_released = False
-        return {"success": True, "message": f"resumed {tags}"}
-
-    def _op_get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
-        return self.weights.get(name).flatten()[:truncate_size].float().tolist()
-
-    def _op_init_weights_update_group(self, **kwargs: Any) -> dict[str, Any]:
-        from miles.engines.local.dist_update import init_update_group
-
-        name = kwargs.get("group_name", "weight_update_group")
-        if name in self.update_groups:
-            raise ValueError(f"weights update group {name!r} already exists")
-        self.update_groups[name] = init_update_group(**kwargs)
-        return {"success": True, "message": f"joined weights update group {name!r}"}
-
-    def _op_update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str = "weight_update_group",
-        flush_cache: bool = True,
-        weight_version: str | None = None,
-        abort_all_requests: bool = False,
-    ) -> dict[str, Any]:
-        from miles.engines.local.dist_update import receive_tensors
-
-        if group_name not in self.update_groups:
-            raise ValueError(f"no weights update group {group_name!r}; known: {sorted(self.update_groups)}")
-        if self.weights.released:
-            raise ValueError(
-                "cannot load weights while they are released; call /resume_memory_occupation first"
-            )
-        if abort_all_requests:
-            self.scheduler.abort(abort_all=True, message="aborted for weight update")
-        n = receive_tensors(self.update_groups[group_name], names, dtypes, shapes, self.weights)
-        self._set_version(weight_version)
-        return {"success": True, "message": f"updated {n} tensors"}
-
-    def _op_destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
-        from miles.engines.local.dist_update import destroy_update_group
-
-        if group_name not in self.update_groups:
-            raise ValueError(f"no weights update group {group_name!r}; known: {sorted(self.update_groups)}")
-        destroy_update_group(self.update_groups.pop(group_name))
-        return {"success": True, "message": f"destroyed weights update group {group_name!r}"}
 
     # ------------------------------------------------------------------ info
     def model_info(self) -> dict[str, Any]:

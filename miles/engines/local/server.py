@@ -3,19 +3,23 @@
 Handlers never touch the model: they queue work on the scheduler thread and await its futures with a timeout.
 Errors follow SGLang: admin calls answer {"success": false, "message": ...}; /generate answers
 {"error": {"message": ...}} with 400 (bad request), 503 (weights/KV cache released or not reloaded) or 504.
-When an API key is configured, admin endpoints require `Authorization: Bearer <key>`.
+Keys follow SGLang's `decide_request_auth` (sglang/srt/utils/auth.py): `--api-key` guards every endpoint but
+/health*, /ready*, /metrics*; `--admin-api-key` guards the admin endpoints only (and then replaces `--api-key`
+there). A refused request answers 401 {"error": "Unauthorized"}. The contract: docs/sglang-contract.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from miles.engines.local.control import RefitRefused
 from miles.engines.local.engine import LocalEngine
 from miles.engines.local.weights import EngineNotReady
 
@@ -30,28 +34,81 @@ _ADMIN_POSTS: list[tuple[str, str, set[str]]] = [
     (
         "/update_weights_from_tensor",
         "update_weights_from_tensor",
-        {"serialized_named_tensors", "load_format", "flush_cache", "weight_version", "abort_all_requests"},
+        {
+            "serialized_named_tensors",
+            "load_format",
+            "flush_cache",
+            "weight_version",
+            "abort_all_requests",
+            "selector",
+            "torch_empty_cache",
+        },
     ),
+    ("/begin_weight_update", "begin_weight_update", {"selector"}),
+    ("/end_weight_update", "end_weight_update", set()),
     (
         "/update_weights_from_disk",
         "update_weights_from_disk",
-        {"model_path", "load_format", "weight_version"},
+        {"model_path", "load_format", "weight_version", "abort_all_requests", "flush_cache"},
     ),
     ("/release_memory_occupation", "release_memory_occupation", {"tags"}),
     ("/resume_memory_occupation", "resume_memory_occupation", {"tags"}),
     (
-        "/init_weights_update_group",
-        "init_weights_update_group",
-        {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"},
-    ),
-    (
         "/update_weights_from_distributed",
         "update_weights_from_distributed",
-        {"names", "dtypes", "shapes", "group_name", "flush_cache", "weight_version", "abort_all_requests"},
+        {
+            "names",
+            "dtypes",
+            "shapes",
+            "group_name",
+            "flush_cache",
+            "weight_version",
+            "abort_all_requests",
+            "load_format",
+            "selector",
+            "torch_empty_cache",
+        },
     ),
     ("/destroy_weights_update_group", "destroy_weights_update_group", {"group_name"}),
     ("/get_weights_by_name", "get_weights_by_name", {"name", "truncate_size"}),
+    ("/weights_checker", "weights_checker", {"action", "allow_quant_error", "skip_tensor_list", "selector"}),
 ]
+_GROUP_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
+# SGLang marks these ADMIN_OPTIONAL (sglang/srt/entrypoints/http_server.py); every other route is NORMAL.
+ADMIN_PATHS = frozenset([p for p, _, _ in _ADMIN_POSTS] + ["/init_weights_update_group"])
+
+
+def _bearer_matches(header: str | None, key: str) -> bool:
+    if not header:
+        return False
+    parts = header.split(" ", 1)
+    return len(parts) == 2 and parts[0].lower() == "bearer" and hmac.compare_digest(parts[1], key)
+
+
+def auth_allowed(path: str, header: str | None, api_key: str | None, admin_api_key: str | None) -> bool:
+    """SGLang's decision for NORMAL and ADMIN_OPTIONAL endpoints (sglang/srt/utils/auth.py)."""
+    if path.startswith(("/health", "/ready", "/metrics")):
+        return True
+    if path in ADMIN_PATHS:
+        if admin_api_key:
+            return _bearer_matches(header, admin_api_key)
+        return _bearer_matches(header, api_key) if api_key else True
+    return _bearer_matches(header, api_key) if api_key else True
+
+
+async def _json_body(request: Request, path: str, fields: set[str]) -> dict[str, Any]:
+    """The JSON object of a request (empty body: {}); ValueError naming the problem."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except ValueError as e:
+        raise ValueError(f"request body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ValueError("request body must be a JSON object")
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise ValueError(f"unknown fields {unknown} for {path}; allowed: {sorted(fields)}")
+    return body
 
 
 def _fail(status: int, message: str, admin: bool) -> JSONResponse:
@@ -85,6 +142,22 @@ async def _wait_or_disconnect(request: Request, futs: list[Any], timeout: float)
             raise _ClientGone
 
 
+class _KeyMiddleware:
+    """ASGI middleware applying `auth_allowed` (plain ASGI, so client-disconnect events still reach handlers)."""
+
+    def __init__(self, app: Any, api_key: str | None, admin_api_key: str | None) -> None:
+        self.app, self.api_key, self.admin_api_key = app, api_key, admin_api_key
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS":
+            headers = dict(scope.get("headers") or [])
+            header = headers.get(b"authorization", b"").decode("latin-1") or None
+            if not auth_allowed(scope["path"], header, self.api_key, self.admin_api_key):
+                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(
     engine: LocalEngine,
     host: str = "127.0.0.1",
@@ -92,15 +165,13 @@ def create_app(
     api_key: str | None = None,
     request_timeout: float = 600.0,
     admin_timeout: float = 300.0,
+    admin_api_key: str | None = None,
 ) -> FastAPI:
     """Build the FastAPI app serving `engine`."""
     app = FastAPI(title="miles embedded engine")
 
-    def authorized(request: Request) -> bool:
-        if not api_key:
-            return True
-        given = request.headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+    if api_key or admin_api_key:
+        app.add_middleware(_KeyMiddleware, api_key=api_key, admin_api_key=admin_api_key)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -117,17 +188,34 @@ def create_app(
             return _fail(503, str(e), admin=False)
         return JSONResponse({})
 
+    @app.get("/model_info")
     @app.get("/get_model_info")
     async def get_model_info() -> JSONResponse:
         return JSONResponse(engine.model_info())
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
     async def get_server_info() -> JSONResponse:
         return JSONResponse(engine.server_info(host, port))
 
-    @app.get("/get_weight_version")
-    async def get_weight_version() -> JSONResponse:
-        return JSONResponse({"weight_version": engine.weight_version})
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> JSONResponse:
+        """Joins the group on a thread of its own: waiting for peers never holds up generation."""
+        path = "/init_weights_update_group"
+        try:
+            body = await _json_body(request, path, _GROUP_FIELDS)
+            result = await asyncio.wait_for(
+                asyncio.to_thread(engine.join_update_group, **body), admin_timeout
+            )
+        except (ValueError, TypeError) as e:
+            return _fail(400, f"{path}: {e}", admin=True)
+        except asyncio.TimeoutError:
+            return _fail(504, f"{path}: not done within {admin_timeout} s", admin=True)
+        except Exception as e:  # noqa: BLE001 - e.g. the rendezvous timed out: the peers never joined
+            return _fail(
+                400, f"Failed to initialize custom process group: {type(e).__name__}: {e}.", admin=True
+            )
+        return JSONResponse(result)
 
     @app.get("/get_load")
     async def get_load() -> JSONResponse:
@@ -165,17 +253,11 @@ def create_app(
 
     def add_admin(path: str, op: str, fields: set[str]) -> None:
         async def handler(request: Request) -> JSONResponse:
-            if not authorized(request):
-                return _fail(401, "missing or wrong 'Authorization: Bearer <api key>'", admin=True)
-            raw = await request.body()
             try:
-                body = (await request.json()) if raw.strip() else {}
-                if not isinstance(body, dict):
-                    raise ValueError("request body must be a JSON object")
-                unknown = sorted(set(body) - fields)
-                if unknown:
-                    raise ValueError(f"unknown fields {unknown} for {path}; allowed: {sorted(fields)}")
+                body = await _json_body(request, path, fields)
                 result = await _await(engine.run(op, **body), admin_timeout)
+            except RefitRefused as e:
+                return _fail(400, str(e), admin=True)
             except (ValueError, TypeError, OSError) as e:
                 return _fail(400, f"{path}: {type(e).__name__}: {e}", admin=True)
             except EngineNotReady as e:

@@ -20,6 +20,7 @@ def build_tiny_model(
     num_kv_heads: int = 2,
     seed: int = 0,
     tie_word_embeddings: bool = False,
+    max_position_embeddings: int = 512,
 ) -> Path:
     """Write a random tiny Qwen3ForCausalLM and a matching PreTrainedTokenizerFast to `path`; returns it."""
     import torch
@@ -43,7 +44,7 @@ def build_tiny_model(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=hidden_size // num_heads,
-        max_position_embeddings=512,
+        max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
         eos_token_id=vocab["<eos>"],
         pad_token_id=vocab["<pad>"],

@@ -1,0 +1,255 @@
+"""Weight-update and memory operations of the embedded engine, under SGLang 0.5.23's contract.
+
+The rules and the refusal wording are SGLang's (see docs/sglang-contract.md for the table and the source files):
+
+- refit (`update_weights_from_tensor`, `update_weights_from_distributed`) only inside a session opened by
+  `begin_weight_update` and closed by `end_weight_update`; a second `begin` while one is open is refused
+  (sglang/srt/managers/scheduler_components/weight_updater.py);
+- `release_memory_occupation` only when no request runs or waits (queued requests are allowed while paused);
+  released tags are remembered, and `resume_memory_occupation` of a tag that was not released is an error (SGLang's
+  scheduler dies there with a KeyError; the stand-in answers 400 instead of dying);
+- `weights_checker` with action `checksum` answers SGLang's payload: per tensor the first 8 bytes of the SHA-256
+  of its raw bytes, as 16 hex digits (sglang/srt/utils/weight_checker.py).
+
+`LocalEngine` mixes this in; every `_op_*` runs on the scheduler thread (through `LocalEngine.run`), except
+`join_update_group`, which waits for remote peers and so runs on a thread of its own with a short deadline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+from miles.utils.weight_checksum import overall_checksum, tensor_checksum
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+NOT_IN_SESSION = "{op} must run between begin_weight_update() and end_weight_update()"
+
+
+class RefitRefused(ValueError):
+    """A contract violation SGLang answers with success=false (HTTP 400)."""
+
+
+def check_tags(tags: list[str] | None) -> list[str]:
+    """The tags of a release/resume request; None or [] means all (as in SGLang)."""
+    if not tags:
+        return list(MEMORY_TAGS)
+    bad = [t for t in tags if t not in MEMORY_TAGS]
+    if bad:
+        raise ValueError(f"unknown memory tags {bad}; allowed: {list(MEMORY_TAGS)} (or null for all)")
+    return list(tags)
+
+
+class WeightControl:
+    """Mixin of `LocalEngine`: the session, release/resume bookkeeping, refit and checksum operations."""
+
+    # provided by LocalEngine
+    weights: Any
+    scheduler: Any
+    kv_released: bool
+    released_tags: set[str]
+    session_open: bool
+    update_groups: dict[str, Any]
+    config: Any
+    dtype: torch.dtype
+    model_path: str
+    _groups_lock: Any
+
+    def _set_version(self, weight_version: str | None) -> None:
+        raise NotImplementedError
+
+    def _require_session(self, op: str) -> None:
+        if not self.session_open:
+            raise RefitRefused(NOT_IN_SESSION.format(op=op))
+
+    def _op_begin_weight_update(self, selector: str = "all") -> dict[str, Any]:
+        if selector not in ("target", "draft", "all"):
+            raise ValueError(f"selector {selector!r} not supported; allowed: 'target', 'draft', 'all'")
+        if self.session_open:
+            raise RefitRefused("a weight-update session is already open; call end_weight_update() first")
+        self.session_open = True
+        return {"success": True, "message": "Success"}
+
+    def _op_end_weight_update(self) -> dict[str, Any]:
+        if not self.session_open:
+            raise RefitRefused("no weight-update session is open; call begin_weight_update() first")
+        self.session_open = False
+        return {"success": True, "message": "Success"}
+
+    def _op_update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        selector: str = "all",
+        torch_empty_cache: bool = False,
+    ) -> dict[str, Any]:
+        from miles.engines.local.weights import unflatten_bucket
+        from miles.utils.serialization import PayloadError, deserialize
+
+        self._require_session("update_weights_from_tensor")
+        if load_format not in (None, "direct", "flattened_bucket"):
+            raise ValueError(
+                f"load_format {load_format!r} not supported; allowed: null (named tensors), 'flattened_bucket'"
+            )
+        if not isinstance(serialized_named_tensors, list) or not serialized_named_tensors:
+            raise ValueError(
+                "serialized_named_tensors must be a non-empty list (one base64 string per TP rank)"
+            )
+        try:
+            named = deserialize(serialized_named_tensors[0])
+        except PayloadError as e:
+            raise ValueError(f"serialized_named_tensors[0] does not decode: {e}") from None
+        if load_format == "flattened_bucket":
+            named = unflatten_bucket(named)
+        elif not isinstance(named, list) or not all(isinstance(x, tuple) and len(x) == 2 for x in named):
+            raise ValueError(
+                f"serialized_named_tensors[0] must hold a list of (name, tensor) pairs, got {type(named).__name__}"
+            )
+        if abort_all_requests:
+            self.scheduler.abort(abort_all=True, message="aborted for weight update")
+        n = self.weights.load(named)
+        self._set_version(weight_version)
+        return {"success": True, "message": f"Success. Updated {n} tensors."}
+
+    def _op_update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        load_format: str | None = None,
+        selector: str = "all",
+        torch_empty_cache: bool = False,
+    ) -> dict[str, Any]:
+        from miles.engines.local.dist_update import receive_tensors
+
+        self._require_session("update_weights_from_distributed")
+        if load_format is not None:
+            raise ValueError(
+                f"load_format {load_format!r} not supported on the broadcast path; allowed: null"
+            )
+        if self.update_groups.get(group_name) is None:
+            raise ValueError(f"no weights update group {group_name!r}; known: {sorted(self.update_groups)}")
+        if self.weights.released:
+            raise ValueError(
+                "cannot load weights while they are released; call /resume_memory_occupation first"
+            )
+        if abort_all_requests:
+            self.scheduler.abort(abort_all=True, message="aborted for weight update")
+        n = receive_tensors(self.update_groups[group_name], names, dtypes, shapes, self.weights)
+        self._set_version(weight_version)
+        return {"success": True, "message": f"Succeeded to update parameter online ({n} tensors)."}
+
+    def _op_update_weights_from_disk(
+        self, model_path: str, load_format: str | None = None, weight_version: str | None = None, **_: Any
+    ) -> dict[str, Any]:
+        from transformers import AutoModelForCausalLM
+
+        if load_format not in (None, "auto"):
+            raise ValueError(f"load_format {load_format!r} not supported; allowed: null, 'auto'")
+        fresh = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        named = dict(fresh.named_parameters())
+        missing = set(self.weights.names) - {self.weights.resolve(n) for n in named}
+        if missing:
+            raise ValueError(f"{model_path!r} lacks parameters {sorted(missing)[:5]} of the served model")
+        self.weights.load(named.items())
+        self.model_path = model_path
+        self._set_version(weight_version)
+        return {
+            "success": True,
+            "message": f"loaded {len(named)} tensors from {model_path}",
+            "num_paused_requests": 0,
+        }
+
+    def _op_release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        tags = check_tags(tags)
+        load = self.scheduler.load()
+        if load["num_running"] or (load["num_waiting"] and not self.scheduler.paused):
+            raise RefitRefused("release_memory_occupation should be called only when server is idle.")
+        if "weights" in tags:
+            self.weights.release()
+        if "kv_cache" in tags:
+            self.kv_released = True
+        self.released_tags.update(tags)
+        return None  # SGLang answers 200 with an empty (null) body
+
+    def _op_resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        tags = check_tags(tags)
+        not_released = [t for t in tags if t not in self.released_tags]
+        if not_released:
+            raise RefitRefused(
+                f"resume_memory_occupation: tags {not_released} were not released (released: "
+                f"{sorted(self.released_tags)}); SGLang's scheduler dies here with KeyError: {not_released[0]!r}"
+            )
+        self.released_tags.difference_update(tags)
+        if "weights" in tags:
+            self.weights.resume()
+        if "kv_cache" in tags:
+            self.kv_released = False
+        return None
+
+    def _op_get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        return self.weights.get(name).flatten()[:truncate_size].float().tolist()
+
+    def _op_weights_checker(
+        self,
+        action: str = "checksum",
+        allow_quant_error: bool = False,
+        skip_tensor_list: list[str] | None = None,
+        selector: str = "all",
+    ) -> dict[str, Any]:
+        if action != "checksum":
+            raise ValueError(f"weights_checker action {action!r} not supported here; allowed: 'checksum'")
+        self.weights.check_ready()
+        skip = skip_tensor_list or []
+        checksums = {
+            name: tensor_checksum(self.weights.get(name))
+            for name in self.weights.names
+            if not any(pattern in name for pattern in skip)
+        }
+        overall = overall_checksum(checksums)
+        rank = {
+            "checksums": checksums,
+            "per_gpu_checksum": overall,
+            "parallelism_info": [
+                {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
+                 "pp_size": 1, "rank": 0, "size": 1}
+            ],
+        }  # fmt: skip
+        engine = hashlib.sha256(overall.encode()).hexdigest()
+        return {"success": True, "message": "Success.", "ranks": [rank], "per_engine_checksum": engine}
+
+    def join_update_group(self, **kwargs: Any) -> dict[str, Any]:
+        """Body of /init_weights_update_group; blocks only the calling thread, at most the group timeout."""
+        from miles.engines.local.dist_update import init_update_group
+
+        name = kwargs.get("group_name", "weight_update_group")
+        with self._groups_lock:
+            if name in self.update_groups:
+                raise ValueError(f"weights update group {name!r} already exists")
+            self.update_groups[name] = None  # reserved while joining
+        try:
+            group = init_update_group(**kwargs, timeout_s=self.config.update_group_timeout)
+        except BaseException:
+            with self._groups_lock:
+                self.update_groups.pop(name, None)
+            raise
+        with self._groups_lock:
+            self.update_groups[name] = group
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def _op_destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        from miles.engines.local.dist_update import destroy_update_group
+
+        if self.update_groups.get(group_name) is None:
+            raise RefitRefused("The group to be destroyed does not exist.")
+        destroy_update_group(self.update_groups.pop(group_name))
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
