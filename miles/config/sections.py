@@ -176,7 +176,9 @@ class EngineConfig:
 
     engine_host: str = opt("127.0.0.1", "address rollout engines bind to")
     engine_api_key: str | None = opt(
-        None, "key for the engines' admin endpoints (SGLang's --admin-api-key; needed off localhost)", secret=True
+        None,
+        "key for the engines' admin endpoints (SGLang's --admin-api-key; needed off localhost)",
+        secret=True,
     )
     engine_max_running_requests: int = opt(64, "max concurrent requests per engine", ge=1)
     check_weight_update_equal: bool = opt(

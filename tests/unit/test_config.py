@@ -103,7 +103,8 @@ def test_section_field_names_are_the_agreed_ones() -> None:
         "rollout_max_prompt_len rollout_temperature rollout_top_p rollout_top_k rollout_stop "
         "rollout_stop_token_ids rollout_skip_special_tokens rollout_seed rm_type custom_rm_path "
         "rm_error_as_zero rollout_request_timeout",
-        "engine": "engine_host engine_api_key engine_max_running_requests sglang_mem_fraction_static "
+        "engine": "engine_host engine_api_key engine_max_running_requests check_weight_update_equal "
+        "sglang_mem_fraction_static "
         "sglang_decode_log_interval sglang_chunked_prefill_size sglang_attention_backend sglang_args",
         "train": "train_backend global_batch_size micro_batch_size use_dynamic_batch_size max_tokens_per_gpu "
         "balance_data context_parallel_size fsdp_cpu_offload update_weight_buffer_size ref_update_interval "

@@ -56,7 +56,12 @@ def test_batch_rules_match_reference(
         cfg = parse_config(argv)
     except ConfigError as e:
         assert not expected, e.violations
-        flags = ("--global-batch-size", "--context-parallel-size", "--micro-batch-size", "--rollout-batch-size")
+        flags = (
+            "--global-batch-size",
+            "--context-parallel-size",
+            "--micro-batch-size",
+            "--rollout-batch-size",
+        )
         assert all(v.startswith(flags) for v in e.violations), e.violations
         return
     assert expected
@@ -96,3 +101,16 @@ def test_yaml_scalar_quirks(tmp_path: Path) -> None:
     path.write_text("lr: 1e-6\nrollout-batch-size: 2\nglobal-batch-size: 2.0\nwandb-mode: 'offline'\n")
     cfg = parse_config(REQUIRED + ["--config", str(path)])
     assert cfg.optim.lr == 1e-6 and cfg.train.global_batch_size == 2 and cfg.log.wandb_mode == "offline"
+
+
+def test_check_weight_update_equal_needs_whole_tensors() -> None:
+    """Per-tensor checksums compare whole tensors; TP>1 engines hold shards (refused before Ray starts)."""
+    import pytest
+
+    from miles.config import ConfigError, parse_config
+
+    base = ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--num-rollout", "1", "--rollout-batch-size", "2",
+            "--global-batch-size", "2", "--actor-num-gpus-per-node", "2", "--colocate", "--check-weight-update-equal"]  # fmt: skip
+    assert parse_config(base).engine.check_weight_update_equal
+    with pytest.raises(ConfigError, match="check-weight-update-equal.*tensor-parallel shards"):
+        parse_config([*base, "--rollout-num-gpus-per-engine", "2"])

@@ -360,7 +360,8 @@ class DistributedWeightUpdater:
         ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(world_size)]
         self._ctrl = dist.new_group(ranks, backend="gloo")  # collective over the default group
         self._group: dist.ProcessGroup | None = None
-        self._pool = ThreadPoolExecutor(max_workers=len(engine_urls), thread_name_prefix="miles-refit")
+        # one thread per engine request, plus one for joining the group while the requests wait for it
+        self._pool = ThreadPoolExecutor(max_workers=len(engine_urls) + 1, thread_name_prefix="miles-refit")
 
     @property
     def update_world_size(self) -> int:

@@ -1,0 +1,234 @@
+"""miles's client code against SGLang 0.5.23's own server code, and the embedded engine against the same contract.
+
+The SGLang server is SGLang's real HTTP front-end (FastAPI `app`, `TokenizerManager`, API-key middleware,
+`ServerArgs` parsing of miles's launch command line) with a stand-in scheduler that routes control requests into
+SGLang's real weight-update and memory bookkeeping (tests/sglang_conformance). It needs `.venv-sglang`, made by
+`bash scripts/sglang-venv.sh`; without it these tests skip. One SGLang server serves the whole module (start-up
+costs ~40 s), so the test that kills it runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from miles.engines.sglang_engine import EngineProcess, engine_launch_kwargs
+from tests.integration._util import free_port, run_distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+HARNESS_PYTHON = ROOT / "tests" / "sglang_conformance" / "python"
+VENV_READY = Path(os.environ.get("MILES_SGLANG_VENV", ROOT / ".venv-sglang")) / ".miles-sglang-ok"
+KEY = "conformance-admin-key"
+SEED, INDEX = 42, 1
+
+pytestmark = pytest.mark.skipif(
+    not VENV_READY.exists(),
+    reason=f"sglang 0.5.23 is not installed in {VENV_READY.parent} (run: bash scripts/sglang-venv.sh)",
+)
+
+
+def _launch(kind: str, model_dir: str) -> EngineProcess:
+    launch = engine_launch_kwargs(kind, INDEX, SEED, colocate=True, local_args={"num-threads": 1})
+    return EngineProcess(
+        model_dir, kind=kind, admin_api_key=KEY, startup_timeout=300,
+        python=str(HARNESS_PYTHON) if kind == "sglang" else None, **launch,
+    ).launch()  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from miles.engines.local.testing import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0))
+
+
+@pytest.fixture(scope="module")
+def sglang(model_dir):
+    eng = _launch("sglang", model_dir)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local(model_dir):
+    eng = _launch("local", model_dir)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(params=["sglang", "local"])
+def engine(request):
+    return request.getfixturevalue(request.param)
+
+
+def _admin() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def _post(engine: EngineProcess, path: str, body: dict, key: bool = True) -> httpx.Response:
+    return httpx.post(engine.url + path, json=body, headers=_admin() if key else {}, timeout=120)
+
+
+# ------------------------------------------------------------------------------------ launch command line
+
+
+def test_launch_command_line_reaches_sglang(sglang):
+    """miles's command line, parsed by SGLang's ServerArgs: seed, memory saver, admin-only key."""
+    info = sglang.get("/server_info")
+    assert info["random_seed"] == SEED + INDEX
+    assert info["enable_memory_saver"] is True
+    assert info["admin_api_key"] and not info["api_key"]
+    saver = info["internal_states"][0]["memory_saver"]
+    assert saver["enabled"] and "cuda_graph" in saver["regions"]  # SGLANG_MEMORY_SAVER_CUDA_GRAPH=true
+
+
+# ------------------------------------------------------------------------------------ contract, both engines
+
+
+def test_api_key_levels(engine):
+    body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    assert _post(engine, "/generate", body, key=False).status_code == 200  # rollout requests carry no key
+    refused = _post(engine, "/flush_cache", {}, key=False)
+    assert refused.status_code == 401 and refused.json() == {"error": "Unauthorized"}
+    assert _post(engine, "/flush_cache", {}).status_code == 200
+
+
+def test_refit_outside_session_refused(engine):
+    from miles.utils.serialization import serialize, share_named_tensors
+
+    payload = serialize(share_named_tensors([("model.norm.weight", torch.ones(32))]))
+    resp = _post(engine, "/update_weights_from_tensor", {"serialized_named_tensors": [payload]})
+    assert resp.status_code == 400
+    assert resp.json() == {
+        "success": False,
+        "message": "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()",
+    }
+    assert _post(engine, "/begin_weight_update", {}).json()["success"]
+    again = _post(engine, "/begin_weight_update", {})
+    assert again.status_code == 400 and "already open" in again.json()["message"]
+    assert _post(engine, "/end_weight_update", {}).json()["success"]
+    extra = _post(engine, "/end_weight_update", {})
+    assert extra.status_code == 400 and "no weight-update session is open" in extra.json()["message"]
+
+
+def test_context_errors_match(sglang, local):
+    too_long = {"input_ids": [5] * 600, "sampling_params": {"max_new_tokens": 1}}
+    too_many = {"input_ids": [5] * 10, "sampling_params": {"max_new_tokens": 600}}
+    for body in (too_long, too_many):
+        a, b = _post(sglang, "/generate", body), _post(local, "/generate", body)
+        assert a.status_code == b.status_code == 400
+        assert b.json()["error"]["message"] in str(a.json()), (a.json(), b.json())
+
+
+# ------------------------------------------------------------------------------------ miles's client code
+
+
+def test_rollout_generate_through_router(sglang):
+    from miles.engines.router import Router
+    from miles.rollout.generate import SamplingSettings, generate_samples
+    from miles.utils.types import Sample
+
+    samples = [Sample(index=i, group_index=i, prompt="", tokens=[3 + i, 4, 5]) for i in range(3)]
+    settings = SamplingSettings(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4)
+    with Router([sglang.url]) as router:
+        asyncio.run(generate_samples(router.url, samples, settings, concurrency=3, timeout=120))
+    for s in samples:
+        assert s.response_length >= 1 and len(s.rollout_log_probs) == s.response_length
+        assert s.weight_versions == ["default"]
+
+
+def _colocated_body(rank: int, world: int, url: str, model_dir: str) -> None:
+    """The colocated start-up refit, then one release -> refit -> resume cycle, driven by miles's choreography
+    and ColocatedWeightUpdater (with checksums); SGLang's bookkeeping must end with nothing released."""
+    from transformers import AutoModelForCausalLM
+
+    from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater
+    from miles.ray.colocate import MemoryChoreography
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    updater = ColocatedWeightUpdater([url], 1, rank, world, api_key=KEY, timeout_s=60, check_equal=True)
+
+    class Trainer:
+        def update_weights(self, urls: list[str], version: str) -> None:
+            updater.update(model, bucket_bytes=4096, weight_version=version)
+
+        def sleep(self) -> None: ...
+
+        def wake_up(self) -> None: ...
+
+    class Engines:
+        def release_memory(self, tags: list[str]) -> None:
+            httpx.post(
+                f"{url}/release_memory_occupation", json={"tags": tags}, headers=_admin()
+            ).raise_for_status()
+
+        def resume_memory(self, tags: list[str]) -> None:
+            httpx.post(
+                f"{url}/resume_memory_occupation", json={"tags": tags}, headers=_admin()
+            ).raise_for_status()
+
+    choreo = MemoryChoreography(True, Trainer(), Engines(), [url])
+    choreo.refit("1")  # start-up: the engine released nothing
+    state = httpx.get(f"{url}/server_info").json()["internal_states"][0]
+    assert state["offload_tags"] == [] and state["memory_saver"]["paused"] == [], state
+    choreo.before_train()
+    state = httpx.get(f"{url}/server_info").json()["internal_states"][0]
+    assert sorted(state["memory_saver"]["paused"]) == ["cuda_graph", "kv_cache", "weights"], state
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.25)
+    choreo.refit("2")
+    state = httpx.get(f"{url}/server_info").json()["internal_states"][0]
+    assert state["offload_tags"] == [] and state["memory_saver"]["paused"] == [], state
+    assert httpx.get(f"{url}/model_info").json()["weight_version"] == "2"
+    name, tensor = next(iter(model.named_parameters()))
+    got = httpx.post(
+        f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 8}, headers=_admin()
+    ).json()
+    assert torch.equal(torch.tensor(got, dtype=torch.float32), tensor.detach().flatten()[:8])
+
+
+def test_colocated_startup_and_cycle_tensor_path(sglang, model_dir):
+    run_distributed(_colocated_body, 1, sglang.url, model_dir, timeout_s=240)
+
+
+def _broadcast_body(rank: int, world: int, url: str, model_dir: str, port: int) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from miles.backends.fsdp_utils.update_weight_utils import DistributedWeightUpdater
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.0)
+    updater = DistributedWeightUpdater(
+        [url], 1, rank, world, "127.0.0.1", port, backend="gloo", api_key=KEY, timeout_s=60, check_equal=True
+    )
+    updater.connect()
+    try:
+        updater.update(model, bucket_bytes=4096, weight_version="bcast-1")
+    finally:
+        updater.disconnect()
+    assert httpx.get(f"{url}/model_info").json()["weight_version"] == "bcast-1"
+
+
+def test_broadcast_refit_path(engine, model_dir):
+    run_distributed(_broadcast_body, 1, engine.url, model_dir, free_port(), timeout_s=240)
+
+
+# ------------------------------------------------------------------------------------ last: kills SGLang's server
+
+
+def test_resume_of_unreleased_tag(local, sglang):
+    """SGLang's scheduler dies on a resume of a tag it never released; the stand-in refuses with a 400."""
+    resp = _post(local, "/resume_memory_occupation", {"tags": ["weights"]})
+    assert resp.status_code == 400 and "were not released" in resp.json()["message"]
+    with pytest.raises(httpx.HTTPError):
+        _post(sglang, "/resume_memory_occupation", {"tags": ["weights"]})
+        sglang.proc.wait(30)
+        httpx.get(sglang.url + "/health", timeout=5)
