@@ -257,11 +257,9 @@ def _algo(v: Values) -> None:
             v.fail("mis_lower", f"must be < --mis-upper={v['mis_upper']}")
     with suppress(_Skip):
         estimator = v["advantage_estimator"]
-        if (
-            v["kl_coef"] > 0
-            and not estimator.startswith("reinforce_plus_plus")
-            and not v["custom_advantage_function_path"]
-        ):
+        if v["kl_coef"] > 0 and not estimator.startswith("reinforce_plus_plus") and not v[
+            "custom_advantage_function_path"
+        ]:
             v.fail(
                 "kl_coef",
                 f"the KL reward penalty is applied by the reinforce_plus_plus estimators, not {estimator!r} "
