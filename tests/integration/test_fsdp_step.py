@@ -166,12 +166,15 @@ def test_dp2_step_equals_dp1_step(tmp_path) -> None:
 
 
 class _FakeEngines(http.server.ThreadingHTTPServer):
-    """Engines at ``/<engine>/update_weights_from_tensor``; records every tensor it receives, per engine."""
+    """Engines at ``/<engine>/...``: a weight-update session (begin/end) around ``update_weights_from_tensor``, as
+    SGLang demands, and ``/model_info`` reporting the last version; records every tensor it receives, per engine."""
 
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _EngineHandler)
         self.calls: dict[str, list[dict]] = collections.defaultdict(list)
         self.tensors: dict[str, list[tuple[str, torch.Tensor]]] = collections.defaultdict(list)
+        self.in_session: set[str] = set()
+        self.versions: dict[str, str] = {}
 
     @property
     def url(self) -> str:
@@ -182,17 +185,32 @@ class _EngineHandler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args) -> None:  # keep test output quiet
         pass
 
+    def do_GET(self) -> None:
+        engine, _, endpoint = self.path.strip("/").partition("/")
+        assert endpoint == "model_info", self.path
+        self._answer({"weight_version": self.server.versions.get(engine, "default")})
+
     def do_POST(self) -> None:
         engine, _, endpoint = self.path.strip("/").partition("/")
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
         answer = {"success": True, "message": ""}
-        if endpoint != "update_weights_from_tensor" or engine == "bad":
+        if engine == "bad" and endpoint == "update_weights_from_tensor":
             answer = {"success": False, "message": f"refused {self.path}"}
+        elif endpoint == "begin_weight_update":
+            self.server.in_session.add(engine)
+        elif endpoint == "end_weight_update":
+            self.server.in_session.discard(engine)
+        elif endpoint != "update_weights_from_tensor" or engine not in self.server.in_session:
+            answer = {"success": False, "message": f"refused {self.path} (outside a weight-update session)"}
         else:
             per_tp = [deserialize(s) for s in body["serialized_named_tensors"]]
             assert all([n for n, _ in tp] == [n for n, _ in per_tp[0]] for tp in per_tp)
             self.server.calls[engine].append({**body, "serialized_named_tensors": len(per_tp)})
             self.server.tensors[engine] += [(n, t.clone()) for n, t in per_tp[-1]]
+            self.server.versions[engine] = body["weight_version"]
+        self._answer(answer)
+
+    def _answer(self, answer: dict) -> None:
         data = json.dumps(answer).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -249,18 +267,32 @@ def test_bucketed_refit_to_colocated_engines(tmp_path) -> None:
 
 
 def _fake_distributed_engine(port: int, out: str, ready) -> None:
-    """An engine process: joins the update group on request and records what rank 0 broadcasts."""
+    """An engine process: joins the update group on request and records what rank 0 broadcasts; like SGLang it
+    takes updates only inside a begin/end weight-update session and reports its version on ``/model_info``."""
     torch.set_num_threads(1)
-    seen: dict = {"group": None, "tensors": [], "calls": []}
+    seen: dict = {"group": None, "tensors": [], "calls": [], "session": False, "version": "default"}
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def log_message(self, *args) -> None:
             pass
 
+        def do_GET(self) -> None:
+            assert self.path.strip("/") == "model_info", self.path
+            data = json.dumps({"weight_version": seen["version"]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
         def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
             endpoint = self.path.strip("/")
-            if endpoint == "init_weights_update_group":
+            ok = True
+            if endpoint in ("begin_weight_update", "end_weight_update"):
+                seen["session"] = endpoint == "begin_weight_update"
+            elif endpoint == "update_weights_from_distributed" and not seen["session"]:
+                ok = False
+            elif endpoint == "init_weights_update_group":
                 seen["init"] = body
                 seen["group"] = init_weights_update_group(
                     body["master_address"], body["master_port"], body["rank_offset"], body["world_size"],
@@ -272,10 +304,13 @@ def _fake_distributed_engine(port: int, out: str, ready) -> None:
                     dist.broadcast(t, group=seen["group"], group_src=0)
                     seen["tensors"].append((name, t))
                 seen["calls"].append({k: body[k] for k in ("flush_cache", "weight_version", "group_name")})
+                seen["version"] = body["weight_version"]
             elif endpoint == "destroy_weights_update_group":
                 dist.destroy_process_group(seen["group"])
                 torch.save({k: seen[k] for k in ("tensors", "calls", "init")}, out)
-            data = json.dumps({"success": True, "message": ""}).encode()
+            data = json.dumps(
+                {"success": ok, "message": "" if ok else "outside a weight-update session"}
+            ).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
