@@ -1,0 +1,222 @@
+"""Shared pieces of the benchmarks: process-tree memory, a subprocess whose output lines are timestamped, and the
+statistics the reports print (medians and spreads, steady-state step times, ratios). No torch import."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def parse_ppid(stat: str) -> int:
+    """Parent pid from the text of /proc/PID/stat (the command name may hold spaces and parentheses)."""
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def descendants(root: int, parents: dict[int, int]) -> list[int]:
+    """`root` and every process whose parent chain reaches it, from a pid -> ppid map."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            return f.read()
+    except OSError:  # the process ended meanwhile
+        return None
+
+
+def process_tree(root: int) -> list[int]:
+    """Live pids of `root`'s process tree (Linux /proc)."""
+    parents = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            stat = _read(f"/proc/{name}/stat")
+            if stat:
+                parents[int(name)] = parse_ppid(stat)
+    return descendants(root, parents) if root in parents else []
+
+
+def parse_pss_kib(smaps_rollup: str) -> int:
+    """The `Pss:` line of /proc/PID/smaps_rollup, in KiB (0 if absent)."""
+    for line in smaps_rollup.splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1])
+    return 0
+
+
+def tree_memory(root: int) -> tuple[int, int, int]:
+    """(sum of RSS bytes, sum of PSS bytes, process count) over `root`'s process tree.
+
+    RSS counts shared pages once per process that maps them (what "sum RSS" means); PSS splits them among the
+    sharers, so its sum is the memory the tree really holds.
+    """
+    rss = pss = n = 0
+    for pid in process_tree(root):
+        statm = _read(f"/proc/{pid}/statm")
+        if not statm:
+            continue
+        n += 1
+        rss += int(statm.split()[1]) * PAGE
+        rollup = _read(f"/proc/{pid}/smaps_rollup")
+        pss += parse_pss_kib(rollup) * 1024 if rollup else 0
+    return rss, pss, n
+
+
+class MemorySampler:
+    """Samples `tree_memory(pid)` every `interval` seconds in a thread; keeps the peaks."""
+
+    def __init__(self, pid: int, interval: float = 0.5) -> None:
+        self.pid, self.interval = pid, interval
+        self.peak_rss = self.peak_pss = self.peak_procs = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"mem-{pid}", daemon=True)
+
+    def __enter__(self) -> MemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss, pss, n = tree_memory(self.pid)
+            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+            self.peak_procs = max(self.peak_procs, n)
+            self._stop.wait(self.interval)
+
+
+# ------------------------------------------------------------------------------------------------ processes
+@dataclass
+class TimedRun:
+    """A finished subprocess: exit code, its output lines with the wall time each arrived, memory peaks."""
+
+    returncode: int
+    launched_at: float  # time.time() just before the process started
+    lines: list[tuple[float, str]] = field(default_factory=list)
+    peak_rss: int = 0
+    peak_pss: int = 0
+    peak_procs: int = 0
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(line for _, line in self.lines[-n:])
+
+
+def run_timed(
+    cmd: Sequence[str],
+    env: dict[str, str],
+    cwd: str | os.PathLike[str],
+    timeout_s: float,
+    log_path: Path | None = None,
+    on_line: Callable[[str], None] | None = None,
+) -> TimedRun:
+    """Run `cmd` in its own session, timestamp every output line (stdout and stderr merged), sample the memory
+    of its process tree; kill the whole session past `timeout_s` (then returncode is -9)."""
+    launched = time.time()
+    proc = subprocess.Popen(
+        list(cmd),
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        start_new_session=True,
+    )
+    run = TimedRun(returncode=0, launched_at=launched)
+    killer = threading.Timer(timeout_s, lambda: _kill_session(proc))
+    killer.start()
+    log = open(log_path, "w", encoding="utf-8") if log_path else None  # noqa: SIM115 - closed below
+    try:
+        with MemorySampler(proc.pid) as mem:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                now = time.time()
+                line = line.rstrip("\n")
+                run.lines.append((now, line))
+                if log:
+                    log.write(f"{now - launched:9.3f} {line}\n")
+                if on_line:
+                    on_line(line)
+            run.returncode = proc.wait()
+        run.peak_rss, run.peak_pss, run.peak_procs = mem.peak_rss, mem.peak_pss, mem.peak_procs
+    finally:
+        killer.cancel()
+        if proc.poll() is None:
+            _kill_session(proc)
+        _kill_session(proc)  # leftovers of the session (Ray's daemons) once the leader is gone
+        if log:
+            log.close()
+    return run
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, 9)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+@dataclass(frozen=True)
+class Spread:
+    """Median and range of a set of measurements."""
+
+    median: float
+    lo: float
+    hi: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        vals = [v for v in values if v == v]  # drop NaN
+        if not vals:
+            return cls(float("nan"), float("nan"), float("nan"), 0)
+        return cls(statistics.median(vals), min(vals), max(vals), len(vals))
+
+    def fmt(self, digits: int = 3) -> str:
+        if self.n == 0:
+            return "n/a"
+        if self.n == 1:
+            return f"{self.median:.{digits}g}"
+        return f"{self.median:.{digits}g} [{self.lo:.{digits}g}-{self.hi:.{digits}g}]"
+
+
+def step_intervals(step_end_times: Sequence[float], warmup: int) -> list[float]:
+    """Seconds of each steady step: the gaps between consecutive step ends, from the end of step `warmup - 1`
+    (the first `warmup` steps are left out). Needs `warmup >= 1` so every kept step has a known start."""
+    if warmup < 1:
+        raise ValueError(f"warmup={warmup}: must be >= 1 (a step's start is the previous step's end)")
+    t = list(step_end_times)
+    return [t[i] - t[i - 1] for i in range(warmup, len(t))]
+
+
+def write_json_atomic(obj: object, path: Path) -> None:
+    """Write `obj` as indented JSON via a temp file + rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def mib(n: float) -> float:
+    return n / 2**20

@@ -1,0 +1,224 @@
+"""Refit bandwidth of the CPU colocated path vs a memcpy of the same bytes, in the same run (issue 10).
+
+    python scripts/bench/refit.py [--workload compute] [--trainers 1] [--bucket-mb 512] [--repeats 5]
+
+Real processes, miles' own code on both sides: `--trainers` FSDP2 training ranks (gloo, `build_fsdp_model`)
+refit `--trainers` embedded engines (`python -m miles.engines.local`, one intra-op thread each, as miles starts
+them on CPU) through `ColocatedWeightUpdater` -> `/update_weights_from_tensor` (shared-memory tensor handles),
+engine e served by rank e, exactly as `FSDPTrainer.update_weights` does in a colocated run. The model is a
+workload model of `bench_workloads.py` (default: the 25M-parameter one, ~100 MB in fp32).
+
+Each refit is timed on rank 0 between barriers (all buckets, every engine answered). Bytes = model bytes x
+engines. Then rank 0 copies a buffer of the same size (`dst.copy_(src)`, with the trainer's intra-op threads).
+Printed: refit s and GB/s (median
+[min-max] over repeats after one warm-up), memcpy GB/s, and the ratio refit/memcpy.
+
+Run it alone: `flock /tmp/miles-heavy.lock python scripts/bench/refit.py` on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+
+from benchlib import Spread, write_json_atomic  # noqa: E402
+
+
+@dataclass(frozen=True)
+class RefitResult:
+    """What rank 0 measured."""
+
+    model_bytes: int
+    engines: int
+    buckets: int
+    bucket_bytes: int
+    refit_s: list[float]  # per timed refit (after the warm-up one)
+    memcpy_s: list[float]  # per timed copy of model_bytes * engines
+    memcpy_threads: int
+
+
+@dataclass(frozen=True)
+class RefitSummary:
+    bytes: int
+    refit_gbps: Spread
+    memcpy_gbps: Spread
+    ratio: float  # median refit GB/s / median memcpy GB/s
+    refit_s: Spread
+
+
+def summarize(r: RefitResult) -> RefitSummary:
+    """GB/s (1e9 bytes/s) of each timed refit and copy, their medians and the refit/memcpy ratio."""
+    total = r.model_bytes * r.engines
+    refit = Spread.of([total / s / 1e9 for s in r.refit_s if s > 0])
+    copy = Spread.of([total / s / 1e9 for s in r.memcpy_s if s > 0])
+    ratio = refit.median / copy.median if copy.n and refit.n else float("nan")
+    return RefitSummary(
+        bytes=total, refit_gbps=refit, memcpy_gbps=copy, ratio=ratio, refit_s=Spread.of(r.refit_s)
+    )
+
+
+def format_summary(s: RefitSummary, r: RefitResult) -> str:
+    return (
+        f"refit: {s.bytes / 1e6:.1f} MB to {r.engines} engine(s) in {r.buckets} bucket(s) of <= "
+        f"{r.bucket_bytes / 2**20:.0f} MiB: {s.refit_s.fmt()} s = {s.refit_gbps.fmt()} GB/s\n"
+        f"memcpy of the same bytes ({r.memcpy_threads} thread(s)): {s.memcpy_gbps.fmt()} GB/s\n"
+        f"refit / memcpy bandwidth: {s.ratio:.4f}"
+    )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine {url} exited with code {proc.returncode} before it was healthy")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"engine {url} not healthy within {timeout_s} s (phase: startup)")
+
+
+def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a: dict, out: str) -> None:
+    """One training rank: FSDP2 model, `repeats + 1` refits (the first untimed), then rank 0 times memcpy."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    from miles.backends.fsdp_utils.model import build_fsdp_model
+    from miles.backends.fsdp_utils.parallel import init_distributed
+    from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater, plan_weight_buckets
+
+    trainer_threads = max(1, (os.cpu_count() or 1) // world)  # what FSDPTrainer sets on CPU
+    torch.set_num_threads(trainer_threads)
+    ps = init_distributed("gloo", timeout_s=600)
+    net = build_fsdp_model(model, ps.fsdp_mesh, device=torch.device("cpu"))
+    updater = ColocatedWeightUpdater(urls, ranks_per_engine=1, rank=rank, world_size=world, timeout_s=600)
+    bucket_bytes = int(a["bucket_mb"] * 2**20)
+    times = []
+    for i in range(a["repeats"] + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        n_buckets = updater.update(net, bucket_bytes, weight_version=f"bench-{i}", dtype=torch.float32)
+        dist.barrier()
+        if i:
+            times.append(time.perf_counter() - t0)
+    tensors = {id(t): t for t in net.state_dict(keep_vars=True).values()}  # tied tensors once, as the updater
+    model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())  # full (DTensor) sizes
+    if rank == 0:
+        total = model_bytes * len(urls)
+        src = torch.randint(0, 255, (total,), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        copies = []
+        for i in range(a["repeats"] + 1):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            if i:
+                copies.append(time.perf_counter() - t0)
+        plan = plan_weight_buckets(net, bucket_bytes, torch.float32)
+        assert len(plan) == n_buckets
+        result = RefitResult(model_bytes, len(urls), n_buckets, bucket_bytes, times, copies, trainer_threads)
+        Path(out).write_text(json.dumps(asdict(result)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from bench_workloads import WORKLOADS
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="compute", choices=sorted(WORKLOADS), help="whose model to refit")
+    p.add_argument("--trainers", type=int, default=1, help="training ranks = colocated engines")
+    p.add_argument(
+        "--bucket-mb", type=float, default=512.0, help="refit bucket size in MiB (miles' default 512)"
+    )
+    p.add_argument("--repeats", type=int, default=5, help="timed refits (after one warm-up)")
+    p.add_argument("--work-dir", default=None, help="where the model is written (default: a temp dir)")
+    p.add_argument("--out", default=None, help="write the result as JSON here")
+    a = p.parse_args(argv)
+    if a.trainers < 1:
+        p.error(f"--trainers {a.trainers}: must be >= 1")
+    if a.bucket_mb <= 0:
+        p.error(f"--bucket-mb {a.bucket_mb}: must be > 0")
+    if a.repeats < 1:
+        p.error(f"--repeats {a.repeats}: must be >= 1")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch.multiprocessing as mp
+    from bench_workloads import build_model, get_workload
+
+    with tempfile.TemporaryDirectory(prefix="miles-bench-refit-") as tmp:
+        work = Path(a.work_dir or tmp)
+        model = build_model(get_workload(a.workload), work / f"{a.workload}-model")
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        }
+        engines, urls = [], []
+        try:
+            for _ in range(a.trainers):
+                port = free_port()
+                cmd = [sys.executable, "-m", "miles.engines.local", "--model-path", str(model), "--port", str(port),
+                       "--num-threads", "1", "--log-level", "warning"]  # fmt: skip
+                engines.append(subprocess.Popen(cmd, env=env, cwd=REPO))
+                urls.append(f"http://127.0.0.1:{port}")
+            for url, proc in zip(urls, engines):
+                wait_healthy(url, proc, timeout_s=300)
+            result_path = work / "refit-result.json"
+            ctx = mp.spawn(
+                _rank_main,
+                args=(a.trainers, free_port(), str(model), urls, vars(a), str(result_path)),
+                nprocs=a.trainers,
+                join=False,
+            )
+            # join each rank by its pid: torch's shared-memory manager (a daemon the refit starts) inherits the
+            # ranks' status pipes, so waiting on those (what `join=True` does) would never return
+            for rank, proc in enumerate(ctx.processes):
+                proc.join(timeout=1800)
+                if proc.exitcode != 0:
+                    raise RuntimeError(
+                        f"training rank {rank} exited with code {proc.exitcode} (phase: refit)"
+                    )
+            result = RefitResult(**json.loads(result_path.read_text()))
+        finally:
+            for proc in engines:
+                proc.terminate()
+            for proc in engines:
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    summary = summarize(result)
+    print(format_summary(summary, result), flush=True)
+    if a.out:
+        write_json_atomic({"result": asdict(result), "summary": asdict(summary)}, Path(a.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
