@@ -196,10 +196,15 @@ def main(argv: list[str] | None = None) -> int:
                 nprocs=a.trainers,
                 join=False,
             )
-            # join each rank by its pid: torch's shared-memory manager (a daemon the refit starts) inherits the
-            # ranks' status pipes, so waiting on those (what `join=True` does) would never return
+            # poll the ranks' exit codes (waitpid): torch's shared-memory manager, a daemon the refit starts,
+            # inherits the ranks' status pipes, so waiting on those (`join`) would not return while it lives
+            deadline = time.monotonic() + 1800
+            while any(p.exitcode is None for p in ctx.processes) and time.monotonic() < deadline:
+                time.sleep(0.2)
             for rank, proc in enumerate(ctx.processes):
-                proc.join(timeout=1800)
+                if proc.exitcode is None:
+                    proc.kill()
+                    raise RuntimeError(f"training rank {rank} still running after 1800 s (phase: refit)")
                 if proc.exitcode != 0:
                     raise RuntimeError(
                         f"training rank {rank} exited with code {proc.exitcode} (phase: refit)"
