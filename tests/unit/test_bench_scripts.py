@@ -210,6 +210,7 @@ def test_vs_trl_report_maths() -> None:
     assert (pairs.lo, pairs.hi) == (0.25, 0.5)
     text, summary = vs_trl.format_report([w], recs, {"quickstart": "colocate2"})
     assert summary["quickstart"]["ratio_samples_per_s"] == pytest.approx(48 / 128)
+    assert summary["quickstart"]["ratio_samples_per_s_best"] == pytest.approx(64 / 128)
     assert summary["quickstart"]["ratio_peak_pss"] == pytest.approx(2.0)
     assert "miles/TRL samples/s: 0.38x" in text and "colocate2" in text
 
