@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from miles.config import ConfigError, parse_config
+from miles.utils.perf import peak_rss_gb, sample_counts, throughput
 
 logger = logging.getLogger("miles.train")
 
@@ -21,6 +22,7 @@ def run_loop(cfg: Any, system: Any) -> None:
     for rollout_id in range(system.start_rollout_id, cfg.rollout.num_rollout):
         with timer.phase("rollout"):
             samples, metrics = system.generate(rollout_id)
+        metrics.update(sample_counts(samples))
         with timer.phase("train"):
             choreo.before_train()
             metrics.update(actor.train(rollout_id, system.split_by_dp(samples)))
@@ -31,19 +33,29 @@ def run_loop(cfg: Any, system: Any) -> None:
 
 
 def maybe_save(cfg: Any, system: Any, rollout_id: int) -> None:
-    if cfg.checkpoint.save and _due(cfg.checkpoint.save_interval, rollout_id, cfg.rollout.num_rollout):
+    """--save every --save-interval rollouts and after the last; --save-hf every --save-hf-interval (default:
+    --save-interval) and after the last."""
+    ck, num = cfg.checkpoint, cfg.rollout.num_rollout
+    if ck.save and _due(ck.save_interval, rollout_id, num):
         with system.timer.phase("save"):
             system.train_group.save(rollout_id)
+    if ck.save_hf and _due(ck.save_hf_interval or ck.save_interval or num, rollout_id, num):
+        with system.timer.phase("save_hf"):
+            system.train_group.save_hf(rollout_id)
 
 
 def finish_step(cfg: Any, system: Any, rollout_id: int, metrics: dict[str, float]) -> None:
-    """Periodic eval, then one metrics line (file, wandb) and one printed line per rollout."""
+    """Periodic eval, then one metrics line (file, wandb, tensorboard) and one printed line per rollout."""
     if _due(cfg.eval.eval_interval, rollout_id, cfg.rollout.num_rollout):
         with system.timer.phase("eval"):
             metrics.update(system.evaluate(rollout_id))
-    metrics.update(system.timer.pop())
+    timings = system.timer.pop()
+    metrics.update(timings)
+    metrics.update(throughput(metrics, step_seconds=sum(timings.values())))
+    metrics["perf/driver_peak_rss_gb"] = peak_rss_gb()
     system.tracker.log(rollout_id, metrics)
     print(format_step(rollout_id, metrics), flush=True)
+    system.progress.update()
 
 
 def _due(interval: int | None, rollout_id: int, num_rollout: int) -> bool:
@@ -69,11 +81,14 @@ def run_driver(
     refuse: Callable[[Any], str | None] = lambda cfg: None,
 ) -> int:
     """Parse and validate, run the pre-flight checks (files, model, rewards: exit 2 on bad input), honour
-    --dry-run, then build the system and run `loop`. Nothing before `build_system` imports Ray."""
+    --dry-run, then build the system and run `loop`. Nothing before `build_system` imports Ray.
+
+    However the loop ends (done, an error, Ctrl-C) the system is shut down and `report.png` is drawn from the
+    run's metrics.jsonl."""
     from miles.config.preflight import run_preflight
 
     try:
-        cfg = parse_config(argv)
+        cfg = parse_config(argv, prog=prog)
     except ConfigError as e:
         print(f"{prog}: invalid configuration\n{e}", file=sys.stderr)
         return 2
@@ -88,26 +103,70 @@ def run_driver(
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
     if cfg.dry_run:
-        print(cfg.to_yaml())
+        print(config_yaml(cfg), end="")
         return 0
 
     from miles.ray.setup import build_system
+    from miles.utils.progress import progress_env, progress_wanted
 
+    progress_env(progress_wanted(cfg.log.progress))
     system = build_system(cfg)
     try:
         loop(cfg, system)
     finally:
-        system.shutdown()
+        try:
+            system.shutdown()
+        finally:
+            write_report(cfg.log.run_dir)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_driver(argv, run_loop, prog="miles.train")
+def config_yaml(cfg: Any) -> str:
+    """The resolved config as YAML that `--config` reads back to the same config (what --dry-run prints).
+
+    Run-control keys (`dry_run`, `config`) are left out, and so are secrets that are set (API keys), with a
+    closing comment naming them: pass those on the command line."""
+    import yaml
+
+    from miles.config import FIELDS
+
+    d = cfg.to_dict()
+    for key in ("dry_run", "config"):
+        d.pop(key)
+    hidden = []
+    for name, spec in FIELDS.items():
+        owner = d if spec.section is None else d[spec.section]
+        if spec.meta("secret") and owner.get(name) is not None:
+            del owner[name]
+            hidden.append(spec.flag)
+    text = yaml.safe_dump(d, sort_keys=False, default_flow_style=False)
+    if hidden:
+        text += f"# not shown: {', '.join(hidden)} (secrets: pass them on the command line)\n"
+    return text
+
+
+def write_report(run_dir: str) -> None:
+    """Draw `<run_dir>/report.png` from metrics.jsonl; a failure is logged, never raised (the run's own outcome
+    must not be masked by its report)."""
+    try:
+        from miles.tools.plot import write_report as draw
+
+        path = draw(run_dir)
+    except Exception as e:  # noqa: BLE001 - reporting must not hide the run's real error
+        logger.warning("could not draw the run report in %s: %s", run_dir, e)
+        return
+    if path is not None:
+        print(f"report: {path}", flush=True)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m miles.train") -> int:
+    return run_driver(argv, run_loop, prog=prog)
 
 
 def cli() -> None:
-    sys.exit(main())
+    """The `miles-train` console script."""
+    sys.exit(main(prog="miles-train"))
 
 
 if __name__ == "__main__":
-    cli()
+    sys.exit(main())

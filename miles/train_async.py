@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from miles.train import finish_step, maybe_save, run_driver
+from miles.utils.perf import sample_counts
 
 
 def run_async_loop(cfg: Any, system: Any) -> None:
@@ -29,6 +30,7 @@ def run_async_loop(cfg: Any, system: Any) -> None:
         with timer.phase("rollout"):  # the time spent waiting for it
             samples, metrics = ray_get(in_flight, system.timeout, f"rollout {rollout_id}")
         in_flight = launch(rollout_id + 1)  # generated with the current (pre-update) weights
+        metrics.update(sample_counts(samples))
         with timer.phase("train"):
             metrics.update(actor.train(rollout_id, system.split_by_dp(samples)))
         maybe_save(cfg, system, rollout_id)
@@ -48,13 +50,14 @@ def _refuse(cfg: Any) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_driver(argv, run_async_loop, prog="miles.train_async", refuse=_refuse)
+def main(argv: list[str] | None = None, prog: str = "python -m miles.train_async") -> int:
+    return run_driver(argv, run_async_loop, prog=prog, refuse=_refuse)
 
 
 def cli() -> None:
-    sys.exit(main())
+    """The `miles-train-async` console script."""
+    sys.exit(main(prog="miles-train-async"))
 
 
 if __name__ == "__main__":
-    cli()
+    sys.exit(main())

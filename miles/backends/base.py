@@ -34,6 +34,10 @@ class TrainBackend(abc.ABC):
         """Sharded checkpoint of model, optimizer, scheduler, RNG and counters, written atomically."""
 
     @abc.abstractmethod
+    def save_hf(self, rollout_id: int) -> None:
+        """The policy as a HuggingFace directory (--save-hf), gathered without two full copies on one rank."""
+
+    @abc.abstractmethod
     def sleep(self) -> None:
         """Move parameters and optimizer state off the accelerator (colocated mode)."""
 

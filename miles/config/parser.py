@@ -37,14 +37,18 @@ def _metavar(spec: Any) -> str:
     return {"int": "INT", "float": "FLOAT", "dict": "JSON", LIST_INT: "INT"}.get(spec.kind, "STR")
 
 
-def build_parser() -> argparse.ArgumentParser:
+DEFAULT_PROG = "python -m miles.train"
+
+
+def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
     """The argparse parser for every declared flag, grouped by section (parses to raw strings).
 
     Options default to "not given" (argparse.SUPPRESS) so the namespace holds only what the command line
-    set; defaults are applied by the merge in `parse_config`.
+    set; defaults are applied by the merge in `parse_config`. `prog` is the command `--help` names.
+    A flag whose feature is not built (NOT_IMPLEMENTED) says so at the start of its help line.
     """
     parser = _Parser(
-        prog="python -m miles.train",
+        prog=prog,
         usage="%(prog)s [--config RUN.yaml] [--FLAG VALUE ...] [--sglang-NAME VALUE ...]",
         description="miles: RL post-training with FSDP2 training actors and SGLang-protocol rollout engines.",
         epilog="Any --sglang-NAME VALUE is passed to the SGLang server as --NAME VALUE "
@@ -60,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         group = groups[spec.section]
         help_text = f"{spec.help} (default: {spec.default!r})".replace("%", "%%")
+        if not spec.meta("implemented", True):
+            help_text = "[NOT BUILT: refused when set] " + help_text
         if spec.kind == BOOL:
             group.add_argument(spec.flag, dest=name, action=argparse.BooleanOptionalAction, help=help_text)
         elif spec.kind in (LIST_STR, LIST_INT):
@@ -254,13 +260,13 @@ def build_config(mappings: list[tuple[str, Mapping[str, Any]]]) -> Config:
     return assemble([normalize_mapping(data, source, allow_config=True) for source, data in mappings])
 
 
-def parse_config(argv: list[str] | None = None) -> Config:
+def parse_config(argv: list[str] | None = None, prog: str = DEFAULT_PROG) -> Config:
     """Parse `argv` (default: sys.argv[1:]) and the `--config` YAML it names into a validated Config.
 
-    Raises ConfigError listing every violation; `--help` prints usage and exits 0.
+    Raises ConfigError listing every violation; `--help` prints usage (naming `prog`) and exits 0.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = build_parser(prog)
     known = _cli_flags()
     cli = Layer(CLI)
     rest = _split_sglang(argv, set(known), cli)

@@ -121,10 +121,18 @@ class CheckpointConfig:
     """Loading and saving checkpoints."""
 
     load: str | None = opt(None, "directory to resume training from (DCP checkpoints written by --save)")
-    ref_load: str | None = opt(None, "checkpoint of the reference model; None: --hf-checkpoint")
+    ref_load: str | None = opt(
+        None, "reference model: a HF dir, or a --save dir / its iter_N (DCP); None: --hf-checkpoint"
+    )
     save: str | None = opt(None, "directory to write checkpoints to")
     save_interval: int | None = opt(None, "save every N rollouts (requires --save)", ge=1)
     keep_last: int | None = opt(None, "keep only the newest N checkpoints; None: keep all", ge=1)
+    save_hf: str | None = opt(
+        None, "write the policy in HF format to DIR/iter_N (or to DIR formatted with {rollout_id})"
+    )
+    save_hf_interval: int | None = opt(
+        None, "--save-hf every N rollouts and after the last; None: --save-interval, else only the last", ge=1
+    )
 
 
 @section
@@ -301,6 +309,8 @@ class LogConfig:
     """Metrics and logging."""
 
     use_wandb: bool = opt(False, "log metrics to Weights & Biases")
+    use_tensorboard: bool = opt(False, "write TensorBoard event files to <run-dir>/tensorboard")
+    progress: bool = opt(True, "progress bars for training and rollouts (only when stderr is a terminal)")
     wandb_project: str | None = opt(None, "wandb project")
     wandb_group: str | None = opt(None, "wandb group")
     wandb_key: str | None = opt(None, "wandb API key", secret=True)

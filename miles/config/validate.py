@@ -223,6 +223,7 @@ def _requires(v: Values) -> None:
     for name, needed, why in (
         ("save_interval", "save", "a directory to save to"),
         ("keep_last", "save", "a directory to save to"),
+        ("save_hf_interval", "save_hf", "a directory to export to"),
         ("eval_interval", "eval_prompt_data", "eval datasets"),
     ):
         with suppress(_Skip):

@@ -13,6 +13,7 @@ from miles.ray.placement import cluster_has_gpus, create_placement
 from miles.ray.rollout_manager import RolloutManager
 from miles.ray.train_group import RayTrainGroup
 from miles.ray.utils import init_ray, ray_get
+from miles.utils.progress import progress_bar, progress_enabled, progress_env
 from miles.utils.seqlen_balancing import partition_samples_by_dp
 from miles.utils.timer import Timer
 from miles.utils.tracking import Tracker
@@ -40,6 +41,7 @@ class System:
     tracker: Tracker
     timer: Timer
     start_rollout_id: int
+    progress: Any  # the driver's bar over rollouts (a no-op unless progress bars are on)
 
     @property
     def timeout(self) -> float:
@@ -65,6 +67,7 @@ class System:
         try:
             ray_get(self.rollout.shutdown.remote(), 120, "shutting down the rollout manager")
         finally:
+            self.progress.close()
             self.tracker.close()
             ray.shutdown()
 
@@ -98,11 +101,14 @@ def build_system(cfg: Any) -> System:
         wandb_key=cfg.log.wandb_key,
         wandb_mode=cfg.log.wandb_mode,
         config=cfg.to_dict(redact_secrets=True),
+        use_tensorboard=cfg.log.use_tensorboard,
     )
     rollout = ray.remote(RolloutManager).options(num_cpus=0).remote(cfg.to_dict(), placement, num_rollout)
-    env_vars = {"HF_HUB_OFFLINE": "1", **dict(cfg.cluster.train_env_vars)}
+    env_vars = {"HF_HUB_OFFLINE": "1", **progress_env(progress_enabled()), **dict(cfg.cluster.train_env_vars)}
     train_group = RayTrainGroup(cfg, placement, num_actor, env_vars)
     start = train_group.init(with_ref=needs_reference_model(cfg))
+    if start > 0:
+        tracker.resume_at(start)  # steps logged after the checkpoint ran again: keep each step once
     ray_get(rollout.set_start_rollout.remote(start), timeout, "positioning the data cursor")
     engine_urls = ray_get(rollout.get_engine_urls.remote(), timeout, "engine urls")
     choreography = MemoryChoreography(
@@ -118,4 +124,5 @@ def build_system(cfg: Any) -> System:
         use_gpu,
         start,
     )
-    return System(cfg, train_group, rollout, choreography, tracker, Timer(), start)
+    bar = progress_bar(cfg.rollout.num_rollout - start, "rollouts", unit="rollout")
+    return System(cfg, train_group, rollout, choreography, tracker, Timer(), start, bar)

@@ -53,6 +53,9 @@ class TrainWorker:
     def save(self, rollout_id: int) -> None:
         self.backend.save(rollout_id)
 
+    def save_hf(self, rollout_id: int) -> None:
+        self.backend.save_hf(rollout_id)
+
     def sleep(self) -> None:
         self.backend.sleep()
 
@@ -110,6 +113,9 @@ class RayTrainGroup:
 
     def save(self, rollout_id: int) -> None:
         self._all(f"save checkpoint {rollout_id}", "save", rollout_id)
+
+    def save_hf(self, rollout_id: int) -> None:
+        self._all(f"save HF model {rollout_id}", "save_hf", rollout_id)
 
     def sleep(self) -> None:
         self._all("offload training state", "sleep")

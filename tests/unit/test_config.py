@@ -97,7 +97,7 @@ def test_section_field_names_are_the_agreed_ones() -> None:
         "cluster": "actor_num_nodes actor_num_gpus_per_node rollout_num_gpus rollout_num_gpus_per_engine colocate "
         "use_fault_tolerance train_env_vars",
         "model": "hf_checkpoint attn_implementation gradient_checkpointing train_dtype",
-        "checkpoint": "load ref_load save save_interval keep_last",
+        "checkpoint": "load ref_load save save_interval keep_last save_hf save_hf_interval",
         "data": "prompt_data input_key label_key metadata_key apply_chat_template rollout_shuffle",
         "rollout": "rollout_engine num_rollout rollout_batch_size n_samples_per_prompt rollout_max_response_len "
         "rollout_max_prompt_len rollout_temperature rollout_top_p rollout_top_k rollout_stop "
@@ -117,7 +117,8 @@ def test_section_field_names_are_the_agreed_ones() -> None:
         "mis_level mis_lower mis_upper custom_tis_function_path use_rollout_logprobs calculate_per_token_loss "
         "loss_reduction loss_reduction_constant custom_loss_function_path",
         "eval": "eval_prompt_data eval_interval n_samples_per_eval_prompt eval_max_response_len eval_temperature",
-        "log": "use_wandb wandb_project wandb_group wandb_key wandb_mode run_dir dump_details log_level",
+        "log": "use_wandb use_tensorboard progress wandb_project wandb_group wandb_key wandb_mode run_dir "
+        "dump_details log_level",
         None: "seed dry_run config",
     }
     actual: dict[str | None, set[str]] = {}

@@ -1,6 +1,6 @@
 """The FSDP2 training backend (`--train-backend fsdp`).
 
-Public surface (miles/backends/base.py): `init`, `train`, `save`, `sleep`, `wake_up`, `update_weights`.
+Public surface (miles/backends/base.py): `init`, `train`, `save`, `save_hf`, `sleep`, `wake_up`, `update_weights`.
 Everything else is private. The loss is not written here: `_train_step` calls `miles.algo`.
 
 One `train(rollout_id, data)` call:
@@ -33,7 +33,7 @@ class FSDPTrainer(TrainBackend):
         from miles.algo.loss import compute_loss, load_custom_loss
         from miles.backends.fsdp_utils.checkpoint import load_checkpoint
         from miles.backends.fsdp_utils.lr_scheduler import build_lr_scheduler
-        from miles.backends.fsdp_utils.model import build_fsdp_model, build_optimizer, build_reference_model
+        from miles.backends.fsdp_utils.model import build_fsdp_model, build_optimizer
         from miles.backends.fsdp_utils.parallel import init_distributed
 
         cfg = self.config
@@ -60,7 +60,7 @@ class FSDPTrainer(TrainBackend):
         self.model.train()
         self.ref_model = None
         if with_ref:
-            self.ref_model = build_reference_model(_ref_path(cfg), ps.fsdp_mesh, **model_kwargs)
+            self.ref_model = _build_reference(cfg, ps.fsdp_mesh, model_kwargs)
         o = cfg.optim
         self.optimizer = build_optimizer(
             self.model.parameters(),
@@ -102,6 +102,8 @@ class FSDPTrainer(TrainBackend):
             self.wake_up()
         t0 = time.perf_counter()
         cfg, ps = self.config, self.ps
+        if ps.is_cuda:
+            torch.cuda.reset_peak_memory_stats()
         batch = rb.RankBatch.from_rollout(rollout_data, ps.device)
         steps = rb.plan_steps(batch, cfg, ps, self.steps_per_rollout)
         with torch.no_grad():
@@ -113,9 +115,13 @@ class FSDPTrainer(TrainBackend):
         rb.compute_advantages_for(batch, cfg, ps.dp_group)
         t_prep = time.perf_counter() - t0
 
+        from miles.utils.progress import progress_bar
+
         metrics = rb.MetricSum()
-        for step_index, step_packs in enumerate(steps):
-            self._train_step(batch, step_packs, metrics, first_step=step_index == 0)
+        num_packs = sum(len(step_packs) for step_packs in steps)
+        with progress_bar(num_packs, f"train {rollout_id}", unit="mb", enabled=ps.rank == 0) as bar:
+            for step_index, step_packs in enumerate(steps):
+                self._train_step(batch, step_packs, metrics, first_step=step_index == 0, bar=bar)
         out = metrics.reduce(ps.dp_group)
         out.update(rb.batch_metrics(batch, ps.dp_group))
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
@@ -123,6 +129,8 @@ class FSDPTrainer(TrainBackend):
         if self.ref_model is not None and interval and (rollout_id + 1) % interval == 0:
             self._update_reference_model()
         out["timing/train_logprob_prep"] = t_prep
+        passes = 1 + (self.ref_model is not None)  # no-grad forwards: old (and reference) log-probs
+        out.update(_perf_metrics(self.model, batch, passes, time.perf_counter() - t0, ps, self.param_dtype))
         return out
 
     def _log_probs(self, model, batch: rb.RankBatch, steps: list[list[rb.Pack]]) -> list[torch.Tensor]:
@@ -158,7 +166,12 @@ class FSDPTrainer(TrainBackend):
         return CPContext(self.ps.cp_group, self.ps.cp_rank, self.ps.cp_size)
 
     def _train_step(
-        self, batch: rb.RankBatch, step_packs: list[rb.Pack], metrics: rb.MetricSum, first_step: bool
+        self,
+        batch: rb.RankBatch,
+        step_packs: list[rb.Pack],
+        metrics: rb.MetricSum,
+        first_step: bool,
+        bar: Any = None,
     ) -> None:
         from miles.backends.fsdp_utils.forward import forward_packed
 
@@ -180,6 +193,8 @@ class FSDPTrainer(TrainBackend):
                     float((o - n.detach()).abs().max()) for o, n in zip(inputs.old_log_probs, log_probs)
                 )
                 metrics.add_value("first_mb_ppo_kl_abs_max", diff)
+            if bar is not None:
+                bar.update()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.clip_grad)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         if not torch.isfinite(grad_norm):
@@ -198,7 +213,7 @@ class FSDPTrainer(TrainBackend):
         cfg = self.config.checkpoint
         if not cfg.save:
             raise ValueError("save() called without --save")
-        save_checkpoint(
+        final = save_checkpoint(
             cfg.save,
             rollout_id,
             self.model,
@@ -206,6 +221,28 @@ class FSDPTrainer(TrainBackend):
             self.lr_scheduler,
             extra_state={},
             keep_last=cfg.keep_last,
+        )
+        if (
+            self.ps.rank == 0
+        ):  # config + tokenizer beside the weights: the checkpoint converts to HF on its own
+            from miles.backends.fsdp_utils.hf_export import write_checkpoint_hf_files
+
+            write_checkpoint_hf_files(final, self.config.model.hf_checkpoint, self.param_dtype)
+        dist.barrier()
+
+    def save_hf(self, rollout_id: int) -> None:
+        """--save-hf: the policy as a HF directory, gathered bucket by bucket (rank 0 writes)."""
+        from miles.backends.fsdp_utils.hf_export import export_sharded_model
+
+        cfg = self.config
+        if not cfg.checkpoint.save_hf:
+            raise ValueError("save_hf() called without --save-hf")
+        export_sharded_model(
+            self.model,
+            hf_export_dir(cfg.checkpoint.save_hf, rollout_id),
+            cfg.model.hf_checkpoint,
+            self.param_dtype,
+            bucket_bytes=cfg.train.update_weight_buffer_size,
         )
 
     # ------------------------------------------------------------------------------------------------ memory
@@ -266,6 +303,41 @@ class FSDPTrainer(TrainBackend):
         return updater
 
 
+def _perf_metrics(
+    model: torch.nn.Module,
+    batch: rb.RankBatch,
+    no_grad_passes: int,
+    seconds: float,
+    ps: Any,
+    dtype: torch.dtype,
+) -> dict[str, float]:
+    """`perf/train_peak_rss_gb` (and on CUDA `perf/train_peak_gpu_mem_gb`), the largest over the training ranks;
+    on CUDA in bf16 on a GPU of known peak, `perf/mfu` of this train call (see miles.utils.perf)."""
+    from miles.utils import perf
+
+    peaks = [perf.peak_rss_gb()]
+    if ps.is_cuda:
+        peaks.append(torch.cuda.max_memory_allocated() / 1024**3)
+    peak_t = torch.tensor(peaks, dtype=torch.float64, device=ps.device)
+    dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+    out = {"perf/train_peak_rss_gb": float(peak_t[0])}
+    if not ps.is_cuda:
+        return out
+    out["perf/train_peak_gpu_mem_gb"] = float(peak_t[1])
+    device_peak = perf.peak_flops(torch.cuda.get_device_name())
+    if device_peak is None or dtype != torch.bfloat16:
+        return out
+    c = model.config
+    embed = model.get_input_embeddings().weight.numel()
+    params = perf.matmul_params(sum(p.numel() for p in model.parameters()), embed, c.tie_word_embeddings)
+    width = c.num_attention_heads * getattr(c, "head_dim", c.hidden_size // c.num_attention_heads)
+    fwd = perf.forward_flops([len(t) for t in batch.tokens], params, c.num_hidden_layers, width)
+    flops = torch.tensor(fwd * (3 + no_grad_passes), dtype=torch.float64, device=ps.device)
+    dist.all_reduce(flops, group=ps.dp_group)  # CP ranks share their samples: count each DP rank once
+    out["perf/mfu"] = perf.mfu(float(flops), seconds, ps.world_size, device_peak)
+    return out
+
+
 def _select_attention_kernel(attn_implementation: str, is_cuda: bool) -> None:
     """--attn-implementation picks the kernel behind the packed (varlen) attention every training forward uses:
     flash_attention_2/3 -> flash-attn varlen (CUDA, the `gpu` extra); sdpa/eager -> per-sequence SDPA;
@@ -291,16 +363,37 @@ def _param_dtype(train_dtype: str, is_cuda: bool) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[train_dtype]
 
 
-def _ref_path(cfg: Any) -> str:
+def hf_export_dir(save_hf: str, rollout_id: int) -> str:
+    """Where --save-hf writes rollout `rollout_id`: the path formatted with {rollout_id} when it has that field,
+    else `<save_hf>/iter_<rollout_id:07d>` (the checkpoint naming)."""
     import os
 
+    if "{rollout_id" in save_hf:
+        return save_hf.format(rollout_id=rollout_id)
+    return os.path.join(save_hf, f"iter_{rollout_id:07d}")
+
+
+def _build_reference(cfg: Any, mesh: Any, model_kwargs: dict[str, Any]) -> torch.nn.Module:
+    """The frozen reference: --ref-load as a HF directory, or a DCP checkpoint (a --save dir or one iter_N)
+    loaded into the --hf-checkpoint architecture; None: --hf-checkpoint itself."""
+    import os
+
+    from miles.backends.fsdp_utils.hf_export import load_model_weights, resolve_dcp_checkpoint
+    from miles.backends.fsdp_utils.model import build_reference_model
+
     path = cfg.checkpoint.ref_load or cfg.model.hf_checkpoint
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise NotImplementedError(
-            f"--ref-load {path!r}: the reference model is loaded from a HuggingFace directory (with config.json); "
-            "loading it from a DCP checkpoint is not built yet"
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return build_reference_model(path, mesh, **model_kwargs)
+    dcp_dir = resolve_dcp_checkpoint(path)
+    if dcp_dir is None:
+        raise ValueError(
+            f"--ref-load={path!r}: neither a HuggingFace directory (config.json) nor a DCP checkpoint "
+            "(an iter_N directory, or a --save directory with latest_checkpointed_iteration.txt)"
         )
-    return path
+    model = build_reference_model(cfg.model.hf_checkpoint, mesh, **model_kwargs)
+    load_model_weights(dcp_dir, model)
+    logger.info("reference model: weights of %s", dcp_dir)
+    return model
 
 
 def _set_cpu_threads(ps: Any) -> None:

@@ -1,0 +1,91 @@
+"""What a newcomer meets first: --dry-run output that --config reads back, --help naming the command that was run
+and marking flags whose feature is not built."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+
+import pytest
+import yaml
+
+from miles.config import parse_config
+from miles.train import config_yaml, main
+
+BASE = [
+    "--hf-checkpoint", "/models/tiny", "--prompt-data", "/data/train.jsonl", "--num-rollout", "3",
+    "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--colocate",
+    "--run-dir", "/tmp/run",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        # derived values (eps_clip_high, loss_reduction, rollout_num_gpus, lr_decay_iters), lists, dicts, sglang args
+        ["--calculate-per-token-loss", "--eps-clip", "0.3", "--rollout-stop", "</s>", "END",
+         "--train-env-vars", '{"NCCL_DEBUG": "INFO"}', "--sglang-mem-fraction-static", "0.7",
+         "--sglang-enable-memory-saver", "--eval-prompt-data", "aime", "/d/aime.jsonl", "--eval-interval", "2",
+         "--save-hf", "/out/hf", "--use-tensorboard", "--no-progress"],
+    ],
+    ids=["defaults", "derived-lists-dicts-sglang"],
+)  # fmt: skip
+def test_dry_run_output_reads_back_as_config(tmp_path, capsys, extra):
+    assert main(BASE + extra + ["--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    path = tmp_path / "run.yaml"
+    path.write_text(printed)
+    again = parse_config(["--config", str(path)])
+    assert again == dataclasses.replace(parse_config(BASE + extra), config=str(path))
+    assert "dry_run" not in yaml.safe_load(
+        printed
+    )  # feeding it back runs the job instead of dry-running again
+
+
+def test_secrets_are_left_out_of_the_dry_run_yaml_and_named(tmp_path):
+    cfg = parse_config(BASE + ["--engine-api-key", "s3cret", "--dry-run"])
+    text = config_yaml(cfg)
+    assert "s3cret" not in text and "engine_api_key" not in yaml.safe_load(text)["engine"]
+    assert text.rstrip().endswith("# not shown: --engine-api-key (secrets: pass them on the command line)")
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    again = parse_config(["--config", str(path), "--engine-api-key", "s3cret"])
+    assert again == dataclasses.replace(cfg, dry_run=False, config=str(path))
+
+
+@pytest.mark.parametrize(
+    "module, argv0, expected",
+    [("miles.train", "miles-train", "usage: miles-train "),
+     ("miles.train_async", "miles-train-async", "usage: miles-train-async ")],
+)  # fmt: skip
+def test_console_script_help_names_itself(monkeypatch, capsys, module, argv0, expected):
+    import importlib
+
+    monkeypatch.setattr(sys, "argv", [f"/venv/bin/{argv0}", "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        importlib.import_module(module).cli()
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(expected)
+
+
+def test_module_help_names_python_m(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: python -m miles.train ")
+
+
+def test_help_marks_flags_that_are_not_built(capsys):
+    from miles.config import NOT_IMPLEMENTED
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps help lines
+    assert NOT_IMPLEMENTED, "nothing to check"
+    for name in NOT_IMPLEMENTED:
+        flag = "--" + name.replace("_", "-")
+        # "--use-fault-tolerance, --no-use-fault-tolerance [NOT BUILT: ...", or "--some-flag STR [NOT BUILT: ..."
+        start = re.search(re.escape(flag) + "[ ,]", out).start()
+        assert "[NOT BUILT: refused when set]" in out[start : start + 120], out[start : start + 120]
+    assert out.count("[NOT BUILT") == len(NOT_IMPLEMENTED)
