@@ -44,9 +44,17 @@ def test_colocated_grpo_steps_and_resume(tiny):
 
     root, model, data = tiny
     run_dir = str(root / "run")
-    assert main(_args(model, data, run_dir, num_rollout=3)) == 0
+    hf = os.path.join(run_dir, "hf")
+    assert main(_args(model, data, run_dir, num_rollout=3, extra=["--save-hf", hf, "--use-tensorboard"])) == 0
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
+    # what a user watches and takes away: the report, tensorboard events, the HF export of every save
+    assert os.path.getsize(os.path.join(run_dir, "report.png")) > 10_000
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(run_dir, "tensorboard")))
+    assert sorted(os.listdir(hf)) == ["iter_0000001", "iter_0000002"]  # --save-hf follows --save-interval
+    for key in ("perf/generated_tokens_per_s", "perf/trained_tokens_per_s", "perf/samples_per_s",
+                "perf/train_peak_rss_gb", "perf/driver_peak_rss_gb"):
+        assert all(r[key] > 0 for r in rows), key
     for r in rows:
         for key in ("rollout/raw_reward", "train/loss", "train/pg_loss", "train/pg_clipfrac", "train/ppo_kl",
                     "train/grad_norm", "train/train_rollout_logprob_abs_diff", "timing/rollout", "timing/train",
@@ -66,7 +74,10 @@ def test_colocated_grpo_steps_and_resume(tiny):
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == "2"  # saved at rollout 1 (interval 2) and at the last one
 
-    # resume: one more rollout, starting after the checkpointed one
+    # resume as after a crash that lost checkpoint 2: from checkpoint 1, rollouts 2 and 3 run (again); the
+    # metrics keep each step once
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("1\n")
     assert main(_args(model, data, run_dir, num_rollout=4, extra=["--load", ckpt])) == 0
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]

@@ -33,3 +33,16 @@ def test_tiny_cpu_run_learns_the_toy_task(tmp_path):
     assert all(r["train/first_mb_ppo_kl_abs_max"] == 0.0 for r in rows)
     assert max(r["train/train_rollout_logprob_abs_diff"] for r in rows) <= 1e-5
     assert (tmp_path / "run" / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "59"
+    assert (tmp_path / "run" / "report.png").stat().st_size > 10_000
+
+    # the trained model leaves the run as a HF directory that transformers loads
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from miles.tools.convert_to_hf import main as convert
+
+    out = tmp_path / "hf"
+    assert convert(["--checkpoint", str(tmp_path / "run" / "ckpt"), "--out", str(out)]) == 0
+    AutoTokenizer.from_pretrained(out)
+    trained = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny" / "model").state_dict()
+    assert any(not (trained[k] == initial[k]).all() for k in initial)
