@@ -192,6 +192,7 @@ def plot_runs(
     """Draw the panels for `runs` into PNG `out` (written to a temp file, then renamed); returns `out`."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     if not runs or not any(r.rows for r in runs):
         raise ValueError("no metrics to plot")
@@ -209,6 +210,7 @@ def plot_runs(
             drawn = _draw_series(ax, runs, panel, window)
             ax.set_title(panel.title)
         ax.set_xlabel("rollout")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, alpha=0.3)
         if drawn:
             ax.legend(fontsize=8, loc="best")
