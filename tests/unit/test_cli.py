@@ -13,11 +13,21 @@ import yaml
 from miles.config import parse_config
 from miles.train import config_yaml, main
 
-BASE = [
-    "--hf-checkpoint", "/models/tiny", "--prompt-data", "/data/train.jsonl", "--num-rollout", "3",
-    "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--colocate",
-    "--run-dir", "/tmp/run",
-]  # fmt: skip
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> list[str]:
+    """Flags of a valid run whose files exist (the pre-flight checks run before --dry-run prints)."""
+    from miles.tools.tiny_model import build_tiny_model
+    from miles.tools.toy_data import make_rows, write_jsonl
+
+    root = tmp_path_factory.mktemp("cli")
+    model = build_tiny_model(root / "model", hidden_size=16, num_layers=1)
+    data = write_jsonl(make_rows("echo", 8), root / "data.jsonl")
+    return [
+        "--hf-checkpoint", str(model), "--prompt-data", str(data), "--input-key", "prompt", "--rm-type", "math",
+        "--num-rollout", "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+        "--global-batch-size", "8", "--colocate", "--run-dir", str(root / "run"),
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -27,25 +37,27 @@ BASE = [
         # derived values (eps_clip_high, loss_reduction, rollout_num_gpus, lr_decay_iters), lists, dicts, sglang args
         ["--calculate-per-token-loss", "--eps-clip", "0.3", "--rollout-stop", "</s>", "END",
          "--train-env-vars", '{"NCCL_DEBUG": "INFO"}', "--sglang-mem-fraction-static", "0.7",
-         "--sglang-enable-memory-saver", "--eval-prompt-data", "aime", "/d/aime.jsonl", "--eval-interval", "2",
-         "--save-hf", "/out/hf", "--use-tensorboard", "--no-progress"],
+         "--sglang-enable-memory-saver", "--eval-interval", "2", "--save-hf", "/out/hf", "--use-tensorboard",
+         "--no-progress"],
     ],
     ids=["defaults", "derived-lists-dicts-sglang"],
 )  # fmt: skip
-def test_dry_run_output_reads_back_as_config(tmp_path, capsys, extra):
-    assert main(BASE + extra + ["--dry-run"]) == 0
+def test_dry_run_output_reads_back_as_config(tmp_path, capsys, base, extra):
+    if "--eval-interval" in extra:
+        extra = extra + ["--eval-prompt-data", "echo", base[base.index("--prompt-data") + 1]]
+    assert main(base + extra + ["--dry-run"]) == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
     path = tmp_path / "run.yaml"
     path.write_text(printed)
     again = parse_config(["--config", str(path)])
-    assert again == dataclasses.replace(parse_config(BASE + extra), config=str(path))
+    assert again == dataclasses.replace(parse_config(base + extra), config=str(path))
     assert "dry_run" not in yaml.safe_load(
         printed
     )  # feeding it back runs the job instead of dry-running again
 
 
-def test_secrets_are_left_out_of_the_dry_run_yaml_and_named(tmp_path):
-    cfg = parse_config(BASE + ["--engine-api-key", "s3cret", "--dry-run"])
+def test_secrets_are_left_out_of_the_dry_run_yaml_and_named(tmp_path, base):
+    cfg = parse_config(base + ["--engine-api-key", "s3cret", "--dry-run"])
     text = config_yaml(cfg)
     assert "s3cret" not in text and "engine_api_key" not in yaml.safe_load(text)["engine"]
     assert text.rstrip().endswith("# not shown: --engine-api-key (secrets: pass them on the command line)")
