@@ -142,7 +142,7 @@ def run_preflight(cfg: Any) -> None:
             }
         ),
         lambda: _hf_problems(m.hf_checkpoint, "--hf-checkpoint", need_tokenizer=True),
-        lambda: _hf_problems(c.ref_load, "--ref-load", need_tokenizer=False) if c.ref_load else [],
+        lambda: _ref_load_problems(c.ref_load) if c.ref_load else [],
         lambda: load_dir_problems(c.load, c.save),
     ]
     keys = dict(
@@ -159,6 +159,14 @@ def run_preflight(cfg: Any) -> None:
     problems = [problem for check in checks for problem in check()]
     if problems:
         raise PreflightError(problems)
+
+
+def _ref_load_problems(path: str) -> list[str]:
+    """--ref-load is a HF directory, or a DCP checkpoint: one iter_N (.metadata) or a --save dir (tracker)."""
+    p = Path(path)
+    if (p / ".metadata").is_file() or (p / TRACKER_FILE).is_file():
+        return []
+    return _hf_problems(path, "--ref-load", need_tokenizer=False)
 
 
 def _hf_problems(path: str, flag: str, need_tokenizer: bool) -> list[str]:

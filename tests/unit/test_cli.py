@@ -101,3 +101,16 @@ def test_help_marks_flags_that_are_not_built(capsys):
         start = re.search(re.escape(flag) + "[ ,]", out).start()
         assert "[NOT BUILT: refused when set]" in out[start : start + 120], out[start : start + 120]
     assert out.count("[NOT BUILT") == len(NOT_IMPLEMENTED)
+
+
+def test_ref_load_accepts_a_dcp_checkpoint_before_ray(tmp_path, capsys, base):
+    root = tmp_path / "ckpt"
+    (root / "iter_0000004").mkdir(parents=True)
+    (root / "iter_0000004" / ".metadata").write_bytes(b"")
+    (root / "latest_checkpointed_iteration.txt").write_text("4\n")
+    kl = ["--use-kl-loss", "--kl-loss-coef", "0.1", "--dry-run"]
+    for ref in (root, root / "iter_0000004"):  # a --save directory, or one checkpoint of it
+        assert main(base + kl + ["--ref-load", str(ref)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(base + kl + ["--ref-load", str(tmp_path / "nothing")]) == 2
+    assert "--ref-load" in capsys.readouterr().err
