@@ -114,3 +114,30 @@ def test_ref_load_accepts_a_dcp_checkpoint_before_ray(tmp_path, capsys, base):
     capsys.readouterr()
     assert main(base + kl + ["--ref-load", str(tmp_path / "nothing")]) == 2
     assert "--ref-load" in capsys.readouterr().err
+
+
+def test_ctrl_c_shuts_down_and_still_draws_the_report(monkeypatch, tmp_path, base):
+    pytest.importorskip("matplotlib")
+    import miles.ray.setup as setup
+    from miles.train import run_driver
+    from miles.utils.tracking import Tracker
+
+    events = []
+
+    class FakeSystem:
+        def shutdown(self) -> None:
+            events.append("shutdown")
+
+    def loop(cfg, system) -> None:
+        tracker = Tracker(cfg.log.run_dir)
+        for step in range(3):
+            tracker.log(step, {"rollout/raw_reward": 0.1 * step, "timing/rollout": 1.0})
+        tracker.close()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(setup, "build_system", lambda cfg: FakeSystem())
+    run_dir = tmp_path / "interrupted"
+    with pytest.raises(KeyboardInterrupt):
+        run_driver(base + ["--run-dir", str(run_dir)], loop, prog="miles-train")
+    assert events == ["shutdown"]
+    assert (run_dir / "report.png").read_bytes()[:4] == b"\x89PNG"
