@@ -1,7 +1,7 @@
 """The FSDP2 training backend (`--train-backend fsdp`).
 
-Public surface (miles/backends/base.py): `init`, `train`, `save`, `save_hf`, `sleep`, `wake_up`, `update_weights`.
-Everything else is private. The loss is not written here: `_train_step` calls `miles.algo`.
+Public surface (miles/backends/base.py): `init`, `train`, `save`, `save_hf`, `sleep`, `wake_up`,
+`update_weights`. Everything else is private. The loss is not written here: `_train_step` calls `miles.algo`.
 
 One `train(rollout_id, data)` call:
   1. split the rank's samples into optimizer steps of `global_batch_size / dp` samples and plan each step's packs
@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from miles.backends.base import RolloutData, TrainBackend
 from miles.backends.fsdp_utils import rollout_batch as rb
+from miles.utils.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +115,6 @@ class FSDPTrainer(TrainBackend):
             batch.require_rollout_log_probs()
         rb.compute_advantages_for(batch, cfg, ps.dp_group)
         t_prep = time.perf_counter() - t0
-
-        from miles.utils.progress import progress_bar
 
         metrics = rb.MetricSum()
         num_packs = sum(len(step_packs) for step_packs in steps)
@@ -222,9 +221,8 @@ class FSDPTrainer(TrainBackend):
             extra_state={},
             keep_last=cfg.keep_last,
         )
-        if (
-            self.ps.rank == 0
-        ):  # config + tokenizer beside the weights: the checkpoint converts to HF on its own
+        # config + tokenizer beside the weights: the checkpoint converts to HF on its own
+        if self.ps.rank == 0:
             from miles.backends.fsdp_utils.hf_export import write_checkpoint_hf_files
 
             write_checkpoint_hf_files(final, self.config.model.hf_checkpoint, self.param_dtype)
