@@ -5,7 +5,7 @@ overlays of several runs.
 
 Six panels against the rollout id: reward (train and eval sets), response length, loss, KL and the
 train/rollout log-prob difference (log scale), the time split of each step, and throughput. One run: one color per
-series, time as stacked bars. Several runs: one color per run, the series of a panel told apart by line style.
+series, time as stacked bars. Several runs: one color per run. The series of a panel differ by line style.
 Uses matplotlib's Agg canvas directly (no pyplot, no display, no global backend switch).
 """
 
@@ -55,8 +55,9 @@ PANELS = (
         log_y=True,
     ),
     Panel(
-        "throughput (tokens/s)",
+        "throughput (tokens/s, log)",
         (Series("perf/generated_tokens_per_s", "generated"), Series("perf/trained_tokens_per_s", "trained")),
+        log_y=True,
     ),
 )
 
@@ -132,7 +133,7 @@ def _draw_series(ax: Any, runs: list[Run], panel: Panel, window: int) -> bool:
                 px, py = [p[0] for p in points], [p[1] for p in points]
                 label = series.label if not series.key.endswith("*") else key
                 color = f"C{run_index}" if many else f"C{k}"
-                style = _STYLES[k % len(_STYLES)] if many else "-"
+                style = _STYLES[k % len(_STYLES)]  # equal series (loss == pg loss) stay visible
                 name = f"{run.name}: {label}" if many else label
                 sparse = len(points) < max(15, len(x) // 3)  # e.g. eval every N rollouts: mark the points
                 if window > 1 and not sparse:
