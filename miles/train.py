@@ -19,6 +19,7 @@ logger = logging.getLogger("miles.train")
 
 def run_loop(cfg: Any, system: Any) -> None:
     actor, choreo, timer = system.train_group, system.choreography, system.timer
+    eval_before_train(cfg, system)
     for rollout_id in range(system.start_rollout_id, cfg.rollout.num_rollout):
         with timer.phase("rollout"):
             samples, metrics = system.generate(rollout_id)
@@ -42,6 +43,17 @@ def maybe_save(cfg: Any, system: Any, rollout_id: int) -> None:
     if ck.save_hf and _due(ck.save_hf_interval or ck.save_interval or num, rollout_id, num):
         with system.timer.phase("save_hf"):
             system.train_group.save_hf(rollout_id)
+
+
+def eval_before_train(cfg: Any, system: Any) -> None:
+    """Evaluate the initial policy once (a fresh run with periodic eval, unless --skip-eval-before-train); its
+    metrics go on their own line at the first step."""
+    if cfg.eval.eval_interval and system.start_rollout_id == 0 and not cfg.eval.skip_eval_before_train:
+        with system.timer.phase("eval"):
+            metrics = system.evaluate(-1)
+        metrics.update(system.timer.pop())
+        system.tracker.log(system.start_rollout_id, metrics)
+        print("before training: " + " ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items())), flush=True)
 
 
 def finish_step(cfg: Any, system: Any, rollout_id: int, metrics: dict[str, float]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from miles.train import finish_step, maybe_save, run_driver
+from miles.train import eval_before_train, finish_step, maybe_save, run_driver
 from miles.utils.perf import sample_counts
 
 
@@ -25,6 +25,7 @@ def run_async_loop(cfg: Any, system: Any) -> None:
     def launch(rollout_id: int) -> Any:
         return system.rollout.generate.remote(rollout_id) if rollout_id < num else None
 
+    eval_before_train(cfg, system)
     in_flight = launch(system.start_rollout_id)
     for rollout_id in range(system.start_rollout_id, num):
         with timer.phase("rollout"):  # the time spent waiting for it

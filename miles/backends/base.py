@@ -10,9 +10,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-RolloutData = list[dict[str, Any]]
-"""One DP rank's share of a rollout: per sample `tokens`, `response_length`, `loss_mask`, `rollout_log_probs`,
-`reward`, `group_index`, `index`, `status` (see `miles.utils.types.Sample`)."""
+from miles.utils.types import Sample
 
 
 class TrainBackend(abc.ABC):
@@ -26,8 +24,12 @@ class TrainBackend(abc.ABC):
         """Process group, mesh, model (+ reference), optimizer, scheduler, resume. Returns the first rollout id."""
 
     @abc.abstractmethod
-    def train(self, rollout_id: int, rollout_data: RolloutData) -> dict[str, float]:
-        """Wake up if offloaded; pack; log-probs; loss; backward; optimizer steps. Returns reduced metrics."""
+    def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
+        """Wake up if offloaded; pack; log-probs; loss; backward; optimizer steps. Returns reduced metrics.
+
+        `samples` is this DP rank's share of the rollout, whole prompt groups: `Sample` records with token ids,
+        the per-token loss mask (only mask-1 tokens are trained on), rollout log-probs and the trained reward
+        (`Sample.scalar_reward()`)."""
 
     @abc.abstractmethod
     def save(self, rollout_id: int) -> None:

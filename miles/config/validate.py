@@ -327,12 +327,54 @@ def _engine_access(v: Values) -> None:
         )
 
 
+_SEAM_PATHS = (
+    "rollout_function_path",
+    "eval_function_path",
+    "dynamic_sampling_filter_path",
+    "generate_execute_tool_function_path",
+)
+
+
 def _function_paths(v: Values) -> None:
     for name in FIELDS:
-        if name.startswith("custom_") and name.endswith("_path"):
+        if (name.startswith("custom_") and name.endswith("_path")) or name in _SEAM_PATHS:
             with suppress(_Skip):
                 if v[name] is not None and not _FUNCTION_PATH.match(v[name]):
                     v.fail(name, "expected 'module.path:function' (or 'module.path.function')")
+
+
+def _rollout_seams(v: Values) -> None:
+    """Cross-field rules of the rollout flags (dynamic sampling, partial rollout, multi-turn, rewards)."""
+    with suppress(_Skip):
+        if v["mask_offpolicy_in_partial_rollout"] and not v["partial_rollout"]:
+            v.fail("mask_offpolicy_in_partial_rollout", "has no effect without --partial-rollout")
+    with suppress(_Skip):
+        if v["generate_execute_tool_function_path"] and not v["custom_generate_function_path"]:
+            v.fail(
+                "generate_execute_tool_function_path",
+                "is used by a multi-turn generate function; add --custom-generate-function-path "
+                "miles.rollout.multi_turn.generate_multi_turn",
+            )
+    with suppress(_Skip):
+        rm_type = v["rm_type"] or ""
+        if (
+            rm_type.removeprefix("boxed_") == "dapo"
+            and not v["reward_key"]
+            and not v["custom_reward_post_process_path"]
+        ):
+            v.fail("rm_type", "dapo rewards are dicts {score, acc}: add --reward-key score")
+        if rm_type.removeprefix("boxed_") == "remote_rm" and not v["rm_url"]:
+            v.fail("rm_type", "remote_rm needs --rm-url (the reward service's URL)")
+    with suppress(_Skip):
+        url = v["rm_url"]
+        if url is not None and not re.match(r"^https?://[^/\s]+", url):
+            v.fail("rm_url", "expected an http(s):// URL, e.g. http://127.0.0.1:8001/reward")
+    with suppress(_Skip):
+        if v["group_rm"] and not v["custom_rm_path"]:
+            v.fail("group_rm", "calls --custom-rm-path once per prompt group; set --custom-rm-path")
+    with suppress(_Skip):
+        if v["eval_top_k"] == 0:
+            v.fail("eval_top_k", "must be -1 (disabled) or >= 1")
 
 
 RULES: list[Callable[[Values], None]] = [
@@ -347,6 +389,7 @@ RULES: list[Callable[[Values], None]] = [
     _optim,
     _engine_access,
     _function_paths,
+    _rollout_seams,
 ]
 
 

@@ -1,4 +1,5 @@
-"""Builds the running system for the driver: Ray, placement, training group, rollout manager, tracking."""
+"""Builds the running system for the driver: Ray, placement, training group, engine fleet, rollout manager,
+tracking."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import ray
 
 from miles.ray.colocate import MemoryChoreography
+from miles.ray.engine_fleet import EngineFleet
 from miles.ray.placement import cluster_has_gpus, create_placement
 from miles.ray.rollout_manager import RolloutManager
 from miles.ray.train_group import RayTrainGroup
@@ -17,6 +19,7 @@ from miles.utils.progress import progress_bar, progress_enabled, progress_env
 from miles.utils.seqlen_balancing import partition_samples_by_dp
 from miles.utils.timer import Timer
 from miles.utils.tracking import Tracker
+from miles.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +40,7 @@ class System:
     cfg: Any
     train_group: RayTrainGroup
     rollout: Any  # Ray actor handle of RolloutManager
+    fleet: Any  # Ray actor handle of EngineFleet
     choreography: MemoryChoreography
     tracker: Tracker
     timer: Timer
@@ -47,17 +51,17 @@ class System:
     def timeout(self) -> float:
         return float(self.cfg.rollout.rollout_request_timeout)
 
-    def generate(self, rollout_id: int) -> tuple[list[dict], dict[str, float]]:
+    def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
         return ray_get(self.rollout.generate.remote(rollout_id), self.timeout, f"rollout {rollout_id}")
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         return ray_get(self.rollout.eval.remote(rollout_id), self.timeout, f"eval after rollout {rollout_id}")
 
-    def split_by_dp(self, samples: list[dict]) -> list[list[dict]]:
+    def split_by_dp(self, samples: list[Sample]) -> list[list[Sample]]:
         """Split a rollout across DP ranks, keeping prompt groups whole (balanced by tokens with --balance-data)."""
         parts = partition_samples_by_dp(
-            [len(s["tokens"]) for s in samples],
-            [s["group_index"] for s in samples],
+            [len(s.tokens) for s in samples],
+            [s.group_index for s in samples],
             self.train_group.dp_size,
             balance=self.cfg.train.balance_data,
         )
@@ -65,7 +69,7 @@ class System:
 
     def shutdown(self) -> None:
         try:
-            ray_get(self.rollout.shutdown.remote(), 120, "shutting down the rollout manager")
+            ray_get(self.fleet.shutdown.remote(), 120, "shutting down the engines")
         finally:
             self.progress.close()
             self.tracker.close()
@@ -73,19 +77,29 @@ class System:
 
 
 class RolloutEngineMemory:
-    """`EngineMemory` over the RolloutManager actor: each call is a Ray call with a deadline naming the phase."""
+    """`EngineMemory` over the EngineFleet actor: each call is a Ray call with a deadline naming the phase."""
 
-    def __init__(self, rollout: Any, timeout: float) -> None:
-        self.rollout, self.timeout = rollout, timeout
+    def __init__(self, fleet: Any, timeout: float) -> None:
+        self.fleet, self.timeout = fleet, timeout
 
     def release_memory(self, tags: list[str]) -> None:
-        ray_get(self.rollout.release_memory.remote(tags), self.timeout, f"engines release memory {tags}")
+        ray_get(self.fleet.release_memory.remote(tags), self.timeout, f"engines release memory {tags}")
 
     def resume_memory(self, tags: list[str]) -> None:
-        ray_get(self.rollout.resume_memory.remote(tags), self.timeout, f"engines resume memory {tags}")
+        ray_get(self.fleet.resume_memory.remote(tags), self.timeout, f"engines resume memory {tags}")
+
+
+def check_rollout_functions(cfg: Any) -> None:
+    """Import and check every rollout seam and reward function the flags name, before anything starts."""
+    from miles.rollout.runner import build_scorer
+    from miles.rollout.seams import load_seams
+
+    load_seams(cfg.rollout, cfg.eval)
+    build_scorer(cfg.rollout)
 
 
 def build_system(cfg: Any) -> System:
+    check_rollout_functions(cfg)
     num_actor, num_rollout = worker_counts(cfg)
     colocate = cfg.cluster.colocate
     init_ray(min_cpus=(num_actor if colocate else num_actor + num_rollout) + 1)
@@ -103,17 +117,18 @@ def build_system(cfg: Any) -> System:
         config=cfg.to_dict(redact_secrets=True),
         use_tensorboard=cfg.log.use_tensorboard,
     )
-    rollout = ray.remote(RolloutManager).options(num_cpus=0).remote(cfg.to_dict(), placement, num_rollout)
+    fleet = ray.remote(EngineFleet).options(num_cpus=0).remote(cfg.to_dict(), placement, num_rollout)
     env_vars = {"HF_HUB_OFFLINE": "1", **progress_env(progress_enabled()), **dict(cfg.cluster.train_env_vars)}
     train_group = RayTrainGroup(cfg, placement, num_actor, env_vars)
     start = train_group.init(with_ref=needs_reference_model(cfg))
     if start > 0:
         tracker.resume_at(start)  # steps logged after the checkpoint ran again: keep each step once
-    ray_get(rollout.set_start_rollout.remote(start), timeout, "positioning the data cursor")
-    engine_urls = ray_get(rollout.get_engine_urls.remote(), timeout, "engine urls")
-    choreography = MemoryChoreography(
-        colocate, train_group, RolloutEngineMemory(rollout, timeout), engine_urls
+    router_url, engine_urls = ray_get(
+        [fleet.get_router_url.remote(), fleet.get_engine_urls.remote()], timeout, "starting the engines"
     )
+    rollout = ray.remote(RolloutManager).options(num_cpus=0).remote(cfg.to_dict(), router_url, engine_urls)
+    ray_get(rollout.set_start_rollout.remote(start), timeout, "positioning the data cursor")
+    choreography = MemoryChoreography(colocate, train_group, RolloutEngineMemory(fleet, timeout), engine_urls)
     # engines start from the trainer's (possibly resumed) weights; fresh engines released nothing to resume
     choreography.refit(weight_version=str(start))
     logger.info(
@@ -125,4 +140,4 @@ def build_system(cfg: Any) -> System:
         start,
     )
     bar = progress_bar(cfg.rollout.num_rollout - start, "rollouts", unit="rollout")
-    return System(cfg, train_group, rollout, choreography, tracker, Timer(), start, bar)
+    return System(cfg, train_group, rollout, fleet, choreography, tracker, Timer(), start, bar)

@@ -13,6 +13,7 @@ import ray
 
 from miles.ray.placement import Placement
 from miles.ray.utils import get_free_port, get_node_ip, ray_get
+from miles.utils.types import Sample
 
 
 class TrainWorker:
@@ -47,8 +48,8 @@ class TrainWorker:
         self.backend = cls(self.config, self.rank, self.world_size)
         return self.backend.init(role, with_ref)
 
-    def train(self, rollout_id: int, rollout_data: list[dict]) -> dict[str, float]:
-        return self.backend.train(rollout_id, rollout_data)
+    def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
+        return self.backend.train(rollout_id, samples)
 
     def save(self, rollout_id: int) -> None:
         self.backend.save(rollout_id)
@@ -99,7 +100,7 @@ class RayTrainGroup:
             raise RuntimeError(f"training ranks disagree on the resume rollout id: {starts}")
         return starts[0]
 
-    def train(self, rollout_id: int, per_dp_rank: list[list[dict]]) -> dict[str, float]:
+    def train(self, rollout_id: int, per_dp_rank: list[list[Sample]]) -> dict[str, float]:
         """Train on one rollout; `per_dp_rank[d]` goes to every CP rank of data-parallel rank d."""
         if len(per_dp_rank) != self.dp_size:
             raise ValueError(f"expected data for {self.dp_size} DP ranks, got {len(per_dp_rank)}")

@@ -239,6 +239,9 @@ class RolloutDataSource:
 
     Each epoch visits every prompt once, in an order shuffled by `(seed, epoch)` when `shuffle` (file order
     otherwise). A batch that runs past the end of an epoch continues into the next one.
+
+    It also holds the partial-rollout buffer: prompt groups a rollout could not finish (`add_samples`), which
+    the next rollout takes back first (`take_buffered`). The buffer lives in memory only (not in `state_dict`).
     """
 
     def __init__(self, dataset: PromptDataset, n_samples_per_prompt: int, shuffle: bool, seed: int) -> None:
@@ -251,6 +254,7 @@ class RolloutDataSource:
         self.epoch = 0
         self.offset = 0  # prompts of the current epoch already handed out
         self._order = self._epoch_order(0)
+        self.buffer: list[list[Sample]] = []  # unfinished groups of earlier rollouts, oldest first
 
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.dataset)))
@@ -289,6 +293,15 @@ class RolloutDataSource:
                 ]
             )
         return groups
+
+    def add_samples(self, groups: list[list[Sample]]) -> None:
+        """Hand back prompt groups to be continued by a later rollout (partial rollout)."""
+        self.buffer.extend(groups)
+
+    def take_buffered(self, max_groups: int) -> list[list[Sample]]:
+        """Up to `max_groups` groups from the buffer, oldest first (removed from it)."""
+        taken, self.buffer = self.buffer[:max_groups], self.buffer[max_groups:]
+        return taken
 
     def state_dict(self) -> dict[str, int]:
         """The cursor: `{"epoch": ..., "offset": ...}` (the order is recomputed from the seed on load)."""

@@ -9,12 +9,13 @@ import random
 import pytest
 import torch
 
+from miles.utils.types import Sample, SampleStatus
 from tests.integration._util import run_distributed, save_tiny_qwen3
 
 VOCAB = 96
 
 
-def _rollout(model_dir: str, n_groups: int = 4, n_per_group: int = 2, seed: int = 0) -> list[dict]:
+def _rollout(model_dir: str, n_groups: int = 4, n_per_group: int = 2, seed: int = 0) -> list[Sample]:
     """Samples with random tokens, rewards varying within each group, and rollout log-probs of the same model."""
     from transformers import AutoModelForCausalLM
 
@@ -32,7 +33,7 @@ def _rollout(model_dir: str, n_groups: int = 4, n_per_group: int = 2, seed: int 
                 logits = model(torch.tensor([tokens])).logits[0]
             lp = compute_log_probs(logits[len(prompt) - 1 : -1], torch.tensor(response), 0.8)
             samples.append(
-                dict(
+                Sample(
                     index=len(samples),
                     group_index=g,
                     tokens=tokens,
@@ -40,10 +41,65 @@ def _rollout(model_dir: str, n_groups: int = 4, n_per_group: int = 2, seed: int 
                     loss_mask=[1] * len(response),
                     rollout_log_probs=lp.tolist(),
                     reward=float(rng.random() < 0.5) + 0.1 * k,
-                    status="completed",
+                    status=SampleStatus.COMPLETED,
                 )
             )
     return samples
+
+
+def _multi_turn_rollout(
+    model_dir: str, n_groups: int = 4, n_per_group: int = 2, seed: int = 1
+) -> list[Sample]:
+    """Samples shaped like tool use: model turn, tool answer (loss mask 0, log-prob 0.0), model turn. The model
+    tokens carry the model's own log-probs; the tool tokens carry none."""
+    from transformers import AutoModelForCausalLM
+
+    from miles.algo.logprobs import compute_log_probs
+
+    rng = random.Random(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    samples = []
+    for g in range(n_groups):
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 5))]
+        for k in range(n_per_group):
+            segments = [rng.randint(1, 4), rng.randint(2, 5), rng.randint(1, 4)]  # model, tool, model
+            response = [rng.randrange(0, VOCAB) for _ in range(sum(segments))]
+            mask = [1] * segments[0] + [0] * segments[1] + [1] * segments[2]
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + response])).logits[0]
+            lp = compute_log_probs(logits[len(prompt) - 1 : -1], torch.tensor(response), 0.8).tolist()
+            sample = Sample(index=len(samples), group_index=g, tokens=list(prompt), status=SampleStatus.COMPLETED,
+                            reward=float(rng.random() < 0.5) + 0.1 * k)  # fmt: skip
+            sample.append_tokens(response[: segments[0]], lp[: segments[0]], trainable=True)
+            sample.append_tokens(response[segments[0] : -segments[2]], None, trainable=False)
+            sample.append_tokens(response[-segments[2] :], lp[-segments[2] :], trainable=True)
+            assert sample.loss_mask == mask and sample.rollout_log_probs[segments[0]] == 0.0
+            samples.append(sample)
+    return samples
+
+
+def _multi_turn_body(rank: int, world: int, model_dir: str, out: str) -> None:
+    from miles.backends.fsdp_utils.actor import FSDPTrainer
+
+    trainer = FSDPTrainer(_config(model_dir, world, ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "40"]),
+                          rank, world)  # fmt: skip
+    trainer.init("actor", with_ref=False)
+    metrics = trainer.train(0, _multi_turn_rollout(model_dir))
+    with open(out, "w") as f:
+        json.dump(metrics, f)
+
+
+def test_multi_turn_samples_train_only_on_model_tokens(tmp_path):
+    """Tool tokens (mask 0, no log-probs) ride along in the packed rows: the packed log-probs of the model tokens
+    still equal the rollout's (the masked comparison ignores the tool tokens' 0.0) and step 1 is on-policy."""
+    model_dir = str(tmp_path / "model")
+    save_tiny_qwen3(model_dir, vocab_size=VOCAB)
+    out = str(tmp_path / "mt.json")
+    run_distributed(_multi_turn_body, 1, model_dir, out, init_pg=False)
+    with open(out) as f:
+        m = json.load(f)
+    assert m["train/first_mb_ppo_kl_abs_max"] == 0.0
+    assert m["train/train_rollout_logprob_abs_diff"] <= 1e-5
 
 
 def _config(model_dir: str, world: int, extra: list[str]):
@@ -90,7 +146,7 @@ def _train_body(rank: int, world: int, model_dir: str, out: str, extra: list[str
     samples = _rollout(model_dir)
     cp = int(extra[extra.index("--context-parallel-size") + 1]) if "--context-parallel-size" in extra else 1
     parts = partition_samples_by_dp(
-        [len(s["tokens"]) for s in samples], [s["group_index"] for s in samples], world // cp, balance=False
+        [len(s.tokens) for s in samples], [s.group_index for s in samples], world // cp, balance=False
     )
     cfg = _config(model_dir, world, extra)
     dp_rank = rank // cfg.train.context_parallel_size

@@ -7,6 +7,7 @@ import httpx
 import pytest
 import torch
 
+from miles.utils.types import Sample, SampleStatus
 from tests.integration._util import run_distributed
 
 
@@ -29,7 +30,7 @@ def _trainer_body(rank: int, world: int, model_dir: str, urls: list[str], out: s
     for i in range(4):
         tokens = torch.randint(3, 40, (9,), generator=g).tolist()
         samples.append(
-            dict(
+            Sample(
                 index=i,
                 group_index=i // 2,
                 tokens=tokens,
@@ -37,7 +38,7 @@ def _trainer_body(rank: int, world: int, model_dir: str, urls: list[str], out: s
                 loss_mask=[1] * 4,
                 rollout_log_probs=None,
                 reward=float(i % 2),
-                status="completed",
+                status=SampleStatus.COMPLETED,
             )
         )
     trainer.train(0, samples[2 * rank : 2 * rank + 2])  # move the weights away from the checkpoint

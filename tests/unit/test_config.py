@@ -102,7 +102,10 @@ def test_section_field_names_are_the_agreed_ones() -> None:
         "rollout": "rollout_engine num_rollout rollout_batch_size n_samples_per_prompt rollout_max_response_len "
         "rollout_max_prompt_len rollout_temperature rollout_top_p rollout_top_k rollout_stop "
         "rollout_stop_token_ids rollout_skip_special_tokens rollout_seed rm_type custom_rm_path "
-        "rm_error_as_zero rollout_request_timeout",
+        "rm_error_as_zero rollout_request_timeout reward_key group_rm custom_reward_post_process_path rm_url "
+        "rm_timeout rm_max_retries rollout_function_path custom_generate_function_path "
+        "dynamic_sampling_filter_path over_sampling_batch_size partial_rollout mask_offpolicy_in_partial_rollout "
+        "generate_max_turns generate_execute_tool_function_path generate_tool_timeout",
         "engine": "engine_host engine_api_key engine_max_running_requests check_weight_update_equal "
         "sglang_mem_fraction_static "
         "sglang_decode_log_interval sglang_chunked_prefill_size sglang_attention_backend sglang_args",
@@ -116,7 +119,8 @@ def test_section_field_names_are_the_agreed_ones() -> None:
         "kl_loss_coef kl_loss_type kl_coef use_unbiased_kl entropy_coef use_tis tis_clip tis_clip_low use_mis "
         "mis_level mis_lower mis_upper custom_tis_function_path use_rollout_logprobs calculate_per_token_loss "
         "loss_reduction loss_reduction_constant custom_loss_function_path",
-        "eval": "eval_prompt_data eval_interval n_samples_per_eval_prompt eval_max_response_len eval_temperature",
+        "eval": "eval_prompt_data eval_interval n_samples_per_eval_prompt eval_max_response_len eval_temperature "
+        "eval_top_p eval_top_k eval_input_key eval_label_key skip_eval_before_train eval_function_path",
         "log": "use_wandb use_tensorboard progress wandb_project wandb_group wandb_key wandb_mode run_dir "
         "dump_details log_level",
         None: "seed dry_run config",

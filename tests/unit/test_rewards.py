@@ -8,7 +8,14 @@ import textwrap
 
 import pytest
 
-from miles.rollout.rm_hub import get_reward_fn, load_custom_rm, register_reward, reward_types, score_samples
+from miles.rollout.rm_hub import (
+    RewardContext,
+    RewardScorer,
+    get_reward_fn,
+    load_custom_rm,
+    register_reward,
+    reward_types,
+)
 from miles.rollout.rm_hub.math_utils import extract_answer, is_equiv, last_boxed_content, math_reward
 from miles.utils.types import Sample, SampleStatus
 
@@ -85,6 +92,17 @@ def _sample(response: str, label: object, index: int = 0) -> Sample:
     return Sample(index=index, response=response, label=label)
 
 
+def score_samples(samples, rm_type, custom_rm_path, ctx, error_as_zero):
+    """Score with a RewardScorer; returns (rewards, number failed) like the scorer sets them."""
+    scorer = RewardScorer(ctx or RewardContext(rm_type=rm_type), custom_rm_path, error_as_zero=error_as_zero)
+
+    async def run():
+        failed = await scorer.score(samples)
+        return [s.reward for s in samples], failed
+
+    return run()
+
+
 def test_builtin_types_registered() -> None:
     assert {"math", "deepscaler", "exact_match"} <= set(reward_types())
 
@@ -137,7 +155,7 @@ def rm_module(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
             def raising_rm(args, sample):
                 if sample.index == 1:
                     raise KeyError("boom")
-                return args["scale"]
+                return args.max_response_len / 8
 
             def nan_rm(args, sample):
                 return float("nan")
@@ -178,7 +196,7 @@ def test_raising_rm_raises_with_path_and_index(rm_module: str) -> None:
     samples = [_sample("a", "a", 0), _sample("b", "a", 1)]
     with pytest.raises(RuntimeError, match=rf"{rm_module}:raising_rm.*sample index 1") as info:
         asyncio.run(
-            score_samples(samples, None, f"{rm_module}:raising_rm", {"scale": 0.5}, error_as_zero=False)
+            score_samples(samples, None, f"{rm_module}:raising_rm", RewardContext(max_response_len=4), False)
         )
     assert isinstance(info.value.__cause__, KeyError)
 
@@ -186,7 +204,7 @@ def test_raising_rm_raises_with_path_and_index(rm_module: str) -> None:
 def test_raising_rm_error_as_zero(rm_module: str) -> None:
     samples = [_sample("a", "a", 0), _sample("b", "a", 1), _sample("c", "a", 2)]
     scores, failed = asyncio.run(
-        score_samples(samples, None, f"{rm_module}:raising_rm", {"scale": 0.5}, error_as_zero=True)
+        score_samples(samples, None, f"{rm_module}:raising_rm", RewardContext(max_response_len=4), True)
     )
     assert scores == [0.5, 0.0, 0.5] and failed == 1
     assert [s.status for s in samples] == [SampleStatus.PENDING, SampleStatus.FAILED, SampleStatus.PENDING]
@@ -201,5 +219,116 @@ def test_non_finite_or_non_float_rewards_rejected(rm_module: str, fn: str) -> No
 def test_score_samples_builtin_and_no_rm() -> None:
     samples = [_sample("\\boxed{2}", "2", 0), _sample("\\boxed{3}", "2", 1)]
     assert asyncio.run(score_samples(samples, "math", None, None, False)) == ([1.0, 0.0], 0)
-    with pytest.raises(ValueError, match="--rm-type or --custom-rm-path"):
-        asyncio.run(score_samples(samples, None, None, None, False))
+    with pytest.raises(RuntimeError, match="sample index 0.*set --rm-type, --custom-rm-path or --rm-url"):
+        asyncio.run(score_samples([_sample("x", "x")], None, None, None, False))
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "score"),
+    [
+        ("reasoning...\nAnswer: 42", "42", 1.0),
+        ("Answer: 1,000", "1000", 1.0),  # thousands separator
+        ("Answer: $\\boxed{7}$", "7.0", 1.0),  # wrappers dropped; an integer label compares as an integer
+        ("x = 5\nAnswer: x = 6", "6", 1.0),  # the text after the last '='
+        ("Answer: 41", "42", -1.0),
+        ("the result is 42", "42", -1.0),  # no "Answer:" line
+        ("Answer: 3\n" + "filler " * 60 + "Answer: 4", "3", -1.0),  # only the last 300 characters count
+    ],
+)
+def test_dapo_reward(response: str, label: str, score: float) -> None:
+    out = get_reward_fn("dapo")(RewardContext(), _sample(response, label))
+    assert out == {"score": score, "acc": float(score > 0)}
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "f1"),
+    [
+        ("The Eiffel Tower", "eiffel tower", 1.0),  # case, article
+        ("Paris, France", "Paris", 2 * (1 / 2 * 1) / (1 / 2 + 1)),  # precision 1/2, recall 1
+        ("London", "Paris", 0.0),
+        ("", "", 1.0),
+        ("Paris", ["Lyon", "paris!"], 1.0),  # best of several labels
+    ],
+)
+def test_f1_reward(response: str, label: object, f1: float) -> None:
+    assert get_reward_fn("f1")(RewardContext(), _sample(response, label)) == pytest.approx(f1)
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "metadata", "reward"),
+    [
+        ("The answer is (C).", "C", {}, 1.0),
+        ("Answer: b", "B", {}, 1.0),
+        ("I pick option D", "C", {}, 0.0),
+        ("<think>maybe A</think> so B", "B", {}, 1.0),  # only after </think>
+        ("Final: A", 0, {"choices": ["4", "5", "6"]}, 1.0),  # label as an index
+        ("The answer is B", "five", {"choices": ["four", "five"]}, 1.0),  # label as the choice text
+        ("The answer is E", "A", {"choices": ["1", "2", "3"]}, 0.0),  # E is not a valid letter here
+    ],
+)
+def test_gpqa_reward(response: str, label: object, metadata: dict, reward: float) -> None:
+    sample = Sample(response=response, label=label, metadata=metadata)
+    assert get_reward_fn("gpqa")(RewardContext(), sample) == reward
+
+
+def test_boxed_prefix_and_per_sample_rm_type() -> None:
+    samples = [
+        Sample(index=0, response="blah \\boxed{Paris}", label="Paris"),  # --rm-type boxed_exact_match
+        Sample(index=1, response="Paris", label="Paris"),  # no box: scores the empty string
+        Sample(index=2, response="so \\boxed{4}", label="4", metadata={"rm_type": "math"}),
+        Sample(index=3, response="Answer: 4", label="4", metadata={"rm_type": "dapo"}),
+    ]
+    rewards, failed = asyncio.run(score_samples(samples, "boxed_exact_match", None, None, False))
+    assert rewards == [1.0, 0.0, 1.0, {"score": 1.0, "acc": 1.0}] and failed == 0
+    assert samples[0].response == "blah \\boxed{Paris}"  # the sample itself is not rewritten
+    with pytest.raises(ValueError, match="'boxed_' prefix is reserved"):
+        register_reward("boxed_x")
+
+
+def test_dict_reward_needs_reward_key() -> None:
+    sample = Sample(index=5, reward={"score": -1.0, "acc": 0.0})
+    assert sample.reward_value("score") == -1.0
+    with pytest.raises(ValueError, match="sample 5.*set --reward-key"):
+        sample.reward_value(None)
+    with pytest.raises(ValueError, match="--reward-key 'nope' not in reward"):
+        sample.reward_value("nope")
+
+
+def test_group_rm_and_post_process(tmp_path, monkeypatch) -> None:
+    (tmp_path / "user_group_rm.py").write_text(
+        textwrap.dedent(
+            """
+            def rank_in_group(ctx, samples):
+                order = sorted(range(len(samples)), key=lambda i: len(samples[i].response))
+                return [float(order.index(i)) for i in range(len(samples))]
+
+            def centered(ctx, samples):
+                mean = sum(s.reward for s in samples) / len(samples)
+                return [s.reward - mean for s in samples]
+
+            def wrong_length(ctx, samples):
+                return [1.0]
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    group = [_sample("ccc", None, 0), _sample("a", None, 1), _sample("bb", None, 2)]
+    calls = []
+    scorer = RewardScorer(RewardContext(), "user_group_rm:rank_in_group", group_rm=True,
+                          post_process_path="user_group_rm:centered")  # fmt: skip
+    original = scorer.custom
+    scorer.custom = lambda ctx, samples: calls.append(len(samples)) or original(ctx, samples)
+    assert asyncio.run(scorer.score(group)) == 0
+    assert calls == [3] and [s.reward for s in group] == [2.0, 0.0, 1.0]  # one call for the whole group
+    scorer.set_train_rewards(group)
+    assert [s.train_reward for s in group] == [1.0, -1.0, 0.0] and [s.scalar_reward() for s in group] == [
+        1,
+        -1,
+        0,
+    ]
+    bad = RewardScorer(RewardContext(), "user_group_rm:wrong_length", group_rm=True)
+    with pytest.raises(ValueError, match="returned list of length 1 for a group of 3 samples"):
+        asyncio.run(bad.score([_sample("x", None, i) for i in range(3)]))
+    with pytest.raises(ValueError, match="--custom-reward-post-process-path.*user_group_rm:missing"):
+        RewardScorer(RewardContext(rm_type="math"), post_process_path="user_group_rm:missing")
+    sys.modules.pop("user_group_rm", None)

@@ -21,9 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles.backends.base import RolloutData, TrainBackend
+from miles.backends.base import TrainBackend
 from miles.backends.fsdp_utils import rollout_batch as rb
 from miles.utils.progress import progress_bar
+from miles.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -98,14 +99,14 @@ class FSDPTrainer(TrainBackend):
         return start
 
     # ------------------------------------------------------------------------------------------------ train
-    def train(self, rollout_id: int, rollout_data: RolloutData) -> dict[str, float]:
+    def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
         if self._offloaded:
             self.wake_up()
         t0 = time.perf_counter()
         cfg, ps = self.config, self.ps
         if ps.is_cuda:
             torch.cuda.reset_peak_memory_stats()
-        batch = rb.RankBatch.from_rollout(rollout_data, ps.device)
+        batch = rb.RankBatch.from_samples(samples, ps.device)
         steps = rb.plan_steps(batch, cfg, ps, self.steps_per_rollout)
         with torch.no_grad():
             batch.old_log_probs = self._log_probs(self.model, batch, steps)

@@ -1,6 +1,6 @@
 """One DP rank's share of a rollout, as tensors, and the per-step bookkeeping of the FSDP trainer.
 
-Private to the FSDP backend: turns rollout sample dicts into per-sample tensors, plans optimizer steps and packs,
+Private to the FSDP backend: turns the rank's `Sample` records into per-sample tensors, plans optimizer steps and packs,
 computes advantages with `miles.algo`, all-reduces counts/statistics over the DP group, and sums metrics.
 """
 
@@ -35,6 +35,7 @@ from miles.backends.fsdp_utils.data_packing import (
     pack_sequences,
     plan_micro_batches,
 )
+from miles.utils.types import Sample
 
 
 @dataclass
@@ -53,18 +54,29 @@ class RankBatch:
     returns: list[torch.Tensor] | None = None
 
     @classmethod
-    def from_rollout(cls, samples: list[dict[str, Any]], device: torch.device) -> RankBatch:
+    def from_samples(cls, samples: list[Sample], device: torch.device) -> RankBatch:
+        """Tensors from this rank's `Sample` records (checked: token ids, loss mask and log-probs agree)."""
         if not samples:
             raise ValueError("this training rank received no samples")
-        has_lp = all(s.get("rollout_log_probs") is not None for s in samples)
+        for s in samples:
+            if not isinstance(s, Sample):
+                raise ValueError(f"training batch: expected Sample records, got {type(s).__name__}")
+            problem = s.check_consistent()
+            if problem:
+                raise ValueError(f"training batch: sample index {s.index}: {problem}")
+        has_lp = all(s.rollout_log_probs is not None for s in samples)
+
+        def mask(s: Sample) -> list[int]:
+            return s.loss_mask if s.loss_mask is not None else [1] * s.response_length
+
         return cls(
-            tokens=[list(s["tokens"]) for s in samples],
-            response_lengths=[int(s["response_length"]) for s in samples],
-            loss_masks=[torch.tensor(s["loss_mask"], dtype=torch.float32, device=device) for s in samples],
-            rewards=torch.tensor([float(s["reward"]) for s in samples], dtype=torch.float32, device=device),
-            group_ids=torch.tensor([int(s["group_index"]) for s in samples], dtype=torch.long, device=device),
+            tokens=[list(s.tokens) for s in samples],
+            response_lengths=[s.response_length for s in samples],
+            loss_masks=[torch.tensor(mask(s), dtype=torch.float32, device=device) for s in samples],
+            rewards=torch.tensor([s.scalar_reward() for s in samples], dtype=torch.float32, device=device),
+            group_ids=torch.tensor([s.group_index for s in samples], dtype=torch.long, device=device),
             rollout_log_probs=(
-                [torch.tensor(s["rollout_log_probs"], dtype=torch.float32, device=device) for s in samples]
+                [torch.tensor(s.rollout_log_probs, dtype=torch.float32, device=device) for s in samples]
                 if has_lp
                 else None
             ),

@@ -1,14 +1,17 @@
-"""Reward hub: registered reward types (`--rm-type`), custom reward functions and batch scoring."""
+"""Reward hub: registered reward types (`--rm-type`), custom reward functions, remote rewards and scoring."""
 
 from miles.rollout.rm_hub import builtin as _builtin  # noqa: F401 - registers the built-in reward types
+from miles.rollout.rm_hub.context import RewardContext
 from miles.rollout.rm_hub.registry import get_reward_fn, load_custom_rm, register_reward, reward_types
-from miles.rollout.rm_hub.scoring import resolve_reward_fn, score_samples
+from miles.rollout.rm_hub.scoring import RewardScorer, builtin_reward, check_reward
 
 __all__ = [
+    "RewardContext",
+    "RewardScorer",
+    "builtin_reward",
+    "check_reward",
     "get_reward_fn",
     "load_custom_rm",
     "register_reward",
-    "resolve_reward_fn",
     "reward_types",
-    "score_samples",
 ]

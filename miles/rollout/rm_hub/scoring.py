@@ -1,75 +1,174 @@
-"""Scoring a batch of samples with a registered reward type or a custom reward function."""
+"""`RewardScorer`: scores samples with the configured reward function and sets the trained scalar.
+
+Which function scores a sample: `--custom-rm-path` when given (called per sample, or once per prompt group with
+`--group-rm`), else the built-in type named by the sample's `metadata["rm_type"]`, else `--rm-type` (with
+`--rm-url` and no type: `remote_rm`). After the batch is chosen, `set_train_rewards` sets each sample's
+`train_reward`: `--custom-reward-post-process-path` when given (`fn(ctx, samples) -> list[float]`), else the
+reward itself (`reward[--reward-key]` for a dict reward).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import math
 from typing import Any
 
-from miles.rollout.rm_hub.registry import RewardFn, get_reward_fn, load_custom_rm
+from miles.rollout.rm_hub.context import RewardContext
+from miles.rollout.rm_hub.math_utils import last_boxed_content
+from miles.rollout.rm_hub.registry import (
+    GroupRewardFn,
+    PostProcessFn,
+    Reward,
+    RewardFn,
+    get_reward_fn,
+    load_custom_rm,
+    split_rm_type,
+)
+from miles.utils.misc import load_function
 from miles.utils.types import Sample, SampleStatus
 
 
-def resolve_reward_fn(rm_type: str | None, custom_rm_path: str | None) -> tuple[RewardFn, str]:
-    """The reward function to use and a name for error messages; `custom_rm_path` wins over `rm_type`."""
-    if custom_rm_path:
-        return load_custom_rm(custom_rm_path), f"--custom-rm-path={custom_rm_path}"
-    if rm_type:
-        return get_reward_fn(rm_type), f"--rm-type={rm_type}"
-    raise ValueError("no reward function: set --rm-type or --custom-rm-path")
-
-
-def _as_reward(value: Any, fn_name: str, sample: Sample) -> float:
-    if isinstance(value, bool | int):
+def check_reward(value: Any, fn_name: str, sample: Sample) -> Reward:
+    """`value` as a reward: a finite float (bool/int coerced) or a dict of them; ValueError otherwise."""
+    if isinstance(value, dict):
+        if value and all(isinstance(k, str) for k in value):
+            try:
+                return {k: check_reward(v, fn_name, sample) for k, v in value.items()}  # type: ignore[misc]
+            except ValueError:
+                pass
+    elif isinstance(value, bool | int):
         return float(value)
-    if isinstance(value, float) and math.isfinite(value):
+    elif isinstance(value, float) and math.isfinite(value):
         return value
     raise ValueError(
-        f"reward function {fn_name} returned {value!r} ({type(value).__name__}) "
-        f"for sample index {sample.index}; expected a finite float (bool/int are accepted)"
+        f"reward function {fn_name} returned {value!r} ({type(value).__name__}) for sample index "
+        f"{sample.index}; expected a finite float (bool/int are accepted) or a dict of them"
     )
 
 
-async def _call(fn: RewardFn, args: Any, sample: Sample) -> Any:
-    out = fn(args, sample)
-    if inspect.isawaitable(out):
-        out = await out
-    return out
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
 
 
-async def score_samples(
-    samples: list[Sample],
-    rm_type: str | None,
-    custom_rm_path: str | None,
-    args: Any,
-    error_as_zero: bool,
-) -> tuple[list[float], int]:
-    """Score `samples` concurrently; returns (one float per sample, number of samples whose scoring failed).
+async def builtin_reward(ctx: RewardContext, sample: Sample) -> Reward:
+    """Score with the built-in type of `sample.metadata["rm_type"]` or `ctx.rm_type` (`boxed_` prefix honoured)."""
+    rm_type = sample.metadata.get("rm_type") or ctx.rm_type
+    if not rm_type:
+        raise ValueError(
+            f"no reward function for sample index {sample.index}: set --rm-type, --custom-rm-path or --rm-url, "
+            'or give the sample a metadata["rm_type"]'
+        )
+    boxed, _ = split_rm_type(str(rm_type))
+    fn = get_reward_fn(str(rm_type))
+    view = (
+        dataclasses.replace(sample, response=last_boxed_content(sample.response) or "") if boxed else sample
+    )
+    return await _maybe_await(fn(ctx, view))
 
-    The reward function is `custom_rm_path` when given, else the registered `rm_type`; it is called as
-    `fn(args, sample)`, sync or async. A function that raises makes this raise RuntimeError naming the
-    function and the sample index (the original exception chained) unless `error_as_zero`, in which case
-    that sample scores 0.0, its status becomes `SampleStatus.FAILED`, and it is counted. A return value that
-    is not a finite float (bool/int are coerced) is a bug in the function and always raises ValueError.
-    Samples' `reward` fields are left to the caller.
-    """
-    fn, fn_name = resolve_reward_fn(rm_type, custom_rm_path)
-    results = await asyncio.gather(*(_call(fn, args, s) for s in samples), return_exceptions=True)
-    scores: list[float] = []
-    n_failed = 0
-    for sample, result in zip(samples, results):
+
+class RewardScorer:
+    """Scores samples in place. Built once per run; loading a function by path fails here, naming the flag."""
+
+    def __init__(
+        self,
+        ctx: RewardContext,
+        custom_rm_path: str | None = None,
+        group_rm: bool = False,
+        error_as_zero: bool = False,
+        post_process_path: str | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.group_rm = group_rm
+        self.error_as_zero = error_as_zero
+        self.custom: RewardFn | GroupRewardFn | None = (
+            load_custom_rm(custom_rm_path) if custom_rm_path else None
+        )
+        self.fn_name = f"--custom-rm-path={custom_rm_path}" if custom_rm_path else f"--rm-type={ctx.rm_type}"
+        if self.custom is None and ctx.rm_type:
+            get_reward_fn(ctx.rm_type)  # an unknown type fails now, listing the known ones
+        self.post_process: PostProcessFn | None = (
+            load_function(post_process_path, "--custom-reward-post-process-path")
+            if post_process_path
+            else None
+        )
+        self.post_process_name = f"--custom-reward-post-process-path={post_process_path}"
+
+    def for_eval(self) -> RewardScorer:
+        """The same scorer with `ctx.evaluation` set (eval sets are scored per sample, never per group)."""
+        other = object.__new__(RewardScorer)
+        other.__dict__.update(self.__dict__)
+        other.ctx = dataclasses.replace(self.ctx, evaluation=True)
+        other.group_rm = False
+        return other
+
+    async def score(self, samples: list[Sample]) -> int:
+        """Score every sample without a reward (aborted ones are skipped). Returns how many failed.
+
+        A function that raises makes this raise RuntimeError naming the function and the sample index, unless
+        `error_as_zero`: then the sample scores 0.0, its status becomes FAILED, and it is counted.
+        """
+        todo = [s for s in samples if s.reward is None and s.status != SampleStatus.ABORTED]
+        if not todo:
+            return 0
+        if self.group_rm and self.custom is not None:
+            return await self._score_as_group(todo)
+        results = await asyncio.gather(*(self._one(s) for s in todo), return_exceptions=True)
+        failed = 0
+        for sample, result in zip(todo, results):
+            failed += self._store(sample, result)
+        return failed
+
+    async def _one(self, sample: Sample) -> Reward:
+        if self.custom is not None:
+            return await _maybe_await(self.custom(self.ctx, sample))  # type: ignore[arg-type]
+        return await builtin_reward(self.ctx, sample)
+
+    async def _score_as_group(self, group: list[Sample]) -> int:
+        try:
+            rewards = await _maybe_await(self.custom(self.ctx, group))  # type: ignore[arg-type, misc]
+        except Exception as e:  # noqa: BLE001 - reported with the function and the group
+            return sum(self._store(s, e) for s in group)
+        if not isinstance(rewards, list) or len(rewards) != len(group):
+            raise ValueError(
+                f"--group-rm reward function {self.fn_name} returned {type(rewards).__name__} "
+                f"of length {len(rewards) if isinstance(rewards, list) else '-'} for a group of {len(group)} "
+                f"samples (indices {[s.index for s in group]}); expected a list with one reward per sample"
+            )
+        return sum(self._store(s, r) for s, r in zip(group, rewards))
+
+    def _store(self, sample: Sample, result: Any) -> int:
         if isinstance(result, BaseException):
             if not isinstance(result, Exception):  # KeyboardInterrupt, CancelledError, ...
                 raise result
-            if not error_as_zero:
+            if not self.error_as_zero:
                 raise RuntimeError(
-                    f"reward function {fn_name} failed on sample index {sample.index}: "
+                    f"reward function {self.fn_name} failed on sample index {sample.index} (phase: reward): "
                     f"{type(result).__name__}: {result}"
                 ) from result
             sample.status = SampleStatus.FAILED
-            n_failed += 1
-            scores.append(0.0)
-            continue
-        scores.append(_as_reward(result, fn_name, sample))
-    return scores, n_failed
+            sample.reward = 0.0
+            return 1
+        sample.reward = check_reward(result, self.fn_name, sample)
+        return 0
+
+    def set_train_rewards(self, samples: list[Sample]) -> None:
+        """Set every sample's `train_reward`: the post-processing function's output, or the reward value."""
+        if self.post_process is None:
+            for s in samples:
+                s.train_reward = s.reward_value(self.ctx.reward_key)
+            return
+        values = self.post_process(self.ctx, samples)
+        if not isinstance(values, list) or len(values) != len(samples):
+            raise ValueError(
+                f"{self.post_process_name} returned {type(values).__name__} for {len(samples)} samples; "
+                "expected a list with one float per sample"
+            )
+        for s, v in zip(samples, values):
+            value = check_reward(v, self.post_process_name, s)
+            if isinstance(value, dict):
+                raise ValueError(
+                    f"{self.post_process_name} returned a dict for sample index {s.index}; expected a float"
+                )
+            s.train_reward = value

@@ -1,0 +1,286 @@
+"""`RolloutRunner`: data source -> generate -> filter -> score -> metrics, as a plain object (no Ray).
+
+The runner talks to the engines only through their router URL (and engine URLs for aborts), so tests build it
+against a real embedded engine process or a fake HTTP server. The Ray actor in `miles.ray.rollout_manager`
+wraps one. Each `generate` call runs the whole-rollout function (`--rollout-function-path`, by default
+`miles.rollout.default_rollout.generate_rollout`) in a fresh event loop, checks what it returns, numbers the
+batch (`index`, `group_index`), masks samples that ended aborted, sets the trained rewards, computes the
+`rollout/*` metrics and writes the detail dump, in that order: a failure anywhere leaves no dump behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from miles.rollout.base_types import (
+    EvalOutput,
+    EvalSet,
+    GenerateContext,
+    RolloutContext,
+    RolloutOutput,
+    RolloutSettings,
+    SamplingSettings,
+)
+from miles.rollout.data_source import PromptDataset, RolloutDataSource
+from miles.rollout.engine_client import EngineClient
+from miles.rollout.metrics import rollout_metrics
+from miles.rollout.rm_hub import RewardContext, RewardScorer
+from miles.rollout.seams import Seams, load_seams
+from miles.utils.types import Sample, SampleStatus
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def sampling_settings(rollout_cfg: Any) -> SamplingSettings:
+    """Training-rollout sampling from the `rollout` config section."""
+    r = rollout_cfg
+    return SamplingSettings(
+        temperature=r.rollout_temperature,
+        top_p=r.rollout_top_p,
+        top_k=r.rollout_top_k,
+        max_new_tokens=r.rollout_max_response_len,
+        stop=r.rollout_stop,
+        stop_token_ids=r.rollout_stop_token_ids,
+        skip_special_tokens=r.rollout_skip_special_tokens,
+    )
+
+
+def eval_sampling_settings(rollout_cfg: Any, eval_cfg: Any) -> SamplingSettings:
+    """Eval sampling: each `--eval-*` setting, falling back to its rollout counterpart."""
+    r, ev = rollout_cfg, eval_cfg
+
+    def pick(value: Any, fallback: Any) -> Any:
+        return fallback if value is None else value
+
+    return SamplingSettings(
+        temperature=pick(ev.eval_temperature, r.rollout_temperature),
+        top_p=pick(ev.eval_top_p, r.rollout_top_p),
+        top_k=pick(ev.eval_top_k, r.rollout_top_k),
+        max_new_tokens=pick(ev.eval_max_response_len, r.rollout_max_response_len),
+        stop=r.rollout_stop,
+        stop_token_ids=r.rollout_stop_token_ids,
+        skip_special_tokens=r.rollout_skip_special_tokens,
+    )
+
+
+def reward_context(rollout_cfg: Any) -> RewardContext:
+    """The settings reward functions get (`--rm-url` without `--rm-type` means `remote_rm`)."""
+    r = rollout_cfg
+    return RewardContext(
+        rm_type=r.rm_type or ("remote_rm" if r.rm_url else None),
+        reward_key=r.reward_key,
+        rm_url=r.rm_url,
+        rm_timeout=r.rm_timeout,
+        rm_max_retries=r.rm_max_retries,
+        max_response_len=r.rollout_max_response_len,
+        n_samples_per_prompt=r.n_samples_per_prompt,
+    )
+
+
+def build_scorer(rollout_cfg: Any) -> RewardScorer:
+    """The reward scorer of the `rollout` config section (loads and checks the reward functions)."""
+    r = rollout_cfg
+    return RewardScorer(
+        reward_context(r),
+        custom_rm_path=r.custom_rm_path,
+        group_rm=r.group_rm,
+        error_as_zero=r.rm_error_as_zero,
+        post_process_path=r.custom_reward_post_process_path,
+    )
+
+
+def dump_samples(path: Path, samples: list[Sample]) -> None:
+    """Write samples as JSON lines atomically (temp file + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for s in samples:
+            f.write(json.dumps(s.to_dict(), default=str) + "\n")
+    os.replace(tmp, path)
+
+
+class RolloutRunner:
+    """Generates training rollouts and evaluations against the engines behind `router_url`."""
+
+    def __init__(
+        self,
+        data_cfg: Any,
+        rollout_cfg: Any,
+        eval_cfg: Any,
+        tokenizer: PreTrainedTokenizerBase,
+        router_url: str,
+        engine_urls: list[str],
+        api_key: str | None,
+        concurrency: int,
+        dump_dir: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        """`transport` replaces the network for the engine client (tests: an in-process fake engine)."""
+        self.transport = transport
+        self.data_cfg, self.rollout_cfg, self.eval_cfg = data_cfg, rollout_cfg, eval_cfg
+        self.tokenizer = tokenizer
+        self.router_url, self.engine_urls = router_url, list(engine_urls)
+        self.api_key, self.concurrency = api_key, concurrency
+        self.dump_dir = Path(dump_dir) if dump_dir else None
+        self.seams: Seams = load_seams(rollout_cfg, eval_cfg)
+        self.scorer = build_scorer(rollout_cfg)
+        r = rollout_cfg
+        self.settings = RolloutSettings(
+            rollout_batch_size=r.rollout_batch_size,
+            n_samples_per_prompt=r.n_samples_per_prompt,
+            over_sampling_batch_size=r.over_sampling_batch_size or r.rollout_batch_size,
+            sampling=sampling_settings(r),
+            partial_rollout=r.partial_rollout,
+            mask_offpolicy_in_partial_rollout=r.mask_offpolicy_in_partial_rollout,
+            reward_key=r.reward_key,
+        )
+        self.data_source = RolloutDataSource(
+            self._dataset(data_cfg.prompt_data, data_cfg.input_key, data_cfg.label_key),
+            n_samples_per_prompt=r.n_samples_per_prompt,
+            shuffle=data_cfg.rollout_shuffle,
+            seed=r.rollout_seed,
+        )
+        self._eval_datasets: dict[str, PromptDataset] = {}
+
+    def _dataset(self, path: str, input_key: str, label_key: str | None) -> PromptDataset:
+        d = self.data_cfg
+        return PromptDataset(
+            path,
+            input_key=input_key,
+            label_key=label_key,
+            metadata_key=d.metadata_key,
+            tokenizer=self.tokenizer,
+            apply_chat_template=d.apply_chat_template,
+            max_prompt_len=self.rollout_cfg.rollout_max_prompt_len,
+        )
+
+    def _client(self) -> EngineClient:
+        return EngineClient(
+            self.router_url,
+            self.engine_urls,
+            self.api_key,
+            timeout=float(self.rollout_cfg.rollout_request_timeout),
+            concurrency=self.concurrency,
+            transport=self.transport,
+        )
+
+    def _context(self, client: EngineClient) -> RolloutContext:
+        return RolloutContext(
+            client=client,
+            data_source=self.data_source,
+            settings=self.settings,
+            generate=self.seams.generate,
+            generate_ctx=GenerateContext(
+                tokenizer=self.tokenizer, request_id_prefix="rollout", multi_turn=self.seams.multi_turn
+            ),
+            group_filter=self.seams.group_filter,
+            scorer=self.scorer,
+            generate_name=self.seams.generate_name,
+            filter_name=self.seams.filter_name,
+        )
+
+    # ------------------------------------------------------------------------------------------ training
+    def set_start_rollout(self, rollout_id: int) -> None:
+        """Position the data cursor for a run resumed at `rollout_id` (one batch of prompts per rollout; with
+        over-sampling or a filter the count of prompts actually drawn is not restored)."""
+        consumed = rollout_id * self.rollout_cfg.rollout_batch_size
+        size = len(self.data_source.dataset)
+        self.data_source.load_state_dict({"epoch": consumed // size, "offset": consumed % size})
+
+    def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
+        """One training rollout: the samples (prompt groups contiguous, numbered) and the `rollout/*` metrics."""
+
+        async def run() -> RolloutOutput:
+            async with self._client() as client:
+                return await self.seams.rollout(self._context(client), rollout_id)
+
+        out = asyncio.run(run())
+        samples = self._check_output(out)
+        self.scorer.set_train_rewards(samples)
+        metrics = rollout_metrics(samples, self.settings.reward_key, 0)
+        metrics["rollout/dropped_prompts"] = float(self.data_source.dataset.num_filtered)  # too long, at load
+        metrics.update({k: float(v) for k, v in out.metrics.items()})
+        if self.dump_dir is not None:
+            dump_samples(self.dump_dir / f"rollout_{rollout_id:07d}.jsonl", samples)
+        return samples, metrics
+
+    def _check_output(self, out: object) -> list[Sample]:
+        name, s = self.seams.rollout_name, self.settings
+        if not isinstance(out, RolloutOutput):
+            raise ValueError(
+                f"rollout function {name} returned {type(out).__name__}; expected a RolloutOutput"
+            )
+        if len(out.groups) != s.rollout_batch_size:
+            raise ValueError(
+                f"rollout function {name} returned {len(out.groups)} prompt groups; "
+                f"--rollout-batch-size is {s.rollout_batch_size}"
+            )
+        samples: list[Sample] = []
+        for gi, group in enumerate(out.groups):
+            if len(group) != s.n_samples_per_prompt:
+                raise ValueError(
+                    f"rollout function {name}: group {gi} has {len(group)} samples; "
+                    f"--n-samples-per-prompt is {s.n_samples_per_prompt}"
+                )
+            for j, sample in enumerate(group):
+                problem = sample.check_consistent() if isinstance(sample, Sample) else "is not a Sample"
+                if problem is None and sample.status == SampleStatus.PENDING:
+                    problem = "has status 'pending' (never generated)"
+                if problem is None and sample.reward is None:
+                    problem = "has no reward"
+                if problem:
+                    raise ValueError(
+                        f"rollout function {name}: group {gi} sample {j} (index {sample.index}) {problem}"
+                    )
+                sample.index, sample.group_index = gi * s.n_samples_per_prompt + j, gi
+                if sample.status == SampleStatus.ABORTED:  # nothing finished to learn from
+                    sample.loss_mask = [0] * sample.response_length
+                samples.append(sample)
+        return samples
+
+    # ------------------------------------------------------------------------------------------ eval
+    def eval_sets(self) -> list[EvalSet]:
+        """One `EvalSet` per `--eval-prompt-data` pair (datasets read once, then cached)."""
+        ev, d = self.eval_cfg, self.data_cfg
+        sampling = eval_sampling_settings(self.rollout_cfg, ev)
+        sets = []
+        for name, path in ev.eval_datasets:
+            if name not in self._eval_datasets:
+                input_key = ev.eval_input_key or d.input_key
+                label_key = ev.eval_label_key or d.label_key
+                self._eval_datasets[name] = self._dataset(path, input_key, label_key)
+            source = RolloutDataSource(
+                self._eval_datasets[name],
+                n_samples_per_prompt=ev.n_samples_per_eval_prompt,
+                shuffle=False,
+                seed=0,
+            )
+            sets.append(EvalSet(name, source, sampling, ev.n_samples_per_eval_prompt))
+        return sets
+
+    def evaluate(self, rollout_id: int) -> dict[str, float]:
+        """Run the eval function over every eval set; returns its metrics (`eval/<set>...`). `rollout_id` -1
+        is the evaluation before training."""
+        sets = self.eval_sets()
+
+        async def run() -> EvalOutput:
+            async with self._client() as client:
+                return await self.seams.evaluate(self._context(client), sets, rollout_id)
+
+        out = asyncio.run(run())
+        if not isinstance(out, EvalOutput):
+            raise ValueError(
+                f"eval function {self.seams.eval_name} returned {type(out).__name__}; expected EvalOutput"
+            )
+        if self.dump_dir is not None:
+            tag = "before_train" if rollout_id < 0 else f"{rollout_id:07d}"
+            for name, samples in out.samples.items():
+                dump_samples(self.dump_dir / f"eval_{name}_{tag}.jsonl", samples)
+        return {k: float(v) for k, v in out.metrics.items()}

@@ -1,0 +1,244 @@
+"""The rollout runner without Ray or servers: default rollout, DAPO dynamic sampling, partial rollout, bad input.
+
+The engine is `tests.fake_engine.FakeEngine` on an in-process transport. Prompts come from the toy "echo" task
+(label = the repeated digit); the tiny tokenizer encodes digit d as token id 4 + d.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import textwrap
+from collections import Counter
+
+import pytest
+
+from miles.config import parse_config
+from miles.rollout.default_rollout import DynamicSamplingExhausted
+from miles.rollout.runner import RolloutRunner
+from miles.utils.types import Sample, SampleStatus
+from tests.fake_engine import FakeEngine, Reply, log_prob_of
+
+N_PROMPTS = 24
+
+
+def digit(d: int) -> int:
+    return 4 + d
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from miles.tools.tiny_model import build_tokenizer
+
+    return build_tokenizer("echo")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from miles.tools.toy_data import make_rows, write_jsonl
+
+    rows = make_rows("echo", N_PROMPTS, seed=0)
+    for i, row in enumerate(rows):
+        row["metadata"] = {"pid": i}
+    return str(write_jsonl(rows, tmp_path_factory.mktemp("data") / "echo.jsonl"))
+
+
+def make_runner(tokenizer, data, engine: FakeEngine, extra: str = "", dump_dir=None) -> RolloutRunner:
+    argv = (
+        f"--hf-checkpoint /m --prompt-data {data} --input-key prompt --label-key label --num-rollout 4 "
+        "--rollout-batch-size 4 --n-samples-per-prompt 2 --global-batch-size 8 --colocate --rm-type math "
+        "--rollout-max-response-len 6 " + extra
+    ).split()
+    cfg = parse_config(argv)
+    return RolloutRunner(
+        cfg.data, cfg.rollout, cfg.eval, tokenizer, engine.url, [engine.url], None, concurrency=64,
+        dump_dir=dump_dir, transport=engine.transport,
+    )  # fmt: skip
+
+
+def index_of(rid: str) -> int:
+    return int(re.match(r"rollout\d+-(\d+)", rid).group(1))
+
+
+def test_default_rollout_single_turn(tokenizer, data, tmp_path):
+    # sample index i answers the digit i % 4 (the label is one of 0-3): some right, some wrong
+    engine = FakeEngine(lambda ids, sp, rid: Reply([digit(index_of(rid) % 4)], text=str(index_of(rid) % 4)))
+    runner = make_runner(tokenizer, data, engine, dump_dir=str(tmp_path / "dump"))
+    samples, metrics = runner.generate(0)
+    assert len(samples) == 8 and all(isinstance(s, Sample) for s in samples)
+    assert [s.index for s in samples] == list(range(8))
+    assert [s.group_index for s in samples] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [r["rid"] for r in engine.requests] == [f"rollout0-{i}" for i in range(8)]
+    for s, request in zip(samples, engine.requests):
+        assert request["input_ids"] == s.tokens[: s.prompt_length]
+        assert request["sampling_params"]["max_new_tokens"] == 6
+        assert s.response_length == 1 and s.loss_mask == [1]
+        assert s.rollout_log_probs == [log_prob_of(s.tokens[-1], 0)]
+        assert s.status == SampleStatus.COMPLETED and s.weight_versions == ["0"]
+        assert s.train_reward == s.reward == float(s.response == s.label)
+    assert metrics["rollout/raw_reward"] == sum(s.reward for s in samples) / 8
+    assert metrics["rollout/filtered_groups"] == 0 and metrics["rollout/sampling_rounds"] == 1
+    lines = (tmp_path / "dump" / "rollout_0000000.jsonl").read_text().splitlines()
+    assert [json.loads(line)["index"] for line in lines] == list(range(8))
+
+
+def spread_by_group(ids, sp, rid):
+    """Fresh group g (sample indices 2g, 2g+1) answers right twice when g % 3 == 0 (no spread), else right once."""
+    i = index_of(rid)
+    prompt_digit = ids[-1] - 4  # "echo d d d d": the last prompt token is the digit
+    right = (i // 2) % 3 == 0 or i % 2 == 0
+    answer = prompt_digit if right else (prompt_digit + 1) % 10
+    return Reply([digit(answer)], text=str(answer))
+
+
+def test_dapo_dynamic_sampling_keeps_only_groups_with_spread(tokenizer, data):
+    engine = FakeEngine(spread_by_group)
+    runner = make_runner(
+        tokenizer, data, engine,
+        "--dynamic-sampling-filter-path miles.rollout.filter_hub.check_reward_nonzero_std "
+        "--over-sampling-batch-size 3",
+    )  # fmt: skip
+    samples, metrics = runner.generate(0)
+    groups = [[s for s in samples if s.group_index == g] for g in range(4)]
+    assert all(
+        len(g) == 2 and len({s.reward for s in g}) == 2 for g in groups
+    )  # the batch is full, all spread
+    assert metrics["rollout/filtered_groups"] == metrics["rollout/filtered_groups/zero_std"] >= 1
+    assert (
+        metrics["rollout/sampling_rounds"] >= 2
+        and metrics["rollout/fresh_prompts"] == 3 * metrics["rollout/sampling_rounds"]
+    )
+    assert metrics["rollout/zero_std_group_frac"] == 0.0
+
+
+def test_filter_that_drops_everything_raises_and_writes_no_dump(tokenizer, data, tmp_path):
+    engine = FakeEngine(lambda ids, sp, rid: Reply([digit(9)], text="9"))  # every answer wrong: no spread
+    runner = make_runner(
+        tokenizer, data, engine,
+        "--dynamic-sampling-filter-path miles.rollout.filter_hub.check_reward_nonzero_std "
+        "--over-sampling-batch-size 5",
+        dump_dir=str(tmp_path / "dump"),
+    )  # fmt: skip
+    with pytest.raises(DynamicSamplingExhausted) as info:
+        runner.generate(0)
+    message = str(info.value)
+    assert "check_reward_nonzero_std kept 0 of the 4 groups" in message
+    assert "after 5 round(s)" in message and f"{N_PROMPTS} fresh prompts" in message
+    assert "'zero_std': 24" in message
+    assert not (tmp_path / "dump").exists()
+
+
+def test_partial_rollout_counts_every_prompt_once(tokenizer, data):
+    """Over-sample 6 groups for a batch of 4: the slow ones are aborted mid-response, buffered, and continued
+    next rollout with the new weights; across rollouts every prompt is trained on exactly once."""
+
+    def respond(ids, sp, rid):
+        continuing = sp["max_new_tokens"] < 6  # a continued partial response asks for what is left
+        if continuing:
+            return Reply([digit(3)])  # the rest of the response
+        slow = index_of(rid) % 6 == 5  # 2 of the 6 groups in flight are slow
+        return Reply([digit(1), digit(2), digit(3)], hold=slow, partial=2)
+
+    engine = FakeEngine(respond)
+    runner = make_runner(
+        tokenizer, data, engine,
+        "--partial-rollout --mask-offpolicy-in-partial-rollout --over-sampling-batch-size 6",
+    )  # fmt: skip
+    trained: Counter[int] = Counter()
+    continued = 0
+    for rollout_id in range(4):
+        engine.weight_version = str(rollout_id)
+        samples, metrics = runner.generate(rollout_id)
+        assert len(samples) == 8
+        for g in range(4):
+            group = [s for s in samples if s.group_index == g]
+            pids = {s.metadata["pid"] for s in group}
+            assert len(pids) == 1
+            trained[pids.pop()] += 1
+        for s in samples:
+            assert s.status == SampleStatus.COMPLETED and s.response_length == 3
+            if len(s.weight_versions) == 2:  # aborted after 2 tokens, then continued with the next weights
+                continued += 1
+                assert s.weight_versions == [str(s.metadata["start_rollout_id"]), str(rollout_id)]
+                assert s.loss_mask == [0, 0, 1] and s.metadata["start_rollout_id"] < rollout_id
+                assert s.tokens[s.prompt_length :] == [digit(1), digit(2), digit(3)]
+            elif (
+                s.metadata["start_rollout_id"] < rollout_id
+            ):  # finished in an earlier rollout: all off-policy
+                assert s.weight_versions == [str(s.metadata["start_rollout_id"])] and s.loss_mask == [0, 0, 0]
+            else:
+                assert s.weight_versions == [str(rollout_id)] and s.loss_mask == [1, 1, 1]
+        carried = sum(s.metadata["start_rollout_id"] < rollout_id for s in samples)
+        assert metrics["rollout/carried_over_samples"] == carried
+    assert continued > 0 and engine.aborts >= 1
+    buffered = {s.metadata["pid"] for g in runner.data_source.buffer for s in g}
+    assert all(n == 1 for n in trained.values())  # no prompt trained twice
+    assert not buffered & set(trained)  # nor both trained and still waiting
+    drawn = runner.data_source.epoch * N_PROMPTS + runner.data_source.offset
+    assert len(trained) + len(buffered) == drawn  # no prompt lost
+
+
+def test_without_partial_rollout_surplus_groups_are_discarded(tokenizer, data):
+    engine = FakeEngine(lambda ids, sp, rid: Reply([digit(1)], hold=index_of(rid) >= 8, partial=0))
+    runner = make_runner(tokenizer, data, engine, "--over-sampling-batch-size 6")
+    samples, metrics = runner.generate(0)
+    assert [s.index for s in samples] == list(range(8)) and metrics["rollout/discarded_groups"] == 2
+    assert runner.data_source.buffer == [] and engine.aborts >= 1
+
+
+@pytest.fixture
+def user_fns(tmp_path, monkeypatch):
+    (tmp_path / "user_rollout_fns.py").write_text(
+        textwrap.dedent(
+            """
+            from miles.rollout.generate import generate_single_turn
+
+            async def drops_a_log_prob(client, sample, sampling, ctx):
+                sample = await generate_single_turn(client, sample, sampling, ctx)
+                if sample.index == 3:
+                    sample.rollout_log_probs = sample.rollout_log_probs[:-1]
+                return sample
+
+            def sync_generate(client, sample, sampling, ctx):
+                return sample
+
+            async def two_args(client, sample):
+                return sample
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "user_rollout_fns"
+    sys.modules.pop("user_rollout_fns", None)
+
+
+def test_generate_function_returning_inconsistent_sample_is_named(tokenizer, data, user_fns):
+    engine = FakeEngine(lambda ids, sp, rid: Reply([digit(1), digit(2)]))
+    runner = make_runner(
+        tokenizer, data, engine, f"--custom-generate-function-path {user_fns}:drops_a_log_prob"
+    )
+    with pytest.raises(ValueError, match=rf"rollout generate.*{user_fns}:drops_a_log_prob.*sample index 3.*"
+                       r"rollout_log_probs has 1 entries but response_length is 2"):  # fmt: skip
+        runner.generate(0)
+
+
+@pytest.mark.parametrize(
+    ("flag", "fn", "problem"),
+    [
+        ("--custom-generate-function-path", "sync_generate", "is not async"),
+        ("--custom-generate-function-path", "two_args", "does not fit"),
+        ("--custom-generate-function-path", "missing", "has no attribute 'missing'"),
+        ("--rollout-function-path", "sync_generate", "does not fit"),
+        ("--dynamic-sampling-filter-path", "sync_generate", "does not fit"),
+    ],
+)
+def test_seams_are_checked_at_start_naming_flag_and_path(tokenizer, data, user_fns, flag, fn, problem):
+    from miles.rollout.seams import load_seams
+
+    cfg = parse_config(
+        f"--hf-checkpoint /m --prompt-data {data} --num-rollout 1 --rollout-batch-size 2 --global-batch-size 2 "
+        f"--colocate {flag} {user_fns}:{fn}".split()
+    )
+    with pytest.raises(ValueError, match=rf"{flag}='{user_fns}:{fn}'.*({problem})"):
+        load_seams(cfg.rollout, cfg.eval)
