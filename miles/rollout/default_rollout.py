@@ -221,8 +221,8 @@ async def eval_rollout(ctx: RolloutContext, eval_sets: list[EvalSet], rollout_id
             for j, sample in enumerate(group):
                 sample.index, sample.group_index = gi * es.n_samples_per_prompt + j, gi
         await asyncio.gather(*(generate_group(eval_ctx, gen_ctx, g) for g in groups))
+        await asyncio.gather(*(scorer.score(g) for g in groups))
         flat = [smp for g in groups for smp in g]
-        await scorer.score(flat)
         metrics.update(eval_metrics(es.name, flat, ctx.settings.reward_key))
         samples[es.name] = flat
     return EvalOutput(metrics=metrics, samples=samples)

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,17 +38,24 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(task: str = DEFAULT_TASK, vocab_size: int = 48) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    task: str = DEFAULT_TASK,
+    vocab_size: int = 48,
+    extra_texts: Sequence[str] = (),
+    extra_special_tokens: Sequence[str] = (),
+) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on the corpus of toy task `task` and wrap it for transformers.
 
     `vocab_size` is the BPE target including the 3 special tokens and the corpus alphabet; it must be at least
-    that large. Training is deterministic (same corpus, same merges).
+    that large. Training is deterministic (same corpus, same merges). `extra_texts` join the corpus (their
+    characters become encodable) and `extra_special_tokens` are whole tokens (e.g. tool-call markers).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    texts = tokenizer_corpus(task)
-    for special in SPECIAL_TOKENS:  # special tokens are added whole; keep their characters out of the merges
+    specials = (*SPECIAL_TOKENS, *extra_special_tokens)
+    texts = tokenizer_corpus(task) + list(extra_texts)
+    for special in specials:  # special tokens are added whole; keep their characters out of the merges
         texts = [t.replace(special, "") for t in texts]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -55,7 +63,7 @@ def build_tokenizer(task: str = DEFAULT_TASK, vocab_size: int = 48) -> PreTraine
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), min_frequency=1, show_progress=False
+        vocab_size=vocab_size, special_tokens=list(specials), min_frequency=1, show_progress=False
     )
     tok.train_from_iterator(texts, trainer)
     if tok.get_vocab_size() > vocab_size:  # the trainer keeps the whole alphabet even past the target
@@ -67,7 +75,7 @@ def build_tokenizer(task: str = DEFAULT_TASK, vocab_size: int = 48) -> PreTraine
         tokenizer_object=tok,
         eos_token=IM_END,
         pad_token=ENDOFTEXT,
-        additional_special_tokens=[IM_START],
+        additional_special_tokens=[IM_START, *extra_special_tokens],
         chat_template=CHAT_TEMPLATE,
         model_max_length=512,
     )
@@ -128,6 +136,8 @@ def build_tiny_model(
     vocab_size: int = 48,
     initializer_range: float = 0.02,
     overwrite: bool = False,
+    extra_texts: Sequence[str] = (),
+    extra_special_tokens: Sequence[str] = (),
 ) -> Path:
     """Write a tiny random Qwen3 model + tokenizer for toy task `task` to `out_dir` and return its path.
 
@@ -140,7 +150,7 @@ def build_tiny_model(
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; pass overwrite=True (--overwrite) to replace it")
-    tokenizer = build_tokenizer(task, vocab_size)
+    tokenizer = build_tokenizer(task, vocab_size, extra_texts, extra_special_tokens)
     config = _model_config(
         tokenizer, hidden_size, num_layers, num_heads, intermediate_size, initializer_range
     )

@@ -242,3 +242,24 @@ def test_seams_are_checked_at_start_naming_flag_and_path(tokenizer, data, user_f
     )
     with pytest.raises(ValueError, match=rf"{flag}='{user_fns}:{fn}'.*({problem})"):
         load_seams(cfg.rollout, cfg.eval)
+
+
+def test_stock_filters():
+    from miles.rollout.filter_hub import check_no_aborted, check_reward_nonzero_std
+
+    def group(rewards, statuses=None):
+        statuses = statuses or [SampleStatus.COMPLETED] * len(rewards)
+        return [Sample(index=i, reward=r, status=st) for i, (r, st) in enumerate(zip(rewards, statuses))]
+
+    assert check_reward_nonzero_std(group([1.0, 0.0]), None).keep
+    flat = check_reward_nonzero_std(group([1.0, 1.0, 1.0]), None)
+    assert not flat.keep and flat.reason == "zero_std"
+    assert not check_reward_nonzero_std(group([0.5]), None).keep  # a group of one has no spread
+    dict_rewards = [Sample(reward={"score": s, "acc": 1.0}) for s in (1.0, -1.0)]
+    assert (
+        check_reward_nonzero_std(dict_rewards, "score").keep
+        and not check_reward_nonzero_std(dict_rewards, "acc").keep
+    )
+    assert check_no_aborted(group([1.0, 0.0]), None).keep
+    aborted = check_no_aborted(group([1.0, 0.0], [SampleStatus.COMPLETED, SampleStatus.ABORTED]), None)
+    assert not aborted.keep and aborted.reason == "aborted"

@@ -30,18 +30,23 @@ from miles.utils.misc import load_function
 from miles.utils.types import Sample, SampleStatus
 
 
-def check_reward(value: Any, fn_name: str, sample: Sample) -> Reward:
-    """`value` as a reward: a finite float (bool/int coerced) or a dict of them; ValueError otherwise."""
-    if isinstance(value, dict):
-        if value and all(isinstance(k, str) for k in value):
-            try:
-                return {k: check_reward(v, fn_name, sample) for k, v in value.items()}  # type: ignore[misc]
-            except ValueError:
-                pass
-    elif isinstance(value, bool | int):
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool | int):
         return float(value)
-    elif isinstance(value, float) and math.isfinite(value):
+    if isinstance(value, float) and math.isfinite(value):
         return value
+    return None
+
+
+def check_reward(value: Any, fn_name: str, sample: Sample) -> Reward:
+    """`value` as a reward: a finite float (bool/int coerced) or a non-empty dict of them; ValueError otherwise."""
+    number = _number(value)
+    if number is not None:
+        return number
+    if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+        numbers = {k: _number(v) for k, v in value.items()}
+        if all(v is not None for v in numbers.values()):
+            return numbers  # type: ignore[return-value]
     raise ValueError(
         f"reward function {fn_name} returned {value!r} ({type(value).__name__}) for sample index "
         f"{sample.index}; expected a finite float (bool/int are accepted) or a dict of them"
@@ -96,20 +101,20 @@ class RewardScorer:
         self.post_process_name = f"--custom-reward-post-process-path={post_process_path}"
 
     def for_eval(self) -> RewardScorer:
-        """The same scorer with `ctx.evaluation` set (eval sets are scored per sample, never per group)."""
+        """The same scorer with `ctx.evaluation` set."""
         other = object.__new__(RewardScorer)
         other.__dict__.update(self.__dict__)
         other.ctx = dataclasses.replace(self.ctx, evaluation=True)
-        other.group_rm = False
         return other
 
     async def score(self, samples: list[Sample]) -> int:
-        """Score every sample without a reward (aborted ones are skipped). Returns how many failed.
+        """Score every sample without a reward; `samples` is one prompt group with --group-rm. Returns how
+        many failed.
 
         A function that raises makes this raise RuntimeError naming the function and the sample index, unless
         `error_as_zero`: then the sample scores 0.0, its status becomes FAILED, and it is counted.
         """
-        todo = [s for s in samples if s.reward is None and s.status != SampleStatus.ABORTED]
+        todo = [s for s in samples if s.reward is None]
         if not todo:
             return 0
         if self.group_rm and self.custom is not None:

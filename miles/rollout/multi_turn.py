@@ -1,0 +1,175 @@
+"""The stock multi-turn generate function with tool calls (`generate_multi_turn`).
+
+Use it with `--custom-generate-function-path miles.rollout.multi_turn.generate_multi_turn` and a tool,
+`--generate-execute-tool-function-path my.module:tool` (`tool(arguments: str, sample) -> str`, sync or async).
+
+The loop, per model turn:
+  1. generate with the whole conversation so far as `input_ids` (prompt + earlier turns + tool answers); the
+     turn stops at EOS, at the stop string `</tool_call>`, or when the response budget
+     (`--rollout-max-response-len`, model and tool tokens together) is spent;
+  2. the turn's tokens are appended as model tokens (loss mask 1, the engine's log-probs);
+  3. a tool call in the turn is the text after its last `<tool_call>` up to `</tool_call>` (or the end of the
+     turn). No call: the model has answered and the sample is COMPLETED. Otherwise the tool runs with that text
+     (at most `--generate-tool-timeout` seconds; a tool that raises answers "error: <Type>: <message>"; one
+     that does not return in time fails the rollout, naming the tool, the sample index and the phase);
+  4. its answer is appended as tool tokens (loss mask 0, log-prob 0.0, never trained on): rendered with the
+     tokenizer's chat template as a `{"role": "tool"}` message followed by the generation prompt (plain
+     `<tool_response>...</tool_response>` lines without a template), after the EOS token when the model's turn
+     did not end with one;
+  5. repeat until the model answers, `--generate-max-turns` model turns were taken (status TRUNCATED if the
+     last one still called a tool), or the budget is spent (TRUNCATED).
+
+A sample aborted mid-turn (partial rollout) is continued by the next call from where it stopped. The
+sample's `metadata` records `turns` (model turns), `tool_calls`, and `final_turn` (the text of the last model
+turn, which is what a reward function usually scores); `response` is the decoded whole response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from collections.abc import Callable
+
+from miles.rollout.base_types import GenerateContext, MultiTurnSettings, SamplingSettings
+from miles.rollout.engine_client import EngineClient
+from miles.rollout.generate import FINISH_TO_STATUS, request_id
+from miles.utils.types import Sample, SampleStatus
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+
+
+class ToolTimeoutError(TimeoutError):
+    """A tool did not answer within --generate-tool-timeout."""
+
+
+def parse_tool_call(turn_text: str, eos_text: str | None = None) -> str | None:
+    """The arguments of the last `<tool_call>` in a model turn (stripped), or None when it calls no tool."""
+    start = turn_text.rfind(TOOL_CALL_OPEN)
+    if start < 0:
+        return None
+    body = turn_text[start + len(TOOL_CALL_OPEN) :]
+    end = body.find(TOOL_CALL_CLOSE)
+    if end >= 0:
+        body = body[:end]
+    if eos_text:
+        body = body.replace(eos_text, "")
+    return body.strip()
+
+
+def render_tool_answer(tokenizer: object, answer: str, after_eos: bool) -> str:
+    """The text appended after a model turn for a tool's answer (see the module docstring)."""
+    eos = getattr(tokenizer, "eos_token", None) or ""
+    prefix = "\n" if after_eos or not eos else eos + "\n"
+    if getattr(tokenizer, "chat_template", None):
+        body = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+            [{"role": "tool", "content": answer}], tokenize=False, add_generation_prompt=True
+        )
+        return prefix + body
+    return prefix + f"<tool_response>\n{answer}\n</tool_response>\n"
+
+
+def _in_daemon_thread(fn: Callable[..., object], *args: object) -> asyncio.Future:
+    """Run a sync call in a daemon thread: a call that never returns is abandoned, and does not keep the event
+    loop's executor (and so `asyncio.run`) waiting at shutdown."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def deliver(result: object, error: BaseException | None) -> None:
+        if not fut.done():
+            fut.set_exception(error) if error is not None else fut.set_result(result)
+
+    def body() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, error = None, e
+        loop.call_soon_threadsafe(deliver, result, error)
+
+    threading.Thread(target=body, name="miles-tool", daemon=True).start()
+    return fut
+
+
+async def run_tool(settings: MultiTurnSettings, arguments: str, sample: Sample, phase: str) -> str:
+    """Call the tool with a deadline. Exceptions become the answer text; a timeout raises ToolTimeoutError."""
+
+    async def call() -> object:
+        if inspect.iscoroutinefunction(settings.tool):
+            return await settings.tool(arguments, sample)
+        out = await _in_daemon_thread(settings.tool, arguments, sample)
+        return await out if inspect.isawaitable(out) else out
+
+    try:
+        answer = await asyncio.wait_for(call(), settings.tool_timeout)
+    except asyncio.TimeoutError:
+        raise ToolTimeoutError(
+            f"{phase}: tool {settings.tool_name} gave no answer within {settings.tool_timeout:.0f}s "
+            f"(--generate-tool-timeout) for sample index {sample.index}"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - a tool error is the tool's answer, the model sees it
+        return f"error: {type(e).__name__}: {e}"
+    if not isinstance(answer, str):
+        raise ValueError(
+            f"{phase}: tool {settings.tool_name} returned {type(answer).__name__} for sample index "
+            f"{sample.index}; expected a str"
+        )
+    return answer
+
+
+async def generate_multi_turn(
+    client: EngineClient, sample: Sample, sampling: SamplingSettings, ctx: GenerateContext
+) -> Sample:
+    """Generate (or continue) a multi-turn response with tool calls (see the module docstring)."""
+    settings = ctx.multi_turn
+    if settings is None:
+        raise ValueError(
+            "miles.rollout.multi_turn.generate_multi_turn needs a tool: set --generate-execute-tool-function-path"
+        )
+    tok = ctx.tokenizer
+    eos_id, eos_text = tok.eos_token_id, tok.eos_token
+    stop = list(sampling.stop or []) + [TOOL_CALL_CLOSE]
+    meta = sample.metadata
+    meta.setdefault("turns", 0)
+    meta.setdefault("tool_calls", 0)
+    turn_start = meta.setdefault("turn_start", sample.response_length)  # where the current model turn began
+    request = 0
+    while not sample.is_finished:
+        remaining = sampling.max_new_tokens - sample.response_length
+        if remaining <= 0:
+            sample.status = SampleStatus.TRUNCATED
+            break
+        params = sampling.to_request(remaining)
+        params["stop"] = stop
+        out = await client.generate(
+            sample.tokens, params, sample.index, ctx.phase, rid=request_id(ctx, sample, request)
+        )
+        request += 1
+        sample.append_tokens(out.output_ids, out.log_probs, trainable=True)
+        if out.weight_version is not None and (out.output_ids or out.finish_reason != "abort"):
+            sample.weight_versions.append(out.weight_version)
+        status = FINISH_TO_STATUS[out.finish_reason]
+        if status == SampleStatus.ABORTED:  # continued by a later call from here, mid-turn
+            sample.status = status
+            break
+        turn_ids = sample.response_ids[turn_start:]
+        turn_text = tok.decode(turn_ids, skip_special_tokens=False)
+        meta["turns"] += 1
+        meta["final_turn"] = turn_text
+        arguments = parse_tool_call(turn_text, eos_text)
+        if status == SampleStatus.TRUNCATED or arguments is None:
+            sample.status = status  # out of budget, or the model answered
+            break
+        if meta["turns"] >= settings.max_turns:
+            sample.status = SampleStatus.TRUNCATED
+            break
+        answer = await run_tool(settings, arguments, sample, ctx.phase)
+        meta["tool_calls"] += 1
+        after_eos = bool(turn_ids) and turn_ids[-1] == eos_id
+        ids = tok(render_tool_answer(tok, answer, after_eos), add_special_tokens=False)["input_ids"]
+        room = sampling.max_new_tokens - sample.response_length
+        sample.append_tokens(ids[:room], None, trainable=False)
+        sample.status = SampleStatus.TRUNCATED if len(ids) >= room else SampleStatus.PENDING
+        turn_start = meta["turn_start"] = sample.response_length
+    sample.response = tok.decode(sample.response_ids, skip_special_tokens=sampling.skip_special_tokens)
+    return sample
