@@ -22,7 +22,9 @@ def calc(tmp_path_factory):
 def engine(calc):
     from miles.engines.sglang_engine import EngineProcess
 
-    with EngineProcess(str(calc / "model"), kind="local", local_args={"num-threads": 1}, startup_timeout=120) as eng:
+    with EngineProcess(
+        str(calc / "model"), kind="local", local_args={"num-threads": 1}, startup_timeout=120
+    ) as eng:
         yield eng
 
 
@@ -67,7 +69,9 @@ def test_multi_turn_model_token_log_probs_equal_the_packed_forward(calc, engine)
     for s in samples:
         assert s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED) and s.check_consistent() is None
     model = AutoModelForCausalLM.from_pretrained(str(calc / "model"), dtype=torch.float32).eval()
-    (packed,) = pack_sequences([{"tokens": s.tokens, "response_length": s.response_length} for s in samples], 1)
+    (packed,) = pack_sequences(
+        [{"tokens": s.tokens, "response_length": s.response_length} for s in samples], 1
+    )
     with torch.no_grad():
         log_probs, _ = forward_packed(model, packed, temperature=0.9)
     worst = 0.0
