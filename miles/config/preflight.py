@@ -4,7 +4,7 @@
     run_preflight(cfg)      # raises PreflightError listing every problem, one per line, each naming its flag
 
 Checked: no unbuilt flag is set; a reward is configured, `--rm-type` is registered and every `--custom-*-path`
-imports; the prompt and eval files exist and their first rows parse with `--input-key` / `--label-key`; the
+imports; the rollout seams (generate, filter, rollout, eval functions, tool) import and have their signatures; the prompt and eval files exist and their first rows parse with `--input-key` / `--label-key`; the
 model directories hold a config, weights (safetensors complete) and, for the policy, a tokenizer; `--load`
 is a checkpoint root (or, when it does not exist yet, equals `--save`: the run starts fresh and says so).
 
@@ -49,19 +49,38 @@ def unbuilt_flags(cfg: Any) -> list[str]:
     ]
 
 
-def reward_problems(rm_type: str | None, custom_rm_path: str | None) -> list[str]:
-    """A reward must be configured, and a `--rm-type` must be registered."""
-    if not rm_type and not custom_rm_path:
-        return ["no reward function: set --rm-type (a built-in type) or --custom-rm-path (module:function)"]
+def reward_problems(rm_type: str | None, custom_rm_path: str | None, rm_url: str | None = None) -> list[str]:
+    """A reward must be configured (`--rm-url` alone means the remote type), and a `--rm-type` must be
+    registered (a `boxed_` prefix is allowed)."""
+    if not rm_type and not custom_rm_path and not rm_url:
+        return [
+            "no reward function: set --rm-type (a built-in type), --custom-rm-path (module:function) or --rm-url"
+        ]
     if custom_rm_path or not rm_type:
         return []
-    from miles.rollout.rm_hub import reward_types
+    from miles.rollout.rm_hub import get_reward_fn, reward_types
 
-    if rm_type not in reward_types():
-        hint = difflib.get_close_matches(rm_type, reward_types(), n=1)
+    try:
+        get_reward_fn(rm_type)
+    except ValueError:
+        hint = difflib.get_close_matches(rm_type.removeprefix("boxed_"), reward_types(), n=1)
         extra = f" (did you mean {hint[0]!r}?)" if hint else ""
         return [f"--rm-type={rm_type!r}: unknown reward type{extra}; registered: {reward_types()}"]
     return []
+
+
+def rollout_function_problems(cfg: Any) -> list[str]:
+    """Every rollout seam and reward function the flags name imports and has the expected signature."""
+    from miles.rollout.runner import build_scorer
+    from miles.rollout.seams import load_seams
+
+    problems = []
+    for check in (lambda: load_seams(cfg.rollout, cfg.eval), lambda: build_scorer(cfg.rollout)):
+        try:
+            check()
+        except ValueError as e:
+            problems.append(str(e))
+    return problems
 
 
 def function_path_problems(paths: dict[str, str | None]) -> list[str]:
@@ -134,7 +153,7 @@ def run_preflight(cfg: Any) -> None:
     d, m, c = cfg.data, cfg.model, cfg.checkpoint
     checks: list[Callable[[], list[str]]] = [
         lambda: unbuilt_flags(cfg),
-        lambda: reward_problems(cfg.rollout.rm_type, cfg.rollout.custom_rm_path),
+        lambda: reward_problems(cfg.rollout.rm_type, cfg.rollout.custom_rm_path, cfg.rollout.rm_url),
         lambda: function_path_problems(
             {
                 f"--{name.replace('_', '-')}": getattr(getattr(cfg, sec), name)
@@ -152,11 +171,19 @@ def run_preflight(cfg: Any) -> None:
         apply_chat_template=d.apply_chat_template,
     )
     checks.append(lambda: data_file_problems("--prompt-data", d.prompt_data, keys))
-    for name, path in cfg.eval.eval_datasets:
+    ev = cfg.eval
+    eval_keys = {
+        **keys,
+        "input_key": ev.eval_input_key or d.input_key,
+        "label_key": ev.eval_label_key or d.label_key,
+    }
+    for name, path in ev.eval_datasets:
         checks.append(
-            lambda name=name, path=path: data_file_problems(f"--eval-prompt-data {name}", path, keys)
+            lambda name=name, path=path: data_file_problems(f"--eval-prompt-data {name}", path, eval_keys)
         )
     problems = [problem for check in checks for problem in check()]
+    if not problems:  # imports user modules: only once the cheaper checks pass
+        problems = rollout_function_problems(cfg)
     if problems:
         raise PreflightError(problems)
 

@@ -89,17 +89,7 @@ class RolloutEngineMemory:
         ray_get(self.fleet.resume_memory.remote(tags), self.timeout, f"engines resume memory {tags}")
 
 
-def check_rollout_functions(cfg: Any) -> None:
-    """Import and check every rollout seam and reward function the flags name, before anything starts."""
-    from miles.rollout.runner import build_scorer
-    from miles.rollout.seams import load_seams
-
-    load_seams(cfg.rollout, cfg.eval)
-    build_scorer(cfg.rollout)
-
-
 def build_system(cfg: Any) -> System:
-    check_rollout_functions(cfg)
     num_actor, num_rollout = worker_counts(cfg)
     colocate = cfg.cluster.colocate
     init_ray(min_cpus=(num_actor if colocate else num_actor + num_rollout) + 1)

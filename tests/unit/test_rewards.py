@@ -15,6 +15,7 @@ from miles.rollout.rm_hub import (
     load_custom_rm,
     register_reward,
     reward_types,
+    score_samples,
 )
 from miles.rollout.rm_hub.math_utils import extract_answer, is_equiv, last_boxed_content, math_reward
 from miles.utils.types import Sample, SampleStatus
@@ -90,17 +91,6 @@ def test_is_equiv_is_symmetric_on_numbers() -> None:
 
 def _sample(response: str, label: object, index: int = 0) -> Sample:
     return Sample(index=index, response=response, label=label)
-
-
-def score_samples(samples, rm_type, custom_rm_path, ctx, error_as_zero):
-    """Score with a RewardScorer; returns (rewards, number failed) like the scorer sets them."""
-    scorer = RewardScorer(ctx or RewardContext(rm_type=rm_type), custom_rm_path, error_as_zero=error_as_zero)
-
-    async def run():
-        failed = await scorer.score(samples)
-        return [s.reward for s in samples], failed
-
-    return run()
 
 
 def test_builtin_types_registered() -> None:

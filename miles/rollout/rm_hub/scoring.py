@@ -177,3 +177,19 @@ class RewardScorer:
                     f"{self.post_process_name} returned a dict for sample index {s.index}; expected a float"
                 )
             s.train_reward = value
+
+
+async def score_samples(
+    samples: list[Sample],
+    rm_type: str | None,
+    custom_rm_path: str | None,
+    ctx: RewardContext | None = None,
+    error_as_zero: bool = False,
+) -> tuple[list[Reward], int]:
+    """Score `samples` in place (a one-off `RewardScorer`); returns (their rewards, how many failed)."""
+    ctx = ctx if ctx is not None else RewardContext(rm_type=rm_type)
+    if rm_type is not None and ctx.rm_type != rm_type:
+        ctx = dataclasses.replace(ctx, rm_type=rm_type)
+    scorer = RewardScorer(ctx, custom_rm_path, error_as_zero=error_as_zero)
+    failed = await scorer.score(samples)
+    return [s.reward for s in samples], failed
