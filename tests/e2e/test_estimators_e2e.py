@@ -43,6 +43,7 @@ def test_estimator_end_to_end(tiny, estimator):
         "--rollout-max-response-len", "2", "--global-batch-size", "8", "--lr", "5e-3", "--colocate",
         "--advantage-estimator", estimator, "--run-dir", run_dir,
         "--eval-prompt-data", "echo", evals, "--eval-interval", "2", "--n-samples-per-eval-prompt", "2",
+        "--skip-eval-before-train",
         "--dump-details", os.path.join(run_dir, "dump"),
         *ESTIMATORS[estimator],
     ]  # fmt: skip
