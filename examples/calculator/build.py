@@ -3,9 +3,9 @@
     python -m examples.calculator.build --out artifacts/calculator
 
 Writes `<out>/model` (a random tiny Qwen3 whose tokenizer has `<tool_call>` / `</tool_call>` as single tokens),
-`<out>/train.jsonl` and `<out>/eval.jsonl`. A row: `{"prompt": "calc 7 + 6", "label": "13",
-"metadata": {"expression": "7 + 6"}}`. Every sum is 10-18, so the answer's last digit is (a + b) mod 10: a fact
-table the tiny model would have to learn pair by pair, while the calculator's answer is one copy away.
+`<out>/train.jsonl` and `<out>/eval.jsonl`. A row: `{"prompt": "calc 9 - 2", "label": "7",
+"metadata": {"expression": "9 - 2"}}`; every result is one digit. Without the tool the tiny model would have
+to learn 110 facts one by one; with it, the answer is one copy away.
 """
 
 from __future__ import annotations
@@ -18,17 +18,31 @@ from miles.tools.tiny_model import build_tiny_model
 from miles.tools.toy_data import write_jsonl
 
 TOOL_TOKENS = ("<tool_call>", "</tool_call>")
-PAIRS = [(a, b) for a in range(1, 10) for b in range(1, 10) if a + b >= 10]
+PROBLEMS = [(a, "+", b) for a in range(10) for b in range(10) if a + b <= 9] + [
+    (a, "-", b) for a in range(10) for b in range(10) if a >= b
+]  # (a, op, b) with a one-digit result
+
+
+def question(a: int, op: str, b: int) -> str:
+    return f"calc {a} {op} {b}"
+
+
+def value(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b
 
 
 def make_rows(n: int, seed: int) -> list[dict[str, object]]:
-    """`n` sum questions, deterministic in `seed`."""
+    """`n` questions, deterministic in `seed`."""
     rng = random.Random(seed)
     rows: list[dict[str, object]] = []
     for _ in range(n):
-        a, b = rng.choice(PAIRS)
+        a, op, b = rng.choice(PROBLEMS)
         rows.append(
-            {"prompt": f"calc {a} + {b}", "label": str(a + b), "metadata": {"expression": f"{a} + {b}"}}
+            {
+                "prompt": question(a, op, b),
+                "label": str(value(a, op, b)),
+                "metadata": {"expression": f"{a} {op} {b}"},
+            }
         )
     return rows
 
@@ -36,10 +50,12 @@ def make_rows(n: int, seed: int) -> list[dict[str, object]]:
 def corpus() -> list[str]:
     """Texts covering every character of the prompts, the tool calls and the tool answers (chat formatted)."""
     texts = []
-    for a, b in PAIRS:
+    for a, op, b in PROBLEMS:
+        v = value(a, op, b)
         texts.append(
-            f"<|im_start|>user\ncalc {a} + {b}<|im_end|>\n<|im_start|>assistant\n<tool_call>{a} + {b}</tool_call>"
-            f"<|im_end|>\n<|im_start|>tool\n{a + b}<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n"
+            f"<|im_start|>user\n{question(a, op, b)}<|im_end|>\n<|im_start|>assistant\n"
+            f"<tool_call>{a} {op} {b}</tool_call><|im_end|>\n<|im_start|>tool\n{v}<|im_end|>\n"
+            f"<|im_start|>assistant\n{v}<|im_end|>\n"
         )
     texts.append("error: ValueError: cannot evaluate - * 0123456789")
     return texts

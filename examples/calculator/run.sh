@@ -14,7 +14,7 @@ python3 -m miles.train \
   --generate-execute-tool-function-path examples.calculator.tool:calculator --generate-max-turns 2 \
   --custom-rm-path examples.calculator.tool:calculator_reward \
   --num-rollout "${NUM_ROLLOUT:-30}" --rollout-batch-size 16 --n-samples-per-prompt 8 \
-  --rollout-max-response-len 24 --rollout-temperature 1.0 \
+  --rollout-max-response-len 20 --rollout-temperature 1.0 \
   --global-batch-size 128 --micro-batch-size 32 \
   --advantage-estimator grpo --eps-clip 0.2 --eps-clip-high 0.28 \
   --optimizer adam --lr 5e-3 --clip-grad 1.0 \

@@ -38,12 +38,12 @@ _NUMBER = re.compile(r"-?\d+")
 
 
 def calculator_reward(ctx: RewardContext, sample: Sample) -> float:
-    """1.0 when the final model turn answers the label (its first number); 0.5 when the model used the tool and
-    then answered without calling it again, but wrongly (a format reward that makes the first tool calls worth
-    repeating); else 0.0."""
+    """1.0 when the final model turn answers the label (its first number). Otherwise partial credit that makes
+    each step towards using the tool worth repeating: 0.4 for calling it, 0.3 more for then answering a number
+    (the wrong one)."""
     final = sample.metadata.get("final_turn", sample.response)
-    answered = "<tool_call>" not in final
-    numbers = _NUMBER.findall(final) if answered else []
+    numbers = _NUMBER.findall(final) if "<tool_call>" not in final else []
     if numbers and numbers[0] == str(sample.label):
         return 1.0
-    return 0.5 if answered and sample.metadata.get("tool_calls", 0) > 0 else 0.0
+    called = sample.metadata.get("tool_calls", 0) > 0
+    return 0.4 * called + 0.3 * (called and bool(numbers))

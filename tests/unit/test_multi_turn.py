@@ -99,7 +99,7 @@ def test_tool_call_round_trip_masks_the_tool_answer(tok):
     assert sample.weight_versions == ["0", "0"]
     assert calculator_reward(RewardContext(), sample) == 1.0
     sample.metadata["final_turn"] = "12<|im_end|>"
-    assert calculator_reward(RewardContext(), sample) == 0.5  # used the tool, answered wrongly
+    assert calculator_reward(RewardContext(), sample) == 0.7  # used the tool, answered wrongly
 
 
 def test_tool_error_is_the_answer_and_a_hanging_tool_fails_in_time(tok):
@@ -133,7 +133,7 @@ def test_turn_limit_and_budget(tok):
     sample = run(tok, always_calls, prompt(tok), max_turns=3)
     assert sample.status == SampleStatus.TRUNCATED
     assert sample.metadata["turns"] == 3 and sample.metadata["tool_calls"] == 2
-    assert calculator_reward(RewardContext(), sample) == 0.0  # called the tool, never answered
+    assert calculator_reward(RewardContext(), sample) == 0.4  # called the tool, never answered
 
     tight = run(tok, FakeEngine(scripted(tok, ["<tool_call>7 + 6</tool_call>"])), prompt(tok), budget=8)
     assert tight.status == SampleStatus.TRUNCATED and tight.response_length == 8  # the tool answer was cut
