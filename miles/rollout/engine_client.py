@@ -127,6 +127,8 @@ class EngineClient:
             raise EngineError(f"{phase}: cannot reach {url}{suffix}: {type(e).__name__}: {e}") from e
         if resp.status_code != 200:
             raise EngineError(f"{phase}: {url} answered {resp.status_code}{suffix}: {resp.text[:500]}")
+        if not resp.content.strip():  # SGLang's /abort_request answers 200 with an empty body
+            return {}
         try:
             return resp.json()
         except ValueError as e:

@@ -129,16 +129,28 @@ def test_context_errors_match(sglang, local):
 
 
 def test_rollout_generate_through_router(sglang):
+    """The rollout's engine client and the stock single-turn generate function through sglang-router, and its
+    abort (POST /abort_request {"abort_all": true} with the admin key) on SGLang's own front-end."""
     from miles.engines.router import Router
-    from miles.rollout.generate import SamplingSettings, generate_samples
+    from miles.rollout.base_types import GenerateContext, SamplingSettings
+    from miles.rollout.engine_client import EngineClient
+    from miles.rollout.generate import generate_single_turn
     from miles.utils.types import Sample
 
     samples = [Sample(index=i, group_index=i, prompt="", tokens=[3 + i, 4, 5]) for i in range(3)]
     settings = SamplingSettings(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4)
+    ctx = GenerateContext(tokenizer=None, request_id_prefix="conformance")
+
+    async def run(router_url: str) -> None:
+        async with EngineClient(router_url, [sglang.url], KEY, timeout=120, concurrency=3) as client:
+            await asyncio.gather(*(generate_single_turn(client, s, settings, ctx) for s in samples))
+            await client.abort_all("conformance abort")
+
     with Router([sglang.url]) as router:
-        asyncio.run(generate_samples(router.url, samples, settings, concurrency=3, timeout=120))
+        asyncio.run(run(router.url))
     for s in samples:
         assert s.response_length >= 1 and len(s.rollout_log_probs) == s.response_length
+        assert s.loss_mask == [1] * s.response_length and s.check_consistent() is None
         assert s.weight_versions == ["default"]
 
 
