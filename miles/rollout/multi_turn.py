@@ -85,7 +85,10 @@ def _in_daemon_thread(fn: Callable[..., object], *args: object) -> asyncio.Futur
             result, error = fn(*args), None
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
             result, error = None, e
-        loop.call_soon_threadsafe(deliver, result, error)
+        try:
+            loop.call_soon_threadsafe(deliver, result, error)
+        except RuntimeError:  # the loop closed while an abandoned (timed-out) call was still running
+            pass
 
     threading.Thread(target=body, name="miles-tool", daemon=True).start()
     return fut

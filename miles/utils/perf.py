@@ -12,7 +12,10 @@ from __future__ import annotations
 import resource
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from miles.utils.types import Sample
 
 # Dense (no sparsity) bf16 tensor-core peak per GPU, TFLOP/s, from the vendors' data sheets. Matched as a
 # substring of torch.cuda.get_device_name(), first match wins (so "H100 PCIe" precedes "H100").
@@ -29,12 +32,12 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
 )
 
 
-def sample_counts(samples: Sequence[dict[str, Any]]) -> dict[str, float]:
+def sample_counts(samples: Sequence[Sample]) -> dict[str, float]:
     """`perf/samples`, `perf/generated_tokens` (response tokens) and `perf/trained_tokens` (prompt + response)."""
     return {
         "perf/samples": float(len(samples)),
-        "perf/generated_tokens": float(sum(int(s["response_length"]) for s in samples)),
-        "perf/trained_tokens": float(sum(len(s["tokens"]) for s in samples)),
+        "perf/generated_tokens": float(sum(s.response_length for s in samples)),
+        "perf/trained_tokens": float(sum(len(s.tokens) for s in samples)),
     }
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from miles.utils import perf
+from miles.utils.types import Sample
 
 
 def test_counts_and_rates():
-    samples = [{"tokens": [1, 2, 3, 4], "response_length": 2}, {"tokens": [5, 6], "response_length": 1}]
+    samples = [Sample(tokens=[1, 2, 3, 4], response_length=2), Sample(tokens=[5, 6], response_length=1)]
     counts = perf.sample_counts(samples)
     assert counts == {"perf/samples": 2.0, "perf/generated_tokens": 3.0, "perf/trained_tokens": 6.0}
     rates = perf.throughput({**counts, "timing/rollout": 1.5, "timing/train": 3.0}, step_seconds=4.0)
