@@ -16,7 +16,9 @@ from tests.integration._util import run_distributed
 PROBE = [[5, 9, 12, 3, 7, 7, 20], [30, 2, 11]]  # token ids the logits are compared on
 
 
-def _rollout(vocab: int, seed: int = 0) -> list[dict]:
+def _rollout(vocab: int, seed: int = 0) -> list:
+    from miles.utils.types import Sample, SampleStatus
+
     rng = random.Random(seed)
     samples = []
     for g in range(4):
@@ -24,7 +26,7 @@ def _rollout(vocab: int, seed: int = 0) -> list[dict]:
         for k in range(2):
             response = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 4))]
             samples.append(
-                dict(
+                Sample(
                     index=len(samples),
                     group_index=g,
                     tokens=prompt + response,
@@ -32,7 +34,7 @@ def _rollout(vocab: int, seed: int = 0) -> list[dict]:
                     loss_mask=[1] * len(response),
                     rollout_log_probs=[-1.0] * len(response),
                     reward=float(k),
-                    status="completed",
+                    status=SampleStatus.COMPLETED,
                 )
             )
     return samples
@@ -59,7 +61,7 @@ def _body(rank: int, world: int, model_dir: str, root: str) -> None:
     from miles.backends.fsdp_utils.actor import FSDPTrainer
 
     samples = _rollout(48)
-    mine = [s for s in samples if s["group_index"] % world == rank]
+    mine = [s for s in samples if s.group_index % world == rank]
     ckpt, hf = os.path.join(root, "ckpt"), os.path.join(root, "hf")
     trainer = FSDPTrainer(_config(model_dir, root, ["--save", ckpt, "--save-hf", hf]), rank, world)
     trainer.init("actor", with_ref=False)
