@@ -24,12 +24,13 @@ def run_loop(cfg: Any, system: Any) -> None:
         with timer.phase("rollout"):
             samples, metrics = system.generate(rollout_id)
         metrics.update(sample_counts(samples))
-        with timer.phase("train"):
-            choreo.before_train()
-            metrics.update(actor.train(rollout_id, system.split_by_dp(samples)))
-        maybe_save(cfg, system, rollout_id)
-        with timer.phase("refit"):
-            choreo.refit(weight_version=str(rollout_id + 1))
+        if actor is not None:  # None with --debug-rollout-only: generate, score and log only
+            with timer.phase("train"):
+                choreo.before_train()
+                metrics.update(actor.train(rollout_id, system.split_by_dp(samples)))
+            maybe_save(cfg, system, rollout_id)
+            with timer.phase("refit"):
+                choreo.refit(weight_version=str(rollout_id + 1))
         finish_step(cfg, system, rollout_id, metrics)
 
 

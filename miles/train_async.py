@@ -43,6 +43,9 @@ def run_async_loop(cfg: Any, system: Any) -> None:
 
 
 def _refuse(cfg: Any) -> str | None:
+    dbg = cfg.debug
+    if dbg.save_debug_rollout_data or dbg.load_debug_rollout_data or dbg.debug_rollout_only:
+        return "replay debugging (--*-debug-rollout-data, --debug-rollout-only) runs with miles.train"
     if cfg.cluster.colocate:
         return (
             "--colocate shares devices between engines and trainers, so generation cannot overlap training; "

@@ -13,6 +13,7 @@ from miles.config.sections import (
     CheckpointConfig,
     ClusterConfig,
     DataConfig,
+    DebugConfig,
     EngineConfig,
     EvalConfig,
     LogConfig,
@@ -61,6 +62,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def _leaves(self) -> Iterator[tuple[Any, dataclasses.Field]]:
         """(owner, field) for every flag-level field: run-wide ones first, then each section's."""

@@ -163,6 +163,7 @@ def run_preflight(cfg: Any) -> None:
         lambda: _hf_problems(m.hf_checkpoint, "--hf-checkpoint", need_tokenizer=True),
         lambda: _ref_load_problems(c.ref_load) if c.ref_load else [],
         lambda: load_dir_problems(c.load, c.save),
+        lambda: _debug_data_problems(cfg.debug.load_debug_rollout_data, cfg.rollout.num_rollout, c.load),
     ]
     keys = dict(
         input_key=d.input_key,
@@ -186,6 +187,22 @@ def run_preflight(cfg: Any) -> None:
         problems = rollout_function_problems(cfg)
     if problems:
         raise PreflightError(problems)
+
+
+def _debug_data_problems(path: str | None, num_rollout: int, load: str | None) -> list[str]:
+    """--load-debug-rollout-data holds a file for every rollout the run trains on (the last one when resuming)."""
+    if path is None:
+        return []
+    from miles.utils.debug_data import missing_rollouts
+
+    ids = range(num_rollout - 1, num_rollout) if load else range(num_rollout)
+    missing = missing_rollouts(path, ids)
+    if not missing:
+        return []
+    shown = ", ".join(str(p) for p in missing[:3]) + (" ..." if len(missing) > 3 else "")
+    return [
+        f"--load-debug-rollout-data={path!r}: {len(missing)} of the {len(ids)} rollouts are missing: {shown}"
+    ]
 
 
 def _ref_load_problems(path: str) -> list[str]:

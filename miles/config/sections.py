@@ -372,6 +372,22 @@ class LogConfig:
     )
 
 
+@section
+class DebugConfig:
+    """Replay debugging: save the rollouts, train from saved ones without engines, or only generate."""
+
+    save_debug_rollout_data: str | None = opt(
+        None, "save each rollout's samples to PATH (a {rollout_id} template, or a directory) as JSON lines"
+    )
+    load_debug_rollout_data: str | None = opt(
+        None, "train on rollouts saved by --save-debug-rollout-data; no engines start, nothing is refit"
+    )
+    debug_rollout_only: bool = opt(
+        False, "generate (and score, log, save) rollouts only: no training, no refit"
+    )
+    debug_train_only: bool = opt(False, "train only (requires --load-debug-rollout-data): no engines start")
+
+
 # section attribute name on Config -> section class, in the order they print
 SECTIONS: dict[str, type] = {
     "cluster": ClusterConfig,
@@ -385,4 +401,5 @@ SECTIONS: dict[str, type] = {
     "algo": AlgoConfig,
     "eval": EvalConfig,
     "log": LogConfig,
+    "debug": DebugConfig,
 }

@@ -258,9 +258,11 @@ def _algo(v: Values) -> None:
             v.fail("mis_lower", f"must be < --mis-upper={v['mis_upper']}")
     with suppress(_Skip):
         estimator = v["advantage_estimator"]
-        if v["kl_coef"] > 0 and not estimator.startswith("reinforce_plus_plus") and not v[
-            "custom_advantage_function_path"
-        ]:
+        if (
+            v["kl_coef"] > 0
+            and not estimator.startswith("reinforce_plus_plus")
+            and not v["custom_advantage_function_path"]
+        ):
             v.fail(
                 "kl_coef",
                 f"the KL reward penalty is applied by the reinforce_plus_plus estimators, not {estimator!r} "
@@ -377,7 +379,28 @@ def _rollout_seams(v: Values) -> None:
             v.fail("eval_top_k", "must be -1 (disabled) or >= 1")
 
 
+def _debug(v: Values) -> None:
+    """Replay debugging: train from saved rollouts (no engines) or generate only (no trainer), not both."""
+    with suppress(_Skip):
+        load, rollout_only = v["load_debug_rollout_data"], v["debug_rollout_only"]
+        if v["debug_train_only"] and load is None:
+            v.fail("debug_train_only", "requires --load-debug-rollout-data (the rollouts to train on)")
+        if load is not None and rollout_only:
+            v.fail("debug_rollout_only", "conflicts with --load-debug-rollout-data (no engines would run)")
+        if load is not None and v["save_debug_rollout_data"] is not None:
+            v.fail(
+                "save_debug_rollout_data", "conflicts with --load-debug-rollout-data (nothing is generated)"
+            )
+        if load is not None and v["eval_interval"] is not None:
+            v.fail("eval_interval", "needs engines, which --load-debug-rollout-data does not start")
+        if rollout_only:
+            for name in ("save", "save_hf"):
+                if v[name] is not None:
+                    v.fail(name, "has nothing to save with --debug-rollout-only (no trainer)")
+
+
 RULES: list[Callable[[Values], None]] = [
+    _debug,
     _batch_sizes,
     _parallelism,
     _rollout_placement,

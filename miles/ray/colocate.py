@@ -65,3 +65,14 @@ class MemoryChoreography:
             if rest:
                 self.engines.resume_memory(rest)
                 self.released.difference_update(rest)
+
+
+class TrainerOnly:
+    """The choreography of --load-debug-rollout-data: no engines run, so there is nothing to release, resume or
+    refit (the trainer wakes itself to train)."""
+
+    def before_train(self) -> None:
+        pass
+
+    def refit(self, weight_version: str) -> None:
+        pass

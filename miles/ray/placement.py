@@ -55,17 +55,20 @@ def cluster_has_gpus() -> bool:
 def create_placement(
     num_actor_workers: int, num_rollout_workers: int, colocate: bool, use_gpu: bool, timeout_s: float = 300.0
 ) -> Placement:
-    """Reserve bundles for `num_actor_workers` training ranks and `num_rollout_workers` engine workers."""
-    if num_actor_workers < 1 or num_rollout_workers < 1:
+    """Reserve bundles for `num_actor_workers` training ranks and `num_rollout_workers` engine workers (either may
+    be 0 for replay debugging: a trainer without engines, or engines without a trainer)."""
+    if min(num_actor_workers, num_rollout_workers) < 0 or num_actor_workers + num_rollout_workers < 1:
         raise ValueError(
-            f"need at least one training and one rollout worker, got {num_actor_workers} and {num_rollout_workers}"
+            f"need training or rollout workers, got {num_actor_workers} and {num_rollout_workers}"
         )
-    if colocate and num_rollout_workers > num_actor_workers:
+    if colocate and num_actor_workers and num_rollout_workers > num_actor_workers:
         raise ValueError(
             f"--colocate shares bundles, so --rollout-num-gpus ({num_rollout_workers}) cannot exceed the "
             f"training workers ({num_actor_workers})"
         )
-    total = num_actor_workers if colocate else num_actor_workers + num_rollout_workers
+    total = (
+        max(num_actor_workers, num_rollout_workers) if colocate else num_actor_workers + num_rollout_workers
+    )
     bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
     pg = placement_group([dict(bundle) for _ in range(total)], strategy="PACK")
     ray_get(pg.ready(), timeout_s, phase=f"reserving {total} placement-group bundles of {bundle}")

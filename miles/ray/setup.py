@@ -9,12 +9,13 @@ from typing import Any
 
 import ray
 
-from miles.ray.colocate import MemoryChoreography
+from miles.ray.colocate import MemoryChoreography, TrainerOnly
 from miles.ray.engine_fleet import EngineFleet
 from miles.ray.placement import cluster_has_gpus, create_placement
 from miles.ray.rollout_manager import RolloutManager
 from miles.ray.train_group import RayTrainGroup
 from miles.ray.utils import init_ray, ray_get
+from miles.utils.debug_data import load_rollout, save_rollout
 from miles.utils.progress import progress_bar, progress_enabled, progress_env
 from miles.utils.seqlen_balancing import partition_samples_by_dp
 from miles.utils.timer import Timer
@@ -38,10 +39,10 @@ def needs_reference_model(cfg: Any) -> bool:
 @dataclass
 class System:
     cfg: Any
-    train_group: RayTrainGroup
-    rollout: Any  # Ray actor handle of RolloutManager
-    fleet: Any  # Ray actor handle of EngineFleet
-    choreography: MemoryChoreography
+    train_group: RayTrainGroup | None  # None with --debug-rollout-only
+    rollout: Any  # Ray actor handle of RolloutManager; None with --load-debug-rollout-data
+    fleet: Any  # Ray actor handle of EngineFleet; None with --load-debug-rollout-data
+    choreography: MemoryChoreography | TrainerOnly | None  # None with --debug-rollout-only
     tracker: Tracker
     timer: Timer
     start_rollout_id: int
@@ -52,7 +53,19 @@ class System:
         return float(self.cfg.rollout.rollout_request_timeout)
 
     def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
-        return ray_get(self.rollout.generate.remote(rollout_id), self.timeout, f"rollout {rollout_id}")
+        """Rollout `rollout_id` from the engines, or read back with --load-debug-rollout-data (saved with
+        --save-debug-rollout-data as the trainer receives it)."""
+        dbg = self.cfg.debug
+        if dbg.load_debug_rollout_data:
+            return load_rollout(dbg.load_debug_rollout_data, rollout_id, "--load-debug-rollout-data")
+        samples, metrics = ray_get(
+            self.rollout.generate.remote(rollout_id), self.timeout, f"rollout {rollout_id}"
+        )
+        if dbg.save_debug_rollout_data:
+            save_rollout(
+                dbg.save_debug_rollout_data, rollout_id, samples, metrics, "--save-debug-rollout-data"
+            )
+        return samples, metrics
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         return ray_get(self.rollout.eval.remote(rollout_id), self.timeout, f"eval after rollout {rollout_id}")
@@ -69,7 +82,8 @@ class System:
 
     def shutdown(self) -> None:
         try:
-            ray_get(self.fleet.shutdown.remote(), 120, "shutting down the engines")
+            if self.fleet is not None:
+                ray_get(self.fleet.shutdown.remote(), 120, "shutting down the engines")
         finally:
             self.progress.close()
             self.tracker.close()
@@ -90,9 +104,16 @@ class RolloutEngineMemory:
 
 
 def build_system(cfg: Any) -> System:
+    """Engines, router, rollout manager and trainers, placed and started; the engines hold the trainer's weights.
+
+    Replay debugging leaves a side out: --load-debug-rollout-data starts no engines (and refits nothing),
+    --debug-rollout-only starts no trainers (the engines keep the --hf-checkpoint weights)."""
     num_actor, num_rollout = worker_counts(cfg)
+    replay, rollout_only = cfg.debug.load_debug_rollout_data is not None, cfg.debug.debug_rollout_only
+    num_rollout = 0 if replay else num_rollout
+    num_actor = 0 if rollout_only else num_actor
     colocate = cfg.cluster.colocate
-    init_ray(min_cpus=(num_actor if colocate else num_actor + num_rollout) + 1)
+    init_ray(min_cpus=(max(num_actor, num_rollout) if colocate else num_actor + num_rollout) + 1)
     use_gpu = cluster_has_gpus()
     placement = create_placement(num_actor, num_rollout, colocate, use_gpu)
     timeout = float(cfg.train.train_timeout)
@@ -107,20 +128,39 @@ def build_system(cfg: Any) -> System:
         config=cfg.to_dict(redact_secrets=True),
         use_tensorboard=cfg.log.use_tensorboard,
     )
-    fleet = ray.remote(EngineFleet).options(num_cpus=0).remote(cfg.to_dict(), placement, num_rollout)
-    env_vars = {"HF_HUB_OFFLINE": "1", **progress_env(progress_enabled()), **dict(cfg.cluster.train_env_vars)}
-    train_group = RayTrainGroup(cfg, placement, num_actor, env_vars)
-    start = train_group.init(with_ref=needs_reference_model(cfg))
+    fleet = (
+        None
+        if replay
+        else ray.remote(EngineFleet).options(num_cpus=0).remote(cfg.to_dict(), placement, num_rollout)
+    )
+    train_group, start = None, 0
+    if not rollout_only:
+        env_vars = {
+            "HF_HUB_OFFLINE": "1",
+            **progress_env(progress_enabled()),
+            **dict(cfg.cluster.train_env_vars),
+        }
+        train_group = RayTrainGroup(cfg, placement, num_actor, env_vars)
+        start = train_group.init(with_ref=needs_reference_model(cfg))
     if start > 0:
         tracker.resume_at(start)  # steps logged after the checkpoint ran again: keep each step once
-    router_url, engine_urls = ray_get(
-        [fleet.get_router_url.remote(), fleet.get_engine_urls.remote()], timeout, "starting the engines"
-    )
-    rollout = ray.remote(RolloutManager).options(num_cpus=0).remote(cfg.to_dict(), router_url, engine_urls)
-    ray_get(rollout.set_start_rollout.remote(start), timeout, "positioning the data cursor")
-    choreography = MemoryChoreography(colocate, train_group, RolloutEngineMemory(fleet, timeout), engine_urls)
-    # engines start from the trainer's (possibly resumed) weights; fresh engines released nothing to resume
-    choreography.refit(weight_version=str(start))
+    rollout, choreography = None, None
+    if replay:
+        choreography = TrainerOnly()
+    else:
+        router_url, engine_urls = ray_get(
+            [fleet.get_router_url.remote(), fleet.get_engine_urls.remote()], timeout, "starting the engines"
+        )
+        rollout = (
+            ray.remote(RolloutManager).options(num_cpus=0).remote(cfg.to_dict(), router_url, engine_urls)
+        )
+        ray_get(rollout.set_start_rollout.remote(start), timeout, "positioning the data cursor")
+    if train_group is not None and fleet is not None:
+        choreography = MemoryChoreography(
+            colocate, train_group, RolloutEngineMemory(fleet, timeout), engine_urls
+        )
+        # engines start from the trainer's (possibly resumed) weights; fresh engines released nothing to resume
+        choreography.refit(weight_version=str(start))
     logger.info(
         "system ready: %d training workers, %d rollout workers, colocate=%s, gpu=%s, start rollout %d",
         num_actor,

@@ -36,6 +36,7 @@ from miles.rollout.base_types import (
 )
 from miles.rollout.engine_client import EngineClient, EngineError
 from miles.rollout.metrics import eval_metrics
+from miles.utils.progress import progress_bar
 from miles.utils.types import Sample, SampleStatus
 
 
@@ -153,6 +154,7 @@ async def generate_rollout(ctx: RolloutContext, rollout_id: int) -> RolloutOutpu
             task: Awaitable[int] = _generate_and_score(ctx, gen_ctx, group)
             pending[asyncio.ensure_future(task)] = group
 
+    bar = progress_bar(target, f"rollout {rollout_id}", unit="group")
     try:
         while len(kept) < target:
             while len(kept) + len(pending) < target:
@@ -180,12 +182,15 @@ async def generate_rollout(ctx: RolloutContext, rollout_id: int) -> RolloutOutpu
                     drops[verdict.reason or "filtered"] += 1
                 elif len(kept) < target:
                     kept.append(group)
+                    bar.update()
                 else:
                     surplus.append(group)
         leftover = await _drain(ctx.client, pending)
     except BaseException:
         await _cancel(pending)
         raise
+    finally:
+        bar.close()
     kept.sort(key=lambda g: g[0].index)  # draw order, whatever order they finished in
     unfinished = surplus + leftover
     metrics = {

@@ -123,6 +123,7 @@ def test_section_field_names_are_the_agreed_ones() -> None:
         "eval_top_p eval_top_k eval_input_key eval_label_key skip_eval_before_train eval_function_path",
         "log": "use_wandb use_tensorboard progress wandb_project wandb_group wandb_key wandb_mode run_dir "
         "dump_details log_level",
+        "debug": "save_debug_rollout_data load_debug_rollout_data debug_rollout_only debug_train_only",
         None: "seed dry_run config",
     }
     actual: dict[str | None, set[str]] = {}
@@ -320,7 +321,7 @@ def test_round_trips(reference_argv: list[str], tmp_path: Path) -> None:
     cfg = parse_config(reference_argv)
     d = cfg.to_dict()
     assert set(d) == {"seed", "dry_run", "config", "cluster", "model", "checkpoint", "data", "rollout",
-                      "engine", "train", "optim", "algo", "eval", "log"}  # fmt: skip
+                      "engine", "train", "optim", "algo", "eval", "log", "debug"}  # fmt: skip
     assert Config.from_dict(d) == cfg
     assert Config.from_dict(json.loads(json.dumps(d))) == cfg
     assert pickle.loads(pickle.dumps(cfg)) == cfg
