@@ -77,14 +77,26 @@ def _post(engine: EngineProcess, path: str, body: dict, key: bool = True) -> htt
 # ------------------------------------------------------------------------------------ launch command line
 
 
-def test_launch_command_line_reaches_sglang(sglang):
-    """miles's command line, parsed by SGLang's ServerArgs: seed, memory saver, admin-only key."""
+# miles's command line, parsed by SGLang's ServerArgs; one test per launch defect, so none masks another.
+
+
+def test_launch_seed_reaches_sglang(sglang):
+    """random_seed = rollout_seed + engine index (SGLang draws a random seed per launch otherwise)."""
+    assert sglang.get("/server_info")["random_seed"] == SEED + INDEX
+
+
+def test_launch_memory_saver_reaches_sglang(sglang):
+    """Colocated: --enable-memory-saver, and the cuda_graph region (SGLANG_MEMORY_SAVER_CUDA_GRAPH=true)."""
     info = sglang.get("/server_info")
-    assert info["random_seed"] == SEED + INDEX
     assert info["enable_memory_saver"] is True
-    assert info["admin_api_key"] and not info["api_key"]
     saver = info["internal_states"][0]["memory_saver"]
-    assert saver["enabled"] and "cuda_graph" in saver["regions"]  # SGLANG_MEMORY_SAVER_CUDA_GRAPH=true
+    assert saver["enabled"] and "cuda_graph" in saver["regions"]
+
+
+def test_launch_key_is_admin_only(sglang):
+    """--engine-api-key becomes SGLang's --admin-api-key, not --api-key (which would guard /generate too)."""
+    info = sglang.get("/server_info")
+    assert info["admin_api_key"] and not info["api_key"]
 
 
 # ------------------------------------------------------------------------------------ contract, both engines
@@ -152,6 +164,30 @@ def test_rollout_generate_through_router(sglang):
         assert s.response_length >= 1 and len(s.rollout_log_probs) == s.response_length
         assert s.loss_mask == [1] * s.response_length and s.check_consistent() is None
         assert s.weight_versions == ["default"]
+
+
+def _tensor_body(rank: int, world: int, url: str, model_dir: str) -> None:
+    """ColocatedWeightUpdater alone (no release/resume): its buckets must travel inside a weight-update session."""
+    from transformers import AutoModelForCausalLM
+
+    from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    updater = ColocatedWeightUpdater([url], 1, rank, world, api_key=KEY, timeout_s=60, check_equal=True)
+    updater.update(model, bucket_bytes=4096, weight_version="tensor-1")
+    assert httpx.get(f"{url}/model_info").json()["weight_version"] == "tensor-1"
+    name, tensor = next(iter(model.named_parameters()))
+    got = httpx.post(
+        f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 8}, headers=_admin()
+    ).json()
+    assert torch.equal(torch.tensor(got, dtype=torch.float32), tensor.detach().flatten()[:8])
+
+
+def test_tensor_refit_path(sglang, model_dir):
+    run_distributed(_tensor_body, 1, sglang.url, model_dir, timeout_s=240)
 
 
 def _colocated_body(rank: int, world: int, url: str, model_dir: str) -> None:
