@@ -21,6 +21,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="as SGLang: required on the admin endpoints (refit, memory, ...)",
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="torch device of the model: cpu, cuda or cuda:N")
     p.add_argument("--max-running-requests", type=int, default=64, help="requests decoded together at most")
     p.add_argument(
         "--max-total-tokens", type=int, default=None, help="KV token budget (prompt + max_new_tokens)"
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> None:
             model_path=args.model_path,
             tokenizer_path=args.tokenizer_path,
             dtype=args.dtype,
+            device=args.device,
             max_running_requests=args.max_running_requests,
             max_total_tokens=args.max_total_tokens,
             random_seed=args.random_seed,

@@ -100,7 +100,7 @@ def receive_tensors(
     for n, _, s in specs:
         weights.validate(n, torch.empty(s, dtype=torch.float32, device="meta"))
     for n, dtype, shape in specs:
-        buf = torch.empty(shape, dtype=dtype)
+        buf = torch.empty(shape, dtype=dtype, device=weights.device)
         dist.broadcast(buf, src=0, group=group)
         weights.load_one(n, buf)
     return len(specs)

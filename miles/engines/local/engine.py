@@ -58,6 +58,23 @@ def _check_generate_fields(body: dict[str, Any]) -> None:
         raise ValueError("/generate: " + "; ".join(errors) + f"; supported fields: {sorted(_GEN_USED)}")
 
 
+def _device(name: str) -> torch.device:
+    """`--device` as a torch device; a CUDA device must be visible."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(
+            f"--device {name!r} is not a torch device ({e}); allowed: cpu, cuda, cuda:N"
+        ) from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name!r}: allowed cpu, cuda, cuda:N")
+    if device.type == "cuda" and (
+        not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()
+    ):
+        raise ValueError(f"--device {name}: no such CUDA device ({torch.cuda.device_count()} visible)")
+    return device
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Startup options of the embedded engine (the CLI flags of `python -m miles.engines.local`)."""
@@ -65,6 +82,7 @@ class EngineConfig:
     model_path: str
     tokenizer_path: str | None = None
     dtype: str = "float32"
+    device: str = "cpu"  # where the model lives: cpu, cuda, cuda:N
     max_running_requests: int = 64
     max_total_tokens: int | None = None
     random_seed: int = 0
@@ -86,7 +104,9 @@ class LocalEngine(WeightControl):
         self.tokenizer_path = config.tokenizer_path or config.model_path
         self.dtype = DTYPES[config.dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
-        self.model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=self.dtype).eval()
+        self.device = _device(config.device)
+        model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=self.dtype)
+        self.model = model.to(self.device).eval()
         self.weights = WeightStore(self.model)
         self.runner = make_runner(self.model)
         self.weight_version = config.weight_version
@@ -252,6 +272,7 @@ class LocalEngine(WeightControl):
             "tp_size": 1,
             "dp_size": 1,
             "dtype": self.config.dtype,
+            "device": str(self.device),
             "max_running_requests": self.config.max_running_requests,
             "max_total_num_tokens": self.config.max_total_tokens,
             "random_seed": self.config.random_seed,

@@ -31,6 +31,7 @@ class WeightStore:
             self._canonical[name] = canon
             self._params[canon] = p
         self._meta = {n: (tuple(p.shape), p.dtype) for n, p in self._params.items()}
+        self.device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
         self.released = False
         self.pending: set[str] = set()
 
@@ -88,7 +89,7 @@ class WeightStore:
             )
         items = [(self.validate(n, t), t) for n, t in named_tensors]
         for canon, t in items:
-            self._params[canon].data.copy_(t.to(device="cpu"))
+            self._params[canon].data.copy_(t)  # casts, and copies across devices directly
             self.pending.discard(canon)
         return len(items)
 
@@ -102,7 +103,7 @@ class WeightStore:
     def release(self) -> None:
         """Free the storage of every parameter (each becomes an empty tensor); buffers are kept."""
         for p in self._params.values():
-            p.data = torch.empty(0, dtype=p.dtype)
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
         self.released = True
 
     def resume(self) -> None:
@@ -111,7 +112,7 @@ class WeightStore:
             return
         for name, p in self._params.items():
             shape, dtype = self._meta[name]
-            p.data = torch.zeros(shape, dtype=dtype)
+            p.data = torch.zeros(shape, dtype=dtype, device=self.device)
         self.released = False
         self.pending = set(self._params)
 
