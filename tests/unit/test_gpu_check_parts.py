@@ -52,13 +52,13 @@ def test_presets_are_qwen3_shapes():
 def test_training_samples_come_in_pairs_with_different_rewards():
     s = _settings()
     samples = training_samples(s)
-    assert len(samples) == 8 and max(len(x["tokens"]) for x in samples) == 40
-    assert len({len(x["tokens"]) for x in samples}) == 4  # several lengths, so packing has work
+    assert len(samples) == 8 and max(len(x.tokens) for x in samples) == 40
+    assert len({len(x.tokens) for x in samples}) == 4  # several lengths, so packing has work
     for a, b in zip(samples[::2], samples[1::2]):
-        assert a["group_index"] == b["group_index"] and a["reward"] != b["reward"]
+        assert a.group_index == b.group_index and a.reward != b.reward
     for x in samples:
-        assert len(x["loss_mask"]) == x["response_length"] < len(x["tokens"])
-        assert all(3 <= t < s.preset.vocab_size for t in x["tokens"])
+        assert len(x.loss_mask) == x.response_length < len(x.tokens)
+        assert all(3 <= t < s.preset.vocab_size for t in x.tokens)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

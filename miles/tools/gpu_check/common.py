@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from miles.tools.gpu_check.models import Preset
+from miles.utils.types import Sample, SampleStatus
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def training_samples(s: Settings) -> list[dict]:
+def training_samples(s: Settings) -> list[Sample]:
     """`num_seqs` samples in prompt pairs, lengths from seq_len/2 to seq_len (so packing has work), random
     tokens, a prompt of a quarter of the sample, rewards that differ within each pair."""
     rng = random.Random(s.seed)
@@ -93,7 +94,7 @@ def training_samples(s: Settings) -> list[dict]:
         prompt_len = max(1, length // 4)
         tokens = [rng.randrange(3, vocab) for _ in range(length)]
         out.append(
-            dict(
+            Sample(
                 index=i,
                 group_index=i // 2,
                 tokens=tokens,
@@ -101,7 +102,7 @@ def training_samples(s: Settings) -> list[dict]:
                 loss_mask=[1] * (length - prompt_len),
                 rollout_log_probs=None,
                 reward=float(i % 2),
-                status="completed",
+                status=SampleStatus.COMPLETED,
             )
         )
     return out

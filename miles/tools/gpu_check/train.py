@@ -62,7 +62,7 @@ def check_train_step(trainer: Any, s: Settings) -> CheckResult:
     from miles.utils import perf
 
     samples = training_samples(s)
-    seq_lens = [len(x["tokens"]) for x in samples]
+    seq_lens = [len(x.tokens) for x in samples]
     tokens = sum(seq_lens)
     first = trainer.train(0, samples)
     if s.device.type == "cuda":
@@ -115,9 +115,9 @@ def check_varlen(trainer: Any, s: Settings) -> CheckResult:
     model = trainer.model
     rows, budget = [], s.max_tokens_per_mb
     for sample in training_samples(s):
-        if len(sample["tokens"]) <= budget:
-            rows.append({"tokens": sample["tokens"], "response_length": len(sample["tokens"]) - 1})
-            budget -= len(sample["tokens"])
+        if len(sample.tokens) <= budget:
+            rows.append({"tokens": sample.tokens, "response_length": len(sample.tokens) - 1})
+            budget -= len(sample.tokens)
     (packed,) = pack_sequences(rows, num_packs=1)
     packed_lp, _ = forward_packed(model, packed, 1.0)
     probe = torch.empty(1, device=s.device)
