@@ -42,6 +42,7 @@ from miles.backends.fsdp_utils.engine_client import (
     post_engine,
     verify_versions,
 )
+from miles.utils.progress import track
 from miles.utils.serialization import serialize, share_named_tensors
 from miles.utils.weight_checksum import tensor_checksum
 
@@ -116,6 +117,15 @@ def _full_tensor(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t
 
 
+def _buckets_with_progress(
+    model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None, n_buckets: int, weight_version: str
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """`iter_weight_buckets` under a progress bar over the buckets (drawn by global rank 0 only)."""
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    buckets = iter_weight_buckets(model, bucket_bytes, dtype)
+    return track(buckets, n_buckets, f"refit {weight_version}", unit="bucket", enabled=rank0)
+
+
 def iter_weight_buckets(
     model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -183,7 +193,9 @@ class ColocatedWeightUpdater:
         self._on_leaders(lambda: begin_sessions([url], self._headers, self.timeout_s, weight_version))
         checksums: dict[str, str] = {}
         try:
-            for index, bucket in enumerate(iter_weight_buckets(model, bucket_bytes, dtype)):
+            for index, bucket in enumerate(
+                _buckets_with_progress(model, bucket_bytes, dtype, n_buckets, weight_version)
+            ):
                 if self.check_equal and self.is_leader:
                     checksums.update((name, tensor_checksum(t)) for name, t in bucket)
                 self._on_all(
@@ -425,7 +437,9 @@ class DistributedWeightUpdater:
         self._on_rank0(lambda: begin_sessions(urls, headers, timeout, weight_version))
         checksums: dict[str, str] = {}
         try:
-            for index, bucket in enumerate(iter_weight_buckets(model, bucket_bytes, dtype)):
+            for index, bucket in enumerate(
+                _buckets_with_progress(model, bucket_bytes, dtype, n_buckets, weight_version)
+            ):
                 if self.check_equal and self.rank == 0:
                     checksums.update((name, tensor_checksum(t)) for name, t in bucket)
                 is_last = index == n_buckets - 1
