@@ -40,7 +40,7 @@ def maybe_save(cfg: Any, system: Any, rollout_id: int) -> None:
     ck, num = cfg.checkpoint, cfg.rollout.num_rollout
     if ck.save and _due(ck.save_interval, rollout_id, num):
         with system.timer.phase("save"):
-            system.train_group.save(rollout_id)
+            system.save(rollout_id)
     if ck.save_hf and _due(ck.save_hf_interval or ck.save_interval or num, rollout_id, num):
         with system.timer.phase("save_hf"):
             system.train_group.save_hf(rollout_id)
@@ -97,7 +97,8 @@ def run_driver(
     --dry-run, then build the system and run `loop`. Nothing before `build_system` imports Ray.
 
     However the loop ends (done, an error, Ctrl-C) the system is shut down and `report.png` is drawn from the
-    run's metrics.jsonl."""
+    run's metrics.jsonl. Ctrl-C prints the phase it interrupted, kills the engines (no graceful drain) and
+    returns 130."""
     from miles.config.preflight import run_preflight
 
     try:
@@ -124,14 +125,23 @@ def run_driver(
 
     progress_env(progress_wanted(cfg.log.progress))
     system = build_system(cfg)
+    interrupted = False
     try:
         loop(cfg, system)
+    except KeyboardInterrupt:
+        interrupted = True
+        print(
+            f"{prog}: interrupted (Ctrl-C) in phase '{system.timer.current or 'between phases'}'; "
+            "stopping engines and workers",
+            file=sys.stderr,
+            flush=True,
+        )
     finally:
         try:
-            system.shutdown()
+            system.shutdown(fast=interrupted)
         finally:
             write_report(cfg.log.run_dir)
-    return 0
+    return 130 if interrupted else 0
 
 
 def config_yaml(cfg: Any) -> str:

@@ -21,6 +21,7 @@ def run_async_loop(cfg: Any, system: Any) -> None:
 
     actor, choreo, timer = system.train_group, system.choreography, system.timer
     num = cfg.rollout.num_rollout
+    deadline = system.rollout_deadline  # the whole rollout's, not one request's
 
     def launch(rollout_id: int) -> Any:
         return system.rollout.generate.remote(rollout_id) if rollout_id < num else None
@@ -29,7 +30,7 @@ def run_async_loop(cfg: Any, system: Any) -> None:
     in_flight = launch(system.start_rollout_id)
     for rollout_id in range(system.start_rollout_id, num):
         with timer.phase("rollout"):  # the time spent waiting for it
-            samples, metrics = ray_get(in_flight, system.timeout, f"rollout {rollout_id}")
+            samples, metrics = ray_get(in_flight, deadline, f"rollout {rollout_id}")
         in_flight = launch(rollout_id + 1)  # generated with the current (pre-update) weights
         metrics.update(sample_counts(samples))
         with timer.phase("train"):
@@ -37,7 +38,7 @@ def run_async_loop(cfg: Any, system: Any) -> None:
         maybe_save(cfg, system, rollout_id)
         with timer.phase("refit"):
             if in_flight is not None:  # never change weights under a running generation
-                in_flight = ray.put(ray_get(in_flight, system.timeout, f"rollout {rollout_id + 1}"))
+                in_flight = ray.put(ray_get(in_flight, deadline, f"rollout {rollout_id + 1}"))
             choreo.refit(weight_version=str(rollout_id + 1))
         finish_step(cfg, system, rollout_id, metrics)
 
@@ -46,6 +47,11 @@ def _refuse(cfg: Any) -> str | None:
     dbg = cfg.debug
     if dbg.save_debug_rollout_data or dbg.load_debug_rollout_data or dbg.debug_rollout_only:
         return "replay debugging (--*-debug-rollout-data, --debug-rollout-only) runs with miles.train"
+    if cfg.cluster.use_fault_tolerance:
+        return (
+            "--use-fault-tolerance is built for miles.train only (the one-step-off loop does not refit restarted "
+            "engines yet); use miles.train, or drop --use-fault-tolerance"
+        )
     if cfg.cluster.colocate:
         return (
             "--colocate shares devices between engines and trainers, so generation cannot overlap training; "

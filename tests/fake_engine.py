@@ -26,6 +26,7 @@ SAMPLING_FIELDS = {
     "skip_special_tokens",
     "stop",
     "stop_token_ids",
+    "sampling_seed",
 }
 
 

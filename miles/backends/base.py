@@ -32,8 +32,13 @@ class TrainBackend(abc.ABC):
         (`Sample.scalar_reward()`)."""
 
     @abc.abstractmethod
-    def save(self, rollout_id: int) -> None:
-        """Sharded checkpoint of model, optimizer, scheduler, RNG and counters, written atomically."""
+    def save(self, rollout_id: int, extra_state: dict[str, Any] | None = None) -> None:
+        """Sharded checkpoint of model, optimizer, scheduler, RNG and counters, written atomically, with the
+        driver's `extra_state` (plain data: the rollout's data cursor) stored beside them."""
+
+    def resume_state(self) -> dict[str, Any]:
+        """The `extra_state` of the checkpoint `init` resumed from; {} for a fresh start."""
+        return dict(getattr(self, "_resumed_extra_state", {}))
 
     @abc.abstractmethod
     def save_hf(self, rollout_id: int) -> None:

@@ -21,7 +21,7 @@ from miles.backends import available_backends
 
 # Flags the parser accepts but whose feature is not built yet. `Config.raise_if_unimplemented()` raises
 # NotImplementedError when any of them is set to a non-default value. Remove a name here once it lands.
-NOT_IMPLEMENTED: frozenset[str] = frozenset({"use_fault_tolerance"})
+NOT_IMPLEMENTED: frozenset[str] = frozenset()
 
 _T = TypeVar("_T")
 
@@ -88,6 +88,15 @@ class ClusterConfig:
     rollout_num_gpus_per_engine: int = opt(1, "GPUs per rollout engine (its tensor-parallel size)", ge=1)
     colocate: bool = opt(False, "run rollout engines on the training GPUs, offloading each side in turn")
     use_fault_tolerance: bool = opt(False, "restart rollout engines that stop answering health checks")
+    rollout_health_check_interval: float = opt(
+        30.0, "--use-fault-tolerance: seconds between two health checks of an engine", gt=0
+    )
+    rollout_health_check_timeout: float = opt(
+        30.0, "--use-fault-tolerance: seconds an engine has to answer a health check", gt=0
+    )
+    rollout_health_check_first_wait: float = opt(
+        0.0, "--use-fault-tolerance: seconds after a rollout starts before the first health check", ge=0
+    )
     train_env_vars: dict[str, str] = opt({}, "JSON object of extra environment variables for training actors")
 
     @property
@@ -192,7 +201,14 @@ class RolloutConfig:
     )
     rm_timeout: float = opt(60.0, "seconds per remote reward request", gt=0)
     rm_max_retries: int = opt(3, "retries of a failed remote reward request", ge=0)
-    rollout_request_timeout: float = opt(600.0, "seconds to wait for one generate request", gt=0)
+    rollout_request_timeout: float = opt(
+        600.0, "seconds for one generate request (every retry of it included)", gt=0
+    )
+    rollout_timeout: float | None = opt(
+        None,
+        "seconds for a whole rollout; None: none with --use-fault-tolerance, else derived (see miles.ray.setup)",
+        gt=0,
+    )
     rollout_function_path: str = opt(
         "miles.rollout.default_rollout.generate_rollout", "whole-rollout function, 'module:function'"
     )

@@ -24,6 +24,22 @@ logger = logging.getLogger(__name__)
 ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
 
 
+def resilience_args(request_timeout: float) -> list[str]:
+    """sglang-router settings under which a busy engine is not declared dead.
+
+    Its circuit breaker opens after 10 failures in 120 s (a slow CPU engine's timeouts count) and then answers
+    `503 No available workers` for 60 s, which once ended a healthy run: it is disabled, since dead engines are
+    the health monitor's job (`--use-fault-tolerance`). Its own health check gets a generous timeout and is only
+    consulted every 60 s; a request may take `request_timeout` seconds; retries back off for at most 2 s."""
+    return [
+        "--disable-circuit-breaker",
+        "--health-check-timeout-secs", "30",
+        "--health-failure-threshold", "3",
+        "--request-timeout-secs", str(max(1, int(request_timeout))),
+        "--retry-max-backoff-ms", "2000",
+    ]  # fmt: skip
+
+
 class Router:
     """One sglang-router process and a client for its worker-management API."""
 
@@ -68,7 +84,8 @@ class Router:
             "--port",
             str(self.port),
         ]
-        cmd += ["--policy", self.policy, "--prometheus-port", str(find_free_port()), "--log-level", "warn"]
+        cmd += ["--policy", self.policy, "--prometheus-port", str(find_free_port(self.host))]
+        cmd += ["--prometheus-host", self.host, "--log-level", "warn"]
         if self.worker_urls:
             cmd += ["--worker-urls", *self.worker_urls]
         return cmd + self.extra_args

@@ -277,23 +277,48 @@ class EngineProcess:
         """GET from the engine; returns the decoded answer, EngineHTTPError on an error status."""
         return self._check(self._client.get(self.url + path, timeout=timeout, headers=self._headers(path)))
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs (its process group has the same id)."""
+        return self.proc.pid if self.proc is not None else None
+
     def shutdown(self, timeout: float = 15.0) -> None:
         """Terminate the server (SIGTERM to its process group), then kill it if it lingers."""
+        self._stop(signal_first=15, timeout=timeout)
+
+    def kill(self, timeout: float = 15.0) -> None:
+        """SIGKILL the server's process group at once (it may be stopped or hung) and reap it."""
+        self._stop(signal_first=9, timeout=timeout)
+
+    def restart(self) -> EngineProcess:
+        """Kill the server and start a fresh one on the same host and port (so its URL does not change); waits
+        for /health like `launch`. The fresh server holds the weights of `model_path`: refit it before use."""
+        self.kill()
+        return self.launch()
+
+    def _stop(self, signal_first: int, timeout: float) -> None:
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
             try:
-                os.killpg(proc.pid, 15)
+                os.killpg(proc.pid, signal_first)
             except ProcessLookupError:
                 pass
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                logger.warning("engine %s ignored SIGTERM for %.0f s; killing", self.url, timeout)
+                logger.warning(
+                    "engine %s ignored signal %d for %.0f s; killing", self.url, signal_first, timeout
+                )
                 try:
                     os.killpg(proc.pid, 9)
                 except ProcessLookupError:
                     pass
                 proc.wait(timeout)
+        elif proc is not None:
+            try:  # the server died on its own: take down anything it left in its group
+                os.killpg(proc.pid, 9)
+            except ProcessLookupError:
+                pass
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -340,5 +365,14 @@ def make_engine_actor_class() -> Any:
 
         def shutdown(self) -> None:
             self.engine.shutdown()
+
+        def kill(self) -> None:
+            self.engine.kill()
+
+        def restart(self) -> str:
+            return self.engine.restart().url
+
+        def pid(self) -> int | None:
+            return self.engine.pid
 
     return ray.remote(RolloutEngineActor)

@@ -53,6 +53,12 @@ class MemoryChoreography:
             self.released = set(MEMORY_TAGS)
             self.trainer.wake_up()
 
+    def refit_restarted(self, engine_urls: list[str], weight_version: str) -> None:
+        """Refit engines the health monitor restarted: fresh servers hold the model's initial weights and every
+        memory tag, so only the weights move (the trainer wakes for it and goes back to sleep on its own)."""
+        if engine_urls:
+            self.trainer.update_weights(list(engine_urls), weight_version)
+
     def refit(self, weight_version: str) -> None:
         """Push the trainer's weights to the engines and leave the engines ready to generate."""
         if self.colocate and "weights" in self.released:

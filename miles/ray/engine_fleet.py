@@ -3,6 +3,7 @@
 `EngineFleet` is a plain class (the driver wraps it with `ray.remote`): it launches one engine Ray actor per
 engine on the placement group, puts sglang-router in front of them, and controls them over HTTP (memory
 release/resume, cache flush). Generation does not go through it: the rollout runner talks to the router.
+With `--use-fault-tolerance` it runs a `HealthMonitor` while rollouts run (see `miles.ray.engine_health`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 
 import httpx
 
+from miles.ray.engine_health import HealthMonitor, HealthSettings
 from miles.ray.placement import Placement
 from miles.ray.utils import ray_get
 
@@ -26,9 +28,20 @@ class EngineFleet:
         self.config = Config.from_dict(config_dict)
         self.timeout = float(self.config.rollout.rollout_request_timeout)
         self._start_engines(placement, num_rollout_workers)
+        self.monitor: HealthMonitor | None = None
+        c = self.config.cluster
+        if c.use_fault_tolerance:
+            settings = HealthSettings(
+                c.rollout_health_check_interval,
+                c.rollout_health_check_timeout,
+                c.rollout_health_check_first_wait,
+            )
+            self.monitor = HealthMonitor(
+                self.engine_urls, settings, self._check_health, self._take_out, self._restart
+            )
 
     def _start_engines(self, placement: Placement, num_rollout_workers: int) -> None:
-        from miles.engines.router import Router
+        from miles.engines.router import Router, resilience_args
         from miles.engines.sglang_engine import (
             ENGINE_ACTOR_RUNTIME_ENV,
             engine_launch_kwargs,
@@ -48,6 +61,8 @@ class EngineFleet:
             "num-threads": 1 if not placement.use_gpu else None,
         }
         self.engines = []
+        log_dir = os.path.abspath(os.path.join(cfg.log.run_dir, "logs"))
+        os.makedirs(log_dir, exist_ok=True)
         for i in range(num_engines):
             launch = engine_launch_kwargs(
                 kind, i, cfg.rollout.rollout_seed, cfg.cluster.colocate, dict(cfg.engine.sglang_args),
@@ -64,6 +79,7 @@ class EngineFleet:
                     tp_size=per_engine,
                     admin_api_key=cfg.engine.engine_api_key,
                     startup_timeout=self.timeout,
+                    log_path=os.path.join(log_dir, f"engine_{i}.log"),
                     **launch,
                 )
             )
@@ -72,7 +88,12 @@ class EngineFleet:
             self.timeout,
             f"starting {num_engines} {kind} engine(s)",
         )
-        self.router = Router(self.engine_urls, startup_timeout=self.timeout).launch()
+        self.router = Router(
+            self.engine_urls,
+            startup_timeout=self.timeout,
+            extra_args=resilience_args(self.timeout),
+            log_path=os.path.join(log_dir, "router.log"),
+        ).launch()
         self.router_url = self.router.url
         logger.info("engines %s behind router %s", self.engine_urls, self.router_url)
 
@@ -82,6 +103,49 @@ class EngineFleet:
 
     def get_router_url(self) -> str:
         return self.router_url
+
+    # ----------------------------------------------------------------------------------------------- health
+    def _check_health(self, url: str, timeout: float) -> str | None:
+        try:
+            resp = httpx.get(f"{url}/health_generate", timeout=timeout, trust_env=False)
+        except httpx.TimeoutException:
+            return f"no answer to /health_generate within {timeout:.0f}s"
+        except httpx.HTTPError as e:
+            return f"/health_generate: {type(e).__name__}: {e}"
+        return None if resp.status_code == 200 else f"/health_generate answered {resp.status_code}"
+
+    def _take_out(self, url: str) -> None:
+        if url in self.router.list_workers():
+            self.router.remove_worker(url)
+
+    def _restart(self, url: str) -> None:
+        engine = self.engines[self.engine_urls.index(url)]
+        new_url = ray_get(engine.restart.remote(), self.timeout, f"restarting engine {url}")
+        assert new_url == url, (new_url, url)
+
+    def start_watch(self) -> None:
+        """A rollout starts: check engine health (no-op without --use-fault-tolerance)."""
+        if self.monitor is not None:
+            self.monitor.start_watch()
+
+    def take_restarted(self) -> list[str]:
+        """Engines restarted since the last call; they need a refit, then `readmit`."""
+        return self.monitor.take_restarted() if self.monitor is not None else []
+
+    def stop_watch(self) -> list[str]:
+        """The rollout ended: stop checking, wait for a restart in progress; returns the engines to refit."""
+        return self.monitor.stop_watch(self.timeout) if self.monitor is not None else []
+
+    def readmit(self, urls: list[str]) -> None:
+        """Put refit engines back behind the router."""
+        for url in urls:
+            self.router.add_worker(url)
+            if self.monitor is not None:
+                self.monitor.done(url)
+
+    def recoveries(self) -> int:
+        """How many engine restarts the health monitor made."""
+        return len(self.monitor.recoveries) if self.monitor is not None else 0
 
     # ----------------------------------------------------------------------------------------------- control
     def _post_all(self, path: str, body: dict | None = None) -> None:
@@ -111,5 +175,14 @@ class EngineFleet:
         self._post_all("/flush_cache")
 
     def shutdown(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
         self.router.shutdown()
         ray_get([e.shutdown.remote() for e in self.engines], 60, "stopping engines")
+
+    def kill(self) -> None:
+        """Fast teardown (Ctrl-C): SIGKILL every engine and the router."""
+        if self.monitor is not None:
+            self.monitor.close()
+        self.router.shutdown(timeout=2)
+        ray_get([e.kill.remote() for e in self.engines], 10, "killing engines")

@@ -35,6 +35,13 @@ class RolloutManager:
     def set_start_rollout(self, rollout_id: int) -> None:
         self.runner.set_start_rollout(rollout_id)
 
+    def state_dict(self, after_rollout: int | None = None) -> dict:
+        """The data cursor and partial-rollout buffer (as right after `after_rollout`), for the checkpoint."""
+        return self.runner.state_dict(after_rollout)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.runner.load_state_dict(state)
+
     def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
         """Generate and score one rollout: the samples (prompt groups contiguous) and the metrics."""
         return self.runner.generate(rollout_id)

@@ -3,7 +3,10 @@ tracking."""
 
 from __future__ import annotations
 
+import json
 import logging
+import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +17,7 @@ from miles.ray.engine_fleet import EngineFleet
 from miles.ray.placement import cluster_has_gpus, create_placement
 from miles.ray.rollout_manager import RolloutManager
 from miles.ray.train_group import RayTrainGroup
-from miles.ray.utils import init_ray, ray_get
+from miles.ray.utils import PhaseTimeoutError, init_ray, ray_get
 from miles.utils.debug_data import load_rollout, save_rollout
 from miles.utils.progress import progress_bar, progress_enabled, progress_env
 from miles.utils.seqlen_balancing import partition_samples_by_dp
@@ -48,27 +51,73 @@ class System:
     start_rollout_id: int
     progress: Any  # the driver's bar over rollouts (a no-op unless progress bars are on)
 
+    num_engines: int = 1
+
     @property
     def timeout(self) -> float:
         return float(self.cfg.rollout.rollout_request_timeout)
 
+    @property
+    def rollout_deadline(self) -> float | None:
+        """--rollout-timeout; by default none with --use-fault-tolerance (each request has its deadline and dead
+        engines come back), else twice the request deadline per wave of requests the engines can hold at once."""
+        r = self.cfg.rollout
+        if r.rollout_timeout is not None:
+            return float(r.rollout_timeout)
+        if self.cfg.cluster.use_fault_tolerance:
+            return None
+        requests = (r.over_sampling_batch_size or r.rollout_batch_size) * r.n_samples_per_prompt
+        waves = math.ceil(requests / (self.cfg.engine.engine_max_running_requests * self.num_engines))
+        return 2 * self.timeout * max(1, waves)
+
     def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
         """Rollout `rollout_id` from the engines, or read back with --load-debug-rollout-data (saved with
-        --save-debug-rollout-data as the trainer receives it)."""
+        --save-debug-rollout-data as the trainer receives it). Meanwhile refit the engines the health monitor
+        restarted (with this rollout's weight version) and put them back behind the router. Polls once a second,
+        so Ctrl-C is prompt."""
         dbg = self.cfg.debug
         if dbg.load_debug_rollout_data:
             return load_rollout(dbg.load_debug_rollout_data, rollout_id, "--load-debug-rollout-data")
-        samples, metrics = ray_get(
-            self.rollout.generate.remote(rollout_id), self.timeout, f"rollout {rollout_id}"
-        )
+        phase = f"rollout {rollout_id}"
+        ray_get(self.fleet.start_watch.remote(), 60, f"{phase}: start engine health checks")
+        ref = self.rollout.generate.remote(rollout_id)
+        limit = self.rollout_deadline
+        deadline = None if limit is None else time.monotonic() + limit
+        while not ray.wait([ref], timeout=1.0)[0]:
+            self._refit_restarted(ray_get(self.fleet.take_restarted.remote(), 60, phase), rollout_id)
+            if deadline is not None and time.monotonic() > deadline:
+                ray.cancel(ref, force=False)
+                raise PhaseTimeoutError(
+                    f"timed out after {limit:.0f}s waiting for phase '{phase}' (--rollout-timeout)"
+                )
+        restarted = ray_get(self.fleet.stop_watch.remote(), self.timeout, f"{phase}: engine restarts")
+        self._refit_restarted(restarted, rollout_id)
+        samples, metrics = ray_get(ref, 60, phase)
         if dbg.save_debug_rollout_data:
             save_rollout(
                 dbg.save_debug_rollout_data, rollout_id, samples, metrics, "--save-debug-rollout-data"
             )
         return samples, metrics
 
+    def _refit_restarted(self, urls: list[str], rollout_id: int) -> None:
+        if urls:
+            logger.warning("refitting restarted engine(s) %s with weight version %d", urls, rollout_id)
+            self.choreography.refit_restarted(urls, weight_version=str(rollout_id))
+            ray_get(
+                self.fleet.readmit.remote(urls), self.timeout, f"rollout {rollout_id}: router re-admission"
+            )
+
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         return ray_get(self.rollout.eval.remote(rollout_id), self.timeout, f"eval after rollout {rollout_id}")
+
+    def save(self, rollout_id: int) -> None:
+        """Checkpoint the trainer with the rollout side's state (data cursor, partial-rollout buffer)."""
+        state = ray_get(
+            self.rollout.state_dict.remote(rollout_id),
+            self.timeout,
+            f"save checkpoint {rollout_id}: rollout state",
+        )
+        self.train_group.save(rollout_id, {ROLLOUT_STATE_KEY: json.dumps(state)})
 
     def split_by_dp(self, samples: list[Sample]) -> list[list[Sample]]:
         """Split a rollout across DP ranks, keeping prompt groups whole (balanced by tokens with --balance-data)."""
@@ -80,9 +129,12 @@ class System:
         )
         return [[samples[i] for i in part] for part in parts]
 
-    def shutdown(self) -> None:
+    def shutdown(self, fast: bool = False) -> None:
+        """Stop engines, router, trackers and Ray; `fast` (Ctrl-C) kills the engines instead of draining them."""
         try:
-            if self.fleet is not None:
+            if self.fleet is not None and fast:
+                ray_get(self.fleet.kill.remote(), 8, "killing the engines (Ctrl-C)")
+            elif self.fleet is not None:
                 ray_get(self.fleet.shutdown.remote(), 120, "shutting down the engines")
         finally:
             self.progress.close()
@@ -101,6 +153,31 @@ class RolloutEngineMemory:
 
     def resume_memory(self, tags: list[str]) -> None:
         ray_get(self.fleet.resume_memory.remote(tags), self.timeout, f"engines resume memory {tags}")
+
+
+ROLLOUT_STATE_KEY = "rollout_state_json"  # the checkpoint's extra state: the runner's state_dict() as JSON
+
+
+def resume_rollout_side(
+    cfg: Any, rollout: Any, train_group: RayTrainGroup, start: int, timeout: float
+) -> None:
+    """Put the data cursor (and partial-rollout buffer) where the resumed checkpoint left it, and say so; a
+    checkpoint without one (older runs) gets the cursor derived from the rollout id."""
+    if start == 0:
+        ray_get(rollout.set_start_rollout.remote(0), timeout, "positioning the data cursor")
+        return
+    extra = train_group.resume_state()
+    if ROLLOUT_STATE_KEY in extra:
+        state = json.loads(extra[ROLLOUT_STATE_KEY])
+        ray_get(rollout.load_state_dict.remote(state), timeout, "restoring the data cursor")
+        ds = state["data_source"]
+        how = (
+            f"data cursor epoch {ds['epoch']} offset {ds['offset']}, {len(state['buffer'])} buffered group(s)"
+        )
+    else:
+        ray_get(rollout.set_start_rollout.remote(start), timeout, "positioning the data cursor")
+        how = "data cursor derived from the rollout id (the checkpoint has none)"
+    print(f"resumed from {cfg.checkpoint.load} at rollout {start}: {how}", flush=True)
 
 
 def build_system(cfg: Any) -> System:
@@ -154,7 +231,7 @@ def build_system(cfg: Any) -> System:
         rollout = (
             ray.remote(RolloutManager).options(num_cpus=0).remote(cfg.to_dict(), router_url, engine_urls)
         )
-        ray_get(rollout.set_start_rollout.remote(start), timeout, "positioning the data cursor")
+        resume_rollout_side(cfg, rollout, train_group, start, timeout)
     if train_group is not None and fleet is not None:
         choreography = MemoryChoreography(
             colocate, train_group, RolloutEngineMemory(fleet, timeout), engine_urls
@@ -170,4 +247,15 @@ def build_system(cfg: Any) -> System:
         start,
     )
     bar = progress_bar(cfg.rollout.num_rollout - start, "rollouts", unit="rollout")
-    return System(cfg, train_group, rollout, fleet, choreography, tracker, Timer(), start, bar)
+    return System(
+        cfg,
+        train_group,
+        rollout,
+        fleet,
+        choreography,
+        tracker,
+        Timer(),
+        start,
+        bar,
+        num_engines=len(engine_urls),
+    )

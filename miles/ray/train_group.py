@@ -12,7 +12,7 @@ from typing import Any
 import ray
 
 from miles.ray.placement import Placement
-from miles.ray.utils import get_free_port, get_node_ip, ray_get
+from miles.ray.utils import PhaseTimeoutError, get_free_port, get_node_ip, ray_get
 from miles.utils.types import Sample
 
 
@@ -51,8 +51,11 @@ class TrainWorker:
     def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
         return self.backend.train(rollout_id, samples)
 
-    def save(self, rollout_id: int) -> None:
-        self.backend.save(rollout_id)
+    def save(self, rollout_id: int, extra_state: dict[str, Any] | None = None) -> None:
+        self.backend.save(rollout_id, extra_state)
+
+    def resume_state(self) -> dict[str, Any]:
+        return self.backend.resume_state()
 
     def save_hf(self, rollout_id: int) -> None:
         self.backend.save_hf(rollout_id)
@@ -89,7 +92,28 @@ class RayTrainGroup:
         return self.num_workers // self.cp_size
 
     def _all(self, phase: str, method: str, *args: Any) -> list[Any]:
-        return ray_get([getattr(w, method).remote(*args) for w in self.workers], self.timeout, phase)
+        return self._gather([getattr(w, method).remote(*args) for w in self.workers], phase)
+
+    def _gather(self, refs: list[Any], phase: str) -> list[Any]:
+        """Wait for one call per rank; a dead worker is named by its rank and the phase, a deadline by the ranks
+        that had not answered."""
+        try:
+            return ray_get(refs, self.timeout, phase)
+        except PhaseTimeoutError as e:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            late = [rank for rank, ref in enumerate(refs) if ref not in ready]
+            raise PhaseTimeoutError(f"{e}; training ranks not done: {late}") from e
+        except ray.exceptions.RayActorError as e:
+            for rank, ref in enumerate(refs):
+                try:
+                    ray.get(ref, timeout=0)
+                except ray.exceptions.RayActorError as err:
+                    raise RuntimeError(
+                        f"training worker rank {rank} died in phase '{phase}': {str(err).splitlines()[0]}"
+                    ) from e
+                except Exception:  # noqa: BLE001 - not ready, or failed otherwise: look at the next rank
+                    continue
+            raise
 
     def init(self, with_ref: bool) -> int:
         addr, port = ray_get(
@@ -105,15 +129,21 @@ class RayTrainGroup:
         if len(per_dp_rank) != self.dp_size:
             raise ValueError(f"expected data for {self.dp_size} DP ranks, got {len(per_dp_rank)}")
         refs = [ray.put(d) for d in per_dp_rank]
-        results = ray_get(
+        results = self._gather(
             [w.train.remote(rollout_id, refs[rank // self.cp_size]) for rank, w in enumerate(self.workers)],
-            self.timeout,
             f"train rollout {rollout_id}",
         )
         return results[0]
 
-    def save(self, rollout_id: int) -> None:
-        self._all(f"save checkpoint {rollout_id}", "save", rollout_id)
+    def save(self, rollout_id: int, extra_state: dict[str, Any] | None = None) -> None:
+        """Checkpoint on every rank; `extra_state` (plain data, e.g. the data cursor) is stored with it."""
+        self._all(f"save checkpoint {rollout_id}", "save", rollout_id, extra_state)
+
+    def resume_state(self) -> dict[str, Any]:
+        """The extra state of the checkpoint the ranks resumed from (rank 0's); {} for a fresh start."""
+        return ray_get(
+            self.workers[0].resume_state.remote(), self.timeout, "read the resumed checkpoint's state"
+        )
 
     def save_hf(self, rollout_id: int) -> None:
         self._all(f"save HF model {rollout_id}", "save_hf", rollout_id)

@@ -148,6 +148,7 @@ class RolloutRunner:
             seed=r.rollout_seed,
         )
         self._eval_datasets: dict[str, PromptDataset] = {}
+        self._states_after: dict[int, dict[str, Any]] = {}  # rollout id -> state_dict() right after it
 
     def _dataset(self, path: str, input_key: str, label_key: str | None) -> PromptDataset:
         d = self.data_cfg
@@ -169,6 +170,7 @@ class RolloutRunner:
             timeout=float(self.rollout_cfg.rollout_request_timeout),
             concurrency=self.concurrency,
             transport=self.transport,
+            seed=self.rollout_cfg.rollout_seed,
         )
 
     def _context(self, client: EngineClient) -> RolloutContext:
@@ -194,6 +196,27 @@ class RolloutRunner:
         size = len(self.data_source.dataset)
         self.data_source.load_state_dict({"epoch": consumed // size, "offset": consumed % size})
 
+    def state_dict(self, after_rollout: int | None = None) -> dict[str, Any]:
+        """What a checkpoint keeps of the rollout side (JSON-able): the data cursor and the partial-rollout
+        buffer (unfinished groups, as `Sample.to_dict()` records); with `after_rollout`, as they were right
+        after that rollout (the one-step-off loop saves while the next rollout already draws prompts)."""
+        if after_rollout is not None:
+            if after_rollout not in self._states_after:
+                raise ValueError(
+                    f"no rollout state kept for rollout {after_rollout}; kept: {sorted(self._states_after)}"
+                )
+            return self._states_after[after_rollout]
+        ds = self.data_source
+        return {
+            "data_source": ds.state_dict(),
+            "buffer": [[s.to_dict() for s in group] for group in ds.buffer],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from a `state_dict()` (ValueError when it does not fit this dataset)."""
+        self.data_source.load_state_dict(state["data_source"])
+        self.data_source.buffer = [[Sample.from_dict(d) for d in group] for group in state.get("buffer", [])]
+
     def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
         """One training rollout: the samples (prompt groups contiguous, numbered) and the `rollout/*` metrics."""
 
@@ -202,6 +225,8 @@ class RolloutRunner:
                 return await self.seams.rollout(self._context(client), rollout_id)
 
         out = asyncio.run(run())
+        self._states_after = {k: v for k, v in self._states_after.items() if k >= rollout_id - 1}
+        self._states_after[rollout_id] = self.state_dict()
         samples = self._check_output(out)
         self.scorer.set_train_rewards(samples)
         metrics = rollout_metrics(samples, self.settings.reward_key, 0)

@@ -10,13 +10,28 @@ from contextlib import contextmanager
 class Timer:
     def __init__(self) -> None:
         self._totals: dict[str, float] = {}
+        self._open: list[str] = []
+        self._raised_in: str | None = None
+
+    @property
+    def current(self) -> str | None:
+        """The innermost phase in progress, or the innermost one an exception (Ctrl-C) left; None between
+        phases."""
+        return self._open[-1] if self._open else self._raised_in
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
+        if not self._open:
+            self._raised_in = None
+        self._open.append(name)
         try:
             yield
+        except BaseException:
+            self._raised_in = self._raised_in or name
+            raise
         finally:
+            self._open.pop()
             self._totals[name] = self._totals.get(name, 0.0) + time.perf_counter() - start
 
     def pop(self) -> dict[str, float]:

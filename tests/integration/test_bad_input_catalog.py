@@ -176,7 +176,7 @@ CATALOG = [
     Bad("config_unknown_key", ("run.yaml", "learning_rate"), argv=lambda w: w.base + ["--config", w.write("run.yaml", "learning_rate: 1\n")]),
     Bad("env_vars_json", ("--train-env-vars", "invalid JSON"), argv=lambda w: w.base + ["--train-env-vars", "{x"]),
     # ---- flags: pre-flight (imports, unbuilt features) --------------------------------------------------
-    Bad("unbuilt_flag", ("--use-fault-tolerance=True", "not implemented"), argv=lambda w: w.base + ["--use-fault-tolerance"]),
+    Bad("health_check_timeout_zero", ("--rollout-health-check-timeout=0",), argv=lambda w: w.base + ["--use-fault-tolerance", "--rollout-health-check-timeout", "0"]),
     Bad("no_reward", ("no reward function", "--rm-type", "--custom-rm-path"), argv=lambda w: w.without("--rm-type")),
     Bad("unknown_rm_type", ("--rm-type='mathh'", "did you mean 'math'"), argv=lambda w: w.base + ["--rm-type", "mathh"]),
     Bad("rm_module_missing", ("--custom-rm-path='no_such_mod:fn'", "No module named"), argv=lambda w: w.base + ["--custom-rm-path", "no_such_mod:fn"]),

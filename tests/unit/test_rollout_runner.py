@@ -16,6 +16,7 @@ import pytest
 
 from miles.config import parse_config
 from miles.rollout.default_rollout import DynamicSamplingExhausted
+from miles.rollout.engine_client import request_seed
 from miles.rollout.runner import RolloutRunner
 from miles.utils.types import Sample, SampleStatus
 from tests.fake_engine import FakeEngine, Reply, log_prob_of
@@ -73,6 +74,8 @@ def test_default_rollout_single_turn(tokenizer, data, tmp_path):
     for s, request in zip(samples, engine.requests):
         assert request["input_ids"] == s.tokens[: s.prompt_length]
         assert request["sampling_params"]["max_new_tokens"] == 6
+        # a deterministic seed per (--rollout-seed 42, rollout 0, sample index)
+        assert request["sampling_params"]["sampling_seed"] == request_seed(42, f"rollout0-{s.index}")
         assert s.response_length == 1 and s.loss_mask == [1]
         assert s.rollout_log_probs == [log_prob_of(s.tokens[-1], 0)]
         assert s.status == SampleStatus.COMPLETED and s.weight_versions == ["0"]
@@ -263,3 +266,21 @@ def test_stock_filters():
     assert check_no_aborted(group([1.0, 0.0]), None).keep
     aborted = check_no_aborted(group([1.0, 0.0], [SampleStatus.COMPLETED, SampleStatus.ABORTED]), None)
     assert not aborted.keep and aborted.reason == "aborted"
+
+
+def test_rollout_state_round_trips_through_json(tokenizer, data):
+    """The checkpoint's rollout state: a runner restored from state_dict(0) draws the prompts rollout 1 drew."""
+    engine = FakeEngine(lambda ids, sp, rid: Reply([digit(1)], text="1"))
+    a = make_runner(tokenizer, data, engine, extra="--rollout-shuffle")
+    a.generate(0)
+    state = json.loads(json.dumps(a.state_dict(0)))
+    assert state == {"data_source": {"epoch": 0, "offset": 4}, "buffer": []}
+    first, _ = a.generate(1)
+    b = make_runner(tokenizer, data, engine, extra="--rollout-shuffle")
+    b.load_state_dict(state)
+    again, _ = b.generate(1)
+    assert [s.prompt for s in again] == [s.prompt for s in first]
+    # kept for the one-step-off loop, which saves after the next rollout began
+    assert a.state_dict(0) == state
+    with pytest.raises(ValueError, match="no rollout state kept for rollout 5"):
+        a.state_dict(5)

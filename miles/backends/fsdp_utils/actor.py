@@ -91,6 +91,7 @@ class FSDPTrainer(TrainBackend):
             state = load_checkpoint(cfg.checkpoint.load, self.model, self.optimizer, self.lr_scheduler)
             if state is not None:
                 start = int(state["next_rollout_id"])
+                self._resumed_extra_state = dict(state["extra_state"])
                 logger.info("resumed from %s at rollout %d", cfg.checkpoint.load, start)
         self.loss_settings = rb.loss_settings(cfg)
         self._loss_fn = compute_loss
@@ -207,7 +208,7 @@ class FSDPTrainer(TrainBackend):
         metrics.add_value("grad_norm", float(grad_norm))
 
     # ------------------------------------------------------------------------------------------------ save
-    def save(self, rollout_id: int) -> None:
+    def save(self, rollout_id: int, extra_state: dict[str, Any] | None = None) -> None:
         from miles.backends.fsdp_utils.checkpoint import save_checkpoint
 
         cfg = self.config.checkpoint
@@ -219,7 +220,7 @@ class FSDPTrainer(TrainBackend):
             self.model,
             self.optimizer,
             self.lr_scheduler,
-            extra_state={},
+            extra_state=dict(extra_state or {}),
             keep_last=cfg.keep_last,
         )
         # config + tokenizer beside the weights: the checkpoint converts to HF on its own

@@ -41,6 +41,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False  # keep the matched stop string / stop token in `text`
     ignore_eos: bool = False
+    sampling_seed: int | None = (
+        None  # seeds this request's sampler (same answer on any engine); None: from rid
+    )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -81,6 +84,12 @@ class SamplingParams:
             errs.append(f"top_k={self.top_k!r} must be -1 (off) or >= 1")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
             errs.append(f"max_new_tokens={self.max_new_tokens!r} must be an int >= 0")
+        if self.sampling_seed is not None and (
+            not isinstance(self.sampling_seed, int)
+            or isinstance(self.sampling_seed, bool)
+            or self.sampling_seed < 0
+        ):
+            errs.append(f"sampling_seed={self.sampling_seed!r} must be an int >= 0")
         if any(not isinstance(s, str) or not s for s in self.stop):
             errs.append(f"stop={list(self.stop)!r} must be non-empty strings")
         return errs
@@ -91,10 +100,14 @@ class SamplingParams:
         return 1.0 if self.temperature == 0 else float(self.temperature)
 
 
-def request_generator(random_seed: int, rid: str) -> torch.Generator:
-    """A CPU generator seeded from (server seed, request id), so a request's samples are reproducible."""
-    digest = hashlib.sha256(f"{random_seed}:{rid}".encode()).digest()
+def request_generator(random_seed: int, rid: str, sampling_seed: int | None = None) -> torch.Generator:
+    """A CPU generator seeded from the request's `sampling_seed` when it has one (the same answer on every
+    engine), else from (server seed, request id); either way a request's samples are reproducible."""
     gen = torch.Generator()
+    if sampling_seed is not None:
+        gen.manual_seed(int(sampling_seed))
+        return gen
+    digest = hashlib.sha256(f"{random_seed}:{rid}".encode()).digest()
     gen.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
     return gen
 

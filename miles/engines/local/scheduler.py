@@ -117,7 +117,13 @@ class Scheduler:
                 f"--max-total-tokens={self.max_total_tokens}"
             )
         self._check_ready()
-        req = Request(rid, list(input_ids), params, return_logprob, request_generator(self.random_seed, rid))
+        req = Request(
+            rid,
+            list(input_ids),
+            params,
+            return_logprob,
+            request_generator(self.random_seed, rid, params.sampling_seed),
+        )
         req.return_text_in_logprobs = return_text_in_logprobs
         with self._cond:
             # a finished request may still sit in `running` until the end of the step that finished it

@@ -1,0 +1,47 @@
+"""Fault injection for the e2e fault-tolerance tests: generate functions that signal an engine mid-rollout.
+
+Each is the stock single-turn generate function, except that the request of sample 5 of rollout 1 first sends a
+signal to the server process of the first engine (found by its port in /proc), once per process: requests to that
+engine are in flight at that moment, since the rollout sends up to --engine-max-running-requests per engine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from urllib.parse import urlparse
+
+from miles.rollout.generate import generate_single_turn
+
+_fired: set[str] = set()
+
+
+def engine_pid(url: str) -> int:
+    """The pid of the embedded engine server listening on `url`'s port."""
+    port = str(urlparse(url).port)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "miles.engines.local" in argv and "--port" in argv and argv[argv.index("--port") + 1] == port:
+            return int(pid)
+    raise LookupError(f"no engine server process listening on {url}")
+
+
+async def _faulty(sig: signal.Signals, client, sample, sampling, ctx):
+    if ctx.request_id_prefix == "rollout1" and sample.index == 5 and sig.name not in _fired:
+        _fired.add(sig.name)
+        pid = engine_pid(client.engine_urls[0])
+        print(f"fault injection: {sig.name} to engine {client.engine_urls[0]} (pid {pid})", flush=True)
+        os.kill(pid, sig)
+    return await generate_single_turn(client, sample, sampling, ctx)
+
+
+async def sigkill_engine(client, sample, sampling, ctx):
+    return await _faulty(signal.SIGKILL, client, sample, sampling, ctx)
+
+
+async def sigstop_engine(client, sample, sampling, ctx):
+    return await _faulty(signal.SIGSTOP, client, sample, sampling, ctx)
