@@ -27,6 +27,8 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     model = build_tiny_model(root / "model", task="echo", seed=0)
     rows = make_rows("echo", 64, seed=0)
+    for i, row in enumerate(rows):  # prompt texts repeat in the toy task: number the rows
+        row["metadata"] = {"pid": i}
     data = write_jsonl(rows, root / "data.jsonl")
     return root, str(model), str(data), rows
 
@@ -58,11 +60,11 @@ def _check_completed(run_dir: str, rows: list[dict]) -> None:
             samples = [json.loads(line) for line in f]
         assert len(samples) == BATCH * N
         assert all(s["status"] in ("completed", "truncated") for s in samples)  # none lost to the fault
-        trained += [s["prompt"] for s in samples[::N]]
+        trained += [s["metadata"]["pid"] for s in samples[::N]]
         for g in range(BATCH):  # a group is N samples of one prompt
-            assert len({s["prompt"] for s in samples[g * N : (g + 1) * N]}) == 1
+            assert len({s["metadata"]["pid"] for s in samples[g * N : (g + 1) * N]}) == 1
     # every prompt of the run, in order, exactly once (no shuffle: rollout r takes rows r*BATCH ...)
-    assert len(trained) == len(set(trained)) == NUM_ROLLOUT * BATCH
+    assert trained == list(range(NUM_ROLLOUT * BATCH))
     with open(os.path.join(run_dir, "logs", "engine_0.log")) as f:
         log0 = f.read()
     with open(os.path.join(run_dir, "logs", "engine_1.log")) as f:
