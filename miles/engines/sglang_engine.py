@@ -20,6 +20,8 @@ from typing import Any
 
 import httpx
 
+from miles.engines.sglang_launch import ADMIN_API_KEY_ENV, API_KEY_ENV
+
 logger = logging.getLogger(__name__)
 
 ENGINE_KINDS = ("auto", "sglang", "local")
@@ -139,9 +141,12 @@ def engine_launch_kwargs(
 class EngineProcess:
     """One rollout engine server: its process, its URL and a small HTTP client.
 
-    `admin_api_key` becomes the server's `--admin-api-key` (required on the admin endpoints only: generation
-    stays open, so the router and rollout requests carry no key); `api_key` becomes `--api-key`, which guards
-    every endpoint but /health. `python` runs the server (default: this interpreter).
+    `admin_api_key` is the server's `--admin-api-key` (required on the admin endpoints only: generation
+    stays open, so the router and rollout requests carry no key); `api_key` is its `--api-key`, which guards
+    every endpoint but /health. Both reach the server by environment (`MILES_ENGINE_API_KEY`,
+    `MILES_ENGINE_ADMIN_API_KEY`), never on its command line, which any local user can read in /proc; SGLang is
+    started through `miles.engines.sglang_launch`, which moves them onto its in-process argv.
+    `python` runs the server (default: this interpreter).
     """
 
     def __init__(
@@ -194,15 +199,28 @@ class EngineProcess:
     def command(self) -> list[str]:
         """The server command line (needs `port` set)."""
         common = ["--model-path", self.model_path, "--host", self.host, "--port", str(self.port)]
-        if self.api_key:
-            common += ["--api-key", self.api_key]
-        if self.admin_api_key:
-            common += ["--admin-api-key", self.admin_api_key]
         if self.kind == "sglang":
-            return [self.python, "-m", "sglang.launch_server", *common, "--tp-size", str(self.tp_size)] + (
-                _flag_args(self.sglang_args)
-            )
+            return [
+                self.python,
+                "-m",
+                "miles.engines.sglang_launch",
+                *common,
+                "--tp-size",
+                str(self.tp_size),
+            ] + (_flag_args(self.sglang_args))
         return [self.python, "-m", "miles.engines.local", *common] + _flag_args(self.local_args)
+
+    def launch_env(self) -> dict[str, str]:
+        """The server's environment: this process's, `env`, and the keys (never on the command line)."""
+        env = {**os.environ, **self.env}
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH", "")) if p)
+        for name, key in ((API_KEY_ENV, self.api_key), (ADMIN_API_KEY_ENV, self.admin_api_key)):
+            if key:
+                env[name] = key
+            else:
+                env.pop(name, None)
+        return env
 
     def launch(self) -> EngineProcess:
         """Start the server on a free port (unless one was given) and wait for /health; returns self."""
@@ -213,9 +231,7 @@ class EngineProcess:
         if self.log_path is None:
             fd, self.log_path = tempfile.mkstemp(prefix=f"miles-engine-{self.port}-", suffix=".log")
             os.close(fd)
-        env = {**os.environ, **self.env}
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH", "")) if p)
+        env = self.launch_env()
         self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the process lifetime
         logger.info("launching %s engine: %s (log: %s)", self.kind, " ".join(self.command()), self.log_path)
         self.proc = subprocess.Popen(

@@ -3,9 +3,11 @@ tracking."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -180,11 +182,24 @@ def resume_rollout_side(
     print(f"resumed from {cfg.checkpoint.load} at rollout {start}: {how}", flush=True)
 
 
+def with_run_engine_key(cfg: Any) -> Any:
+    """`cfg` with an engine admin key: `--engine-api-key` when set, else a fresh random one for this run.
+
+    The engines get it by environment (never on a command line), the trainers and the rollout side through
+    their Ray actor arguments; so without a key from the user, only this run can refit or pause its engines
+    (refit payloads are unpickled from authenticated requests only). The run's saved config redacts it."""
+    if cfg.engine.engine_api_key:
+        return cfg
+    key = secrets.token_urlsafe(32)
+    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, engine_api_key=key))
+
+
 def build_system(cfg: Any) -> System:
     """Engines, router, rollout manager and trainers, placed and started; the engines hold the trainer's weights.
 
     Replay debugging leaves a side out: --load-debug-rollout-data starts no engines (and refits nothing),
     --debug-rollout-only starts no trainers (the engines keep the --hf-checkpoint weights)."""
+    cfg = with_run_engine_key(cfg)
     num_actor, num_rollout = worker_counts(cfg)
     replay, rollout_only = cfg.debug.load_debug_rollout_data is not None, cfg.debug.debug_rollout_only
     num_rollout = 0 if replay else num_rollout

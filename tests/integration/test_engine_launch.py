@@ -53,18 +53,17 @@ def test_command_lines():
         sglang_args={"mem_fraction_static": "0.7", "enable-memory-saver": True, "skip": False},
     )
     cmd = eng.command()
-    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    assert cmd[1:3] == [
+        "-m",
+        "miles.engines.sglang_launch",
+    ]  # sglang.launch_server, keys from the environment
     assert cmd[3:] == [
         "--model-path", "/m", "--host", "127.0.0.1", "--port", "1234", "--tp-size", "2",
         "--mem-fraction-static", "0.7", "--enable-memory-saver",
     ]  # fmt: skip
     local = EngineProcess("/m", kind="local", port=5, api_key="k", local_args={"random_seed": 3}).command()
-    assert local[1:3] == ["-m", "miles.engines.local"] and local[-4:] == [
-        "--api-key",
-        "k",
-        "--random-seed",
-        "3",
-    ]
+    assert local[1:3] == ["-m", "miles.engines.local"] and local[-2:] == ["--random-seed", "3"]
+    assert "k" not in local and "--api-key" not in local  # the key goes by environment
     wildcard = EngineProcess("/m", kind="local", host="0.0.0.0", port=7, api_key="k")
     assert wildcard.url == f"http://{sglang_engine.node_ip()}:7" and "0.0.0.0" not in wildcard.url
     with pytest.raises(ValueError, match="tp_size"):
@@ -98,9 +97,7 @@ def test_startup_failure_reports_phase_and_log(tmp_path):
 @pytest.fixture(scope="module")
 def keyed_engine(tmp_path_factory):
     path = build_tiny_model(tmp_path_factory.mktemp("tiny"))
-    with EngineProcess(
-        str(path), kind="local", admin_api_key="s3cret", local_args={"num-threads": 1}
-    ) as eng:
+    with EngineProcess(str(path), kind="local", admin_api_key="s3cret", local_args={"num-threads": 1}) as eng:
         yield eng
 
 

@@ -51,4 +51,10 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    import os
+
+    from miles.engines.sglang_launch import argv_with_keys
+
+    # EngineProcess passes the keys by environment, as to miles.engines.sglang_launch
+
+    main(argv_with_keys(sys.argv[1:], dict(os.environ)))

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+
+# The keys travel by environment, never on the command line (/proc/<pid>/cmdline is world-readable).
+from miles.engines.sglang_launch import ADMIN_API_KEY_ENV, API_KEY_ENV
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -14,11 +18,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer-path", default=None, help="tokenizer directory (default: --model-path)")
     p.add_argument("--host", default="127.0.0.1", help="bind address; anything but loopback needs --api-key")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--api-key", default=None, help="as SGLang: required on every endpoint but /health*")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"as SGLang: required on every endpoint but /health* (default: ${API_KEY_ENV})",
+    )
     p.add_argument(
         "--admin-api-key",
-        default=None,
-        help="as SGLang: required on the admin endpoints (refit, memory, ...)",
+        default=os.environ.get(ADMIN_API_KEY_ENV) or None,
+        help=f"as SGLang: required on the admin endpoints (refit, memory, ...) (default: ${ADMIN_API_KEY_ENV})",
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="torch device of the model: cpu, cuda or cuda:N")
