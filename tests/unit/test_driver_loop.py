@@ -82,6 +82,9 @@ class FakeSystem:
     def split_by_dp(self, samples: list[Sample]) -> list[list[Sample]]:
         return [samples[:2], samples[2:]]
 
+    def save(self, rollout_id: int) -> None:  # System.save adds the rollout side's state to the checkpoint
+        self.train_group.save(rollout_id)
+
 
 def _cfg(*extra: str):
     base = ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--num-rollout", "3", "--rollout-batch-size", "2",
