@@ -124,7 +124,13 @@ def run_driver(
     from miles.utils.progress import progress_env, progress_wanted
 
     progress_env(progress_wanted(cfg.log.progress))
-    system = build_system(cfg)
+    try:
+        system = build_system(cfg)
+    except BaseException:
+        import ray
+
+        ray.shutdown()  # engines, trainers and placement groups started so far go with it
+        raise
     interrupted = False
     try:
         loop(cfg, system)

@@ -103,8 +103,9 @@ class System:
 
     def _refit_restarted(self, urls: list[str], rollout_id: int) -> None:
         if urls:
-            logger.warning("refitting restarted engine(s) %s with weight version %d", urls, rollout_id)
-            self.choreography.refit_restarted(urls, weight_version=str(rollout_id))
+            if self.choreography is not None:  # --debug-rollout-only: restarted engines load --hf-checkpoint
+                logger.warning("refitting restarted engine(s) %s with weight version %d", urls, rollout_id)
+                self.choreography.refit_restarted(urls, weight_version=str(rollout_id))
             ray_get(
                 self.fleet.readmit.remote(urls), self.timeout, f"rollout {rollout_id}: router re-admission"
             )
@@ -113,7 +114,11 @@ class System:
         return ray_get(self.rollout.eval.remote(rollout_id), self.timeout, f"eval after rollout {rollout_id}")
 
     def save(self, rollout_id: int) -> None:
-        """Checkpoint the trainer with the rollout side's state (data cursor, partial-rollout buffer)."""
+        """Checkpoint the trainer with the rollout side's state (data cursor, partial-rollout buffer; none when
+        replaying saved rollouts)."""
+        if self.rollout is None:
+            self.train_group.save(rollout_id, {})
+            return
         state = ray_get(
             self.rollout.state_dict.remote(rollout_id),
             self.timeout,
@@ -236,7 +241,7 @@ def build_system(cfg: Any) -> System:
         start = train_group.init(with_ref=needs_reference_model(cfg))
     if start > 0:
         tracker.resume_at(start)  # steps logged after the checkpoint ran again: keep each step once
-    rollout, choreography = None, None
+    rollout, choreography, engine_urls = None, None, []
     if replay:
         choreography = TrainerOnly()
     else:
