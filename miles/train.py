@@ -9,22 +9,33 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from miles.config import ConfigError, parse_config
 from miles.utils.perf import peak_rss_gb, sample_counts, throughput
 
+if TYPE_CHECKING:
+    from miles.config import Config
+    from miles.ray.setup import System
+
 logger = logging.getLogger("miles.train")
 
 
-def run_loop(cfg: Any, system: Any) -> None:
+def num_rollouts(cfg: Config) -> int:
+    """--num-rollout of a validated config (validation requires it)."""
+    if cfg.rollout.num_rollout is None:
+        raise ConfigError(["--num-rollout is required"])
+    return cfg.rollout.num_rollout
+
+
+def run_loop(cfg: Config, system: System) -> None:
     actor, choreo, timer = system.train_group, system.choreography, system.timer
     eval_before_train(cfg, system)
-    for rollout_id in range(system.start_rollout_id, cfg.rollout.num_rollout):
+    for rollout_id in range(system.start_rollout_id, num_rollouts(cfg)):
         with timer.phase("rollout"):
             samples, metrics = system.generate(rollout_id)
         metrics.update(sample_counts(samples))
-        if actor is not None:  # None with --debug-rollout-only: generate, score and log only
+        if actor is not None and choreo is not None:  # None with --debug-rollout-only: generate and log only
             with timer.phase("train"):
                 choreo.before_train()
                 metrics.update(actor.train(rollout_id, system.split_by_dp(samples)))
@@ -34,19 +45,21 @@ def run_loop(cfg: Any, system: Any) -> None:
         finish_step(cfg, system, rollout_id, metrics)
 
 
-def maybe_save(cfg: Any, system: Any, rollout_id: int) -> None:
+def maybe_save(cfg: Config, system: System, rollout_id: int) -> None:
     """--save every --save-interval rollouts and after the last; --save-hf every --save-hf-interval (default:
     --save-interval) and after the last."""
-    ck, num = cfg.checkpoint, cfg.rollout.num_rollout
+    ck, num, group = cfg.checkpoint, num_rollouts(cfg), system.train_group
+    if group is None:  # --debug-rollout-only: no trainer, nothing to save
+        return
     if ck.save and _due(ck.save_interval, rollout_id, num):
         with system.timer.phase("save"):
             system.save(rollout_id)
     if ck.save_hf and _due(ck.save_hf_interval or ck.save_interval or num, rollout_id, num):
         with system.timer.phase("save_hf"):
-            system.train_group.save_hf(rollout_id)
+            group.save_hf(rollout_id)
 
 
-def eval_before_train(cfg: Any, system: Any) -> None:
+def eval_before_train(cfg: Config, system: System) -> None:
     """Evaluate the initial policy once (a fresh run with periodic eval, unless --skip-eval-before-train); its
     metrics go on their own line at the first step."""
     if cfg.eval.eval_interval and system.start_rollout_id == 0 and not cfg.eval.skip_eval_before_train:
@@ -57,9 +70,9 @@ def eval_before_train(cfg: Any, system: Any) -> None:
         print("before training: " + " ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items())), flush=True)
 
 
-def finish_step(cfg: Any, system: Any, rollout_id: int, metrics: dict[str, float]) -> None:
+def finish_step(cfg: Config, system: System, rollout_id: int, metrics: dict[str, float]) -> None:
     """Periodic eval, then one metrics line (file, wandb, tensorboard) and one printed line per rollout."""
-    if _due(cfg.eval.eval_interval, rollout_id, cfg.rollout.num_rollout):
+    if _due(cfg.eval.eval_interval, rollout_id, num_rollouts(cfg)):
         with system.timer.phase("eval"):
             metrics.update(system.evaluate(rollout_id))
     timings = system.timer.pop()
@@ -73,7 +86,9 @@ def finish_step(cfg: Any, system: Any, rollout_id: int, metrics: dict[str, float
 
 def _due(interval: int | None, rollout_id: int, num_rollout: int) -> bool:
     """Periodic actions fire every `interval` rollouts and on the last one."""
-    return bool(interval) and ((rollout_id + 1) % interval == 0 or rollout_id + 1 == num_rollout)
+    if not interval:
+        return False
+    return (rollout_id + 1) % interval == 0 or rollout_id + 1 == num_rollout
 
 
 def format_step(rollout_id: int, m: dict[str, float]) -> str:
@@ -89,9 +104,9 @@ def format_step(rollout_id: int, m: dict[str, float]) -> str:
 
 def run_driver(
     argv: list[str] | None,
-    loop: Callable[[Any, Any], None],
+    loop: Callable[[Config, System], None],
     prog: str,
-    refuse: Callable[[Any], str | None] = lambda cfg: None,
+    refuse: Callable[[Config], str | None] = lambda cfg: None,
 ) -> int:
     """Parse and validate, run the pre-flight checks (files, model, rewards: exit 2 on bad input), honour
     --dry-run, then build the system and run `loop`. Nothing before `build_system` imports Ray.
@@ -150,7 +165,7 @@ def run_driver(
     return 130 if interrupted else 0
 
 
-def config_yaml(cfg: Any) -> str:
+def config_yaml(cfg: Config) -> str:
     """The resolved config as YAML that `--config` reads back to the same config (what --dry-run prints).
 
     Run-control keys (`dry_run`, `config`) are left out, and so are secrets that are set (API keys), with a
@@ -174,9 +189,11 @@ def config_yaml(cfg: Any) -> str:
     return text
 
 
-def write_report(run_dir: str) -> None:
+def write_report(run_dir: str | None) -> None:
     """Draw `<run_dir>/report.png` from metrics.jsonl; a failure is logged, never raised (the run's own outcome
-    must not be masked by its report)."""
+    must not be masked by its report). None (a config that never went through validation): nothing to draw."""
+    if run_dir is None:
+        return
     try:
         from miles.tools.plot import write_report as draw
 

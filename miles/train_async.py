@@ -8,19 +8,25 @@ for the in-flight generation to finish, so weights never change in the middle of
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from miles.train import eval_before_train, finish_step, maybe_save, run_driver
+from miles.train import eval_before_train, finish_step, maybe_save, num_rollouts, run_driver
 from miles.utils.perf import sample_counts
 
+if TYPE_CHECKING:
+    from miles.config import Config
+    from miles.ray.setup import System
 
-def run_async_loop(cfg: Any, system: Any) -> None:
+
+def run_async_loop(cfg: Config, system: System) -> None:
     import ray
 
     from miles.ray.utils import ray_get
 
     actor, choreo, timer = system.train_group, system.choreography, system.timer
-    num = cfg.rollout.num_rollout
+    if actor is None or choreo is None:  # _refuse turns away the modes without a trainer
+        raise RuntimeError("miles.train_async needs a train group (no --debug-rollout-only)")
+    num = num_rollouts(cfg)
     deadline = system.rollout_deadline  # the whole rollout's, not one request's
 
     def launch(rollout_id: int) -> Any:
@@ -43,7 +49,7 @@ def run_async_loop(cfg: Any, system: Any) -> None:
         finish_step(cfg, system, rollout_id, metrics)
 
 
-def _refuse(cfg: Any) -> str | None:
+def _refuse(cfg: Config) -> str | None:
     dbg = cfg.debug
     if dbg.save_debug_rollout_data or dbg.load_debug_rollout_data or dbg.debug_rollout_only:
         return "replay debugging (--*-debug-rollout-data, --debug-rollout-only) runs with miles.train"

@@ -53,7 +53,9 @@ class FakeEngine:
         self.respond = respond
         self.url = url
         self.weight_version = "0"
-        self.requests: list[dict] = []
+        self.requests: list[dict] = []  # one per generation (a batch's items each)
+        self.posts = 0  # POST /generate requests (a batch counts once)
+        self.batch_sizes: list[int] = []  # items per accepted /generate request
         self.aborts = 0
         self._live: set[str] = set()
         self._abort = asyncio.Event()
@@ -86,9 +88,25 @@ class FakeEngine:
             return httpx.Response(200, json={"success": True})
         if path != "/generate":
             return httpx.Response(404, json={"detail": f"no route {path}"})
+        self.posts += 1
+        ids = body.get("input_ids")
+        if isinstance(ids, list) and ids and isinstance(ids[0], list):
+            items, problem = _split_batch(body)
+            if problem is None and len({it.get("rid") for it in items}) != len(items):
+                problem = "rids within one batch must be unique"
+            problem = problem or next((p for p in map(self._check, items) if p), None)
+            if problem:
+                return httpx.Response(400, json={"error": {"message": problem}})
+            self.batch_sizes.append(len(items))
+            answers = await asyncio.gather(*(self._one(it) for it in items))
+            return httpx.Response(200, json=answers)
         problem = self._check(body)
         if problem:
             return httpx.Response(400, json={"error": {"message": problem}})
+        self.batch_sizes.append(1)
+        return httpx.Response(200, json=await self._one(body))
+
+    async def _one(self, body: dict) -> dict:
         rid = body.get("rid") or f"auto-{len(self.requests)}"
         self.requests.append(body)
         self._live.add(rid)
@@ -97,7 +115,7 @@ class FakeEngine:
         finally:
             self._live.discard(rid)
 
-    async def _generate(self, body: dict, rid: str) -> httpx.Response:
+    async def _generate(self, body: dict, rid: str) -> dict:
         sp = body["sampling_params"]
         version = self.weight_version
         reply = self.respond(list(body["input_ids"]), sp, rid)
@@ -119,4 +137,27 @@ class FakeEngine:
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [[log_prob_of(t, i), t, None] for i, t in enumerate(tokens)]
         text = reply.text if reply.text is not None else " ".join(map(str, tokens))
-        return httpx.Response(200, json={"text": text, "output_ids": tokens, "meta_info": meta})
+        return {"text": text, "output_ids": tokens, "meta_info": meta}
+
+
+def _split_batch(body: dict) -> tuple[list[dict], str | None]:
+    """SGLang's batch form (`input_ids` a list of prompts; `sampling_params`, `rid`, `return_logprob` each one
+    value or a list of the batch's length) as one body per item, or a problem."""
+    n = len(body["input_ids"])
+    items: list[dict] = [{"input_ids": ids} for ids in body["input_ids"]]
+    for name in ("sampling_params", "rid", "return_logprob"):
+        if name not in body:
+            continue
+        value = body[name]
+        if isinstance(value, list):
+            if len(value) != n:
+                return [], f"{name}: {len(value)} values for a batch of {n}"
+            for it, v in zip(items, value):
+                it[name] = v
+        elif name == "rid":
+            for i, it in enumerate(items):
+                it[name] = f"{value}-{i}"
+        else:
+            for it in items:
+                it[name] = value
+    return items, None

@@ -20,7 +20,7 @@ from miles.algo.advantages import (
     register_advantage,
 )
 from miles.algo.kl import KL_TYPES, compute_approx_kl
-from miles.algo.logprobs import compute_entropy, compute_log_probs
+from miles.algo.logprobs import compute_entropy, compute_log_probs, log_probs_and_entropy
 from miles.algo.loss import LossInputs, LossSettings, compute_loss, load_custom_loss
 from miles.algo.metrics import (
     accumulate_metrics,
@@ -89,6 +89,7 @@ __all__ = [
     "load_custom_advantage",
     "load_custom_loss",
     "load_custom_tis_function",
+    "log_probs_and_entropy",
     "local_moments",
     "masked_metric",
     "masked_whiten",

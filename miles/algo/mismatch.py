@@ -128,10 +128,10 @@ def compute_mismatch_weights(
         "ois": masked_metric(ratio, mask),
     }
     if custom_fn is not None:
-        weights, custom_metrics = custom_fn(old_log_probs, rollout_log_probs, loss_masks, settings)
-        _ops.check_aligned("custom TIS weights", weights, loss_masks)
+        custom_weights, custom_metrics = custom_fn(old_log_probs, rollout_log_probs, loss_masks, settings)
+        _ops.check_aligned("custom TIS weights", custom_weights, loss_masks)
         metrics.update(custom_metrics)
-        return [w.detach().float() for w in weights], metrics
+        return [w.detach().float() for w in custom_weights], metrics
     weights: list[Tensor] | None = None
     if use_tis:
         weights = compute_tis_weights(old_log_probs, rollout_log_probs, tis_clip_low, tis_clip)

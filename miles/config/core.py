@@ -21,6 +21,7 @@ from miles.config.sections import (
     OptimConfig,
     RolloutConfig,
     TrainConfig,
+    field_default,
     opt,
     section,
 )
@@ -121,7 +122,7 @@ class Config:
         for owner, f in self._leaves():
             if f.metadata.get("implemented", True):
                 continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            default = field_default(f)
             value = getattr(owner, f.name)
             if value != default:
                 found.append(f"--{f.name.replace('_', '-')}={value!r}")

@@ -56,7 +56,7 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
         allow_abbrev=False,
         argument_default=argparse.SUPPRESS,
     )
-    groups = {None: parser.add_argument_group("run")}
+    groups: dict[str | None, argparse._ArgumentGroup] = {None: parser.add_argument_group("run")}
     for name, cls in SECTIONS.items():
         groups[name] = parser.add_argument_group(name, (cls.__doc__ or "").strip().splitlines()[0])
     for name, spec in FIELDS.items():

@@ -14,6 +14,7 @@ This module imports no torch, ray or transformers; user modules named by `--cust
 from __future__ import annotations
 
 import difflib
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -179,9 +180,7 @@ def run_preflight(cfg: Any) -> None:
         "label_key": ev.eval_label_key or d.label_key,
     }
     for name, path in ev.eval_datasets:
-        checks.append(
-            lambda name=name, path=path: data_file_problems(f"--eval-prompt-data {name}", path, eval_keys)
-        )
+        checks.append(functools.partial(data_file_problems, f"--eval-prompt-data {name}", path, eval_keys))
     problems = [problem for check in checks for problem in check()]
     if not problems:  # imports user modules: only once the cheaper checks pass
         problems = rollout_function_problems(cfg)

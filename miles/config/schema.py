@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.config.core import Config
-from miles.config.sections import SECTIONS
+from miles.config.sections import SECTIONS, field_default
 
 # kinds of field values the configuration supports
 BOOL, INT, FLOAT, STR, DICT = "bool", "int", "float", "str", "dict"
@@ -45,9 +45,7 @@ class FieldSpec:
 
     @property
     def default(self) -> Any:
-        if self.field.default is not dataclasses.MISSING:
-            return self.field.default
-        return self.field.default_factory()
+        return field_default(self.field)
 
     @property
     def choices(self) -> tuple[str, ...] | None:

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, dataclass_transform
 
 from miles.backends import available_backends
 
@@ -67,6 +67,16 @@ def opt(
     return field(default=default, metadata=metadata)
 
 
+def field_default(f: dataclasses.Field) -> Any:
+    """The default value of a section field (its factory called when it has one)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is dataclasses.MISSING:
+        raise TypeError(f"config field {f.name!r} has no default")
+    return f.default_factory()
+
+
+@dataclass_transform(frozen_default=True, field_specifiers=(field, dataclasses.Field))
 def section(cls: type[_T]) -> type[_T]:
     """Make `cls` a frozen dataclass section, marking the fields listed in NOT_IMPLEMENTED."""
     for name in NOT_IMPLEMENTED:
@@ -201,6 +211,9 @@ class RolloutConfig:
     )
     rm_timeout: float = opt(60.0, "seconds per remote reward request", gt=0)
     rm_max_retries: int = opt(3, "retries of a failed remote reward request", ge=0)
+    reward_timeout: float = opt(
+        600.0, "seconds one reward function call may take (--custom-rm-path, --rm-type, --group-rm)", gt=0
+    )
     rollout_request_timeout: float = opt(
         600.0, "seconds for one generate request (every retry of it included)", gt=0
     )
@@ -276,6 +289,9 @@ class TrainConfig:
         None, "copy policy weights into the reference every N rollouts", ge=1
     )
     train_timeout: float = opt(1800.0, "seconds to wait for a collective or a Ray call", gt=0)
+    refit_timeout: float = opt(
+        300.0, "seconds one engine call of a weight refit may take (an expiry names the engine)", gt=0
+    )
 
 
 @section

@@ -289,6 +289,15 @@ def _engine(v: Values) -> None:
         )
 
 
+def _deadlines(v: Values) -> None:
+    if v["refit_timeout"] >= v["train_timeout"]:
+        v.fail(
+            "refit_timeout",
+            f"must be below --train-timeout ({v['train_timeout']:g}): the driver waits that long for a whole "
+            "refit, and an engine call that hangs must expire first so that the error names the engine",
+        )
+
+
 def _sampling(v: Values) -> None:
     if v["rollout_top_k"] == 0:
         v.fail("rollout_top_k", "must be -1 (disabled) or >= 1")
@@ -408,6 +417,7 @@ RULES: list[Callable[[Values], None]] = [
     _eval_data,
     _algo,
     _engine,
+    _deadlines,
     _sampling,
     _optim,
     _engine_access,

@@ -2,7 +2,8 @@
 
 `EngineFleet` is a plain class (the driver wraps it with `ray.remote`): it launches one engine Ray actor per
 engine on the placement group, puts sglang-router in front of them, and controls them over HTTP (memory
-release/resume, cache flush). Generation does not go through it: the rollout runner talks to the router.
+release/resume, cache flush). Generation does not go through it: the rollout runner's engine client sends
+requests to the engines directly and reads the router's worker list to learn which engines are admitted.
 With `--use-fault-tolerance` it runs a `HealthMonitor` while rollouts run (see `miles.ray.engine_health`).
 """
 
@@ -27,6 +28,8 @@ class EngineFleet:
 
         self.config = Config.from_dict(config_dict)
         self.timeout = float(self.config.rollout.rollout_request_timeout)
+        # loading a model is not a request: engine (re)starts wait as long as any other Ray call may take
+        self.startup_timeout = float(self.config.train.train_timeout)
         self._start_engines(placement, num_rollout_workers)
         self.monitor: HealthMonitor | None = None
         c = self.config.cluster
@@ -78,19 +81,19 @@ class EngineFleet:
                     host=cfg.engine.engine_host,
                     tp_size=per_engine,
                     admin_api_key=cfg.engine.engine_api_key,
-                    startup_timeout=self.timeout,
+                    startup_timeout=self.startup_timeout,
                     log_path=os.path.join(log_dir, f"engine_{i}.log"),
                     **launch,
                 )
             )
         self.engine_urls: list[str] = ray_get(
             [e.launch.remote() for e in self.engines],
-            self.timeout,
+            self.startup_timeout,
             f"starting {num_engines} {kind} engine(s)",
         )
         self.router = Router(
             self.engine_urls,
-            startup_timeout=self.timeout,
+            startup_timeout=self.startup_timeout,
             extra_args=resilience_args(self.timeout),
             log_path=os.path.join(log_dir, "router.log"),
         ).launch()
@@ -120,7 +123,7 @@ class EngineFleet:
 
     def _restart(self, url: str) -> None:
         engine = self.engines[self.engine_urls.index(url)]
-        new_url = ray_get(engine.restart.remote(), self.timeout, f"restarting engine {url}")
+        new_url = ray_get(engine.restart.remote(), self.startup_timeout, f"restarting engine {url}")
         assert new_url == url, (new_url, url)
 
     def start_watch(self) -> None:
@@ -134,7 +137,7 @@ class EngineFleet:
 
     def stop_watch(self) -> list[str]:
         """The rollout ended: stop checking, wait for a restart in progress; returns the engines to refit."""
-        return self.monitor.stop_watch(self.timeout) if self.monitor is not None else []
+        return self.monitor.stop_watch(self.startup_timeout) if self.monitor is not None else []
 
     def readmit(self, urls: list[str]) -> None:
         """Put refit engines back behind the router."""
@@ -159,6 +162,11 @@ class EngineFleet:
                 except httpx.TimeoutException as e:
                     raise TimeoutError(
                         f"engine control: {url}{path} gave no answer within {self.timeout:.0f}s"
+                    ) from e
+                except httpx.TransportError as e:  # refused, reset: the engine process is gone
+                    raise ConnectionError(
+                        f"engine control: cannot reach engine {url} for {path} ({type(e).__name__}: {e}); "
+                        "a dead engine ends the run unless --use-fault-tolerance restarts it"
                     ) from e
                 if resp.status_code != 200:
                     raise RuntimeError(

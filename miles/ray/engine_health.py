@@ -4,7 +4,8 @@ While a rollout runs, every `interval` seconds each engine's `GET /health_genera
 `timeout` seconds (after `first_wait` seconds from the start of the rollout). An engine that fails is taken out of
 the router, killed and restarted on the same bundle and port; it then waits in `restarted` until the driver refits
 it with the current weights and version and `EngineFleet.readmit` puts it back behind the router. Its in-flight
-requests fail when it is killed and the engine client retries them on the engines that remain.
+requests fail when it is killed and the engine client retries them on the engines that remain (the client
+reads the router's worker list, so a restarted engine gets no request before its refit and readmission).
 
 A plain class with one thread, driven by callables, so tests exercise it without Ray or servers.
 """
@@ -72,7 +73,11 @@ class HealthMonitor:
             self._watching_since = time.monotonic()
 
     def stop_watch(self, timeout: float) -> list[str]:
-        """Stop checking and wait (at most `timeout` s) for a restart in progress; returns `take_restarted()`."""
+        """Stop checking, wait (at most `timeout` s) for a restart in progress, then check every engine once more
+        and recover a failed one now; returns `take_restarted()`.
+
+        The last check matters because the engine client sends around a dead engine at once: a rollout can end
+        before the periodic check saw the engine die, and the refit that follows must not meet a dead engine."""
         with self._lock:
             self._watching_since = None
         deadline = time.monotonic() + timeout
@@ -82,6 +87,12 @@ class HealthMonitor:
                     f"engine restart: {self.recovering} not back within {timeout:.0f}s (phase: end of rollout)"
                 )
             time.sleep(0.1)
+        for url in self.urls:
+            with self._lock:
+                skip = url in self._restarted or url in self._failed
+            why = None if skip else self._check(url, self.settings.timeout)
+            if why is not None:
+                self._recover(url, why)
         return self.take_restarted()
 
     def take_restarted(self) -> list[str]:
@@ -131,9 +142,11 @@ class HealthMonitor:
             self._closed.wait(max(0.0, self.settings.interval - (time.monotonic() - started)))
 
     def _recover(self, url: str, why: str) -> None:
-        logger.warning("engine %s is unhealthy (%s): taking it out of the router and restarting it", url, why)
-        with self._lock:
+        with self._lock:  # the thread and the last check of stop_watch never recover the same engine twice
+            if self._recovering is not None or url in self._restarted or url in self._failed:
+                return
             self._recovering = url
+        logger.warning("engine %s is unhealthy (%s): taking it out of the router and restarting it", url, why)
         t0 = time.monotonic()
         try:
             self._take_out(url)

@@ -92,7 +92,9 @@ class System:
                 raise PhaseTimeoutError(
                     f"timed out after {limit:.0f}s waiting for phase '{phase}' (--rollout-timeout)"
                 )
-        restarted = ray_get(self.fleet.stop_watch.remote(), self.timeout, f"{phase}: engine restarts")
+        restarted = ray_get(  # a restart in progress loads a model: as long as engine start-up may take
+            self.fleet.stop_watch.remote(), float(self.cfg.train.train_timeout), f"{phase}: engine restarts"
+        )
         self._refit_restarted(restarted, rollout_id)
         samples, metrics = ray_get(ref, 60, phase)
         if dbg.save_debug_rollout_data:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -16,8 +18,8 @@ class PhaseTimeoutError(TimeoutError):
     """A blocking wait passed its deadline; the message names the phase it was in."""
 
 
-def ray_get(refs: Any, timeout: float, phase: str) -> Any:
-    """`ray.get` with a deadline. On expiry raises PhaseTimeoutError naming `phase` and the timeout."""
+def ray_get(refs: Any, timeout: float | None, phase: str) -> Any:
+    """`ray.get` with a deadline (None: none). On expiry raises PhaseTimeoutError naming `phase` and the timeout."""
     try:
         return ray.get(refs, timeout=timeout)
     except ray.exceptions.GetTimeoutError as e:
@@ -38,14 +40,38 @@ def init_ray(min_cpus: int, env_vars: dict[str, str] | None = None) -> None:
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env)
         return
     num_cpus = max(min_cpus, os.cpu_count() or 1)
-    logger.info("starting a local Ray instance with %d logical CPUs", num_cpus)
-    ray.init(
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        runtime_env=runtime_env,
-        log_to_driver=True,
-        logging_level=logging.WARNING,
-    )
+    logger.info("starting a local Ray instance with %d logical CPUs, listening on loopback only", num_cpus)
+    with _loopback_node():
+        ray.init(
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            runtime_env=runtime_env,
+            log_to_driver=True,
+            logging_level=logging.WARNING,
+            _node_ip_address=LOOPBACK,
+        )
+
+
+LOOPBACK = "127.0.0.1"
+
+
+@contextlib.contextmanager
+def _loopback_node() -> Iterator[None]:
+    """Make `ray.init` keep 127.0.0.1 as the node address of a local instance (Ray's servers then listen on
+    loopback only; a node address of 127.0.0.1 is what tells them so).
+
+    Ray replaces a loopback `_node_ip_address` with the machine's routable address unless clustering is off
+    (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, the setting it uses on laptops). That environment variable is read
+    when Ray is imported, so the flag it sets is turned off around the start-up here. A single-node run needs
+    nothing reachable from elsewhere; a multi-node cluster is joined through RAY_ADDRESS (`ray start`)."""
+    from ray._private import ray_constants
+
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
 
 
 def get_node_ip() -> str:

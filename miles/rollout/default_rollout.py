@@ -34,7 +34,7 @@ from miles.rollout.base_types import (
     RolloutContext,
     RolloutOutput,
 )
-from miles.rollout.engine_client import EngineClient, EngineError
+from miles.rollout.engine_client import EngineClient, EngineError, batching
 from miles.rollout.metrics import eval_metrics
 from miles.utils.progress import progress_bar
 from miles.utils.types import Sample, SampleStatus
@@ -67,7 +67,8 @@ async def generate_group(ctx: RolloutContext, gen_ctx: GenerateContext, group: l
         out = await ctx.generate(ctx.client, sample, ctx.settings.sampling, gen_ctx)
         group[i] = _check_generated(out, ctx.generate_name, index, gen_ctx.phase)
 
-    await asyncio.gather(*(one(i, s) for i, s in enumerate(group)))
+    with batching(object()):  # the group's requests go out together (one batch request per engine turn)
+        await asyncio.gather(*(one(i, s) for i, s in enumerate(group)))
     return group
 
 

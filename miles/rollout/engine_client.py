@@ -1,17 +1,42 @@
 """The one async HTTP client the rollout side talks to the engines with.
 
-It knows the router URL (generation goes through sglang-router), the engine URLs (aborts go to every engine),
-the API key and the deadlines. Every error names the phase, the endpoint (engine or router URL) and, for a
-generate request, the sample index. Use it as an async context manager inside the event loop that uses it.
+It knows the router URL, the engine URLs (aborts go to every engine), the API key and the deadlines. Every error
+names the phase, the endpoint (engine or router URL) and, for a generate request, the sample index. Use it as an
+async context manager inside the event loop that uses it (the rollout runner keeps one open for its lifetime).
+
+Where generation goes: straight to an engine, never through sglang-router (with one engine the router would only
+forward; and it refuses SGLang's batch form: one rid and one sampling_params per request). With several engines
+each request (a batch counts once) goes to the engine with the fewest generations in flight from this client,
+ties broken round robin.
+
+Which engines may take a request (fault tolerance without the router hop): the router's worker list stays the
+registry of admitted engines (the health monitor takes a dead engine out of it before restarting it and puts it
+back after its refit), so the client reads `GET {router}/workers` at most once a second while it sends. An engine
+that refuses a connection, drops one, or answers 502/503/504 is set aside at once and the request goes to
+another engine; a set-aside engine is taken again once the router no longer lists it (from then on the router's
+list decides: it comes back when readmitted) or once it answers `/health` while the router still lists it (a
+transient failure: the monitor takes an engine out of the router before it restarts one, so an engine that
+answers while listed was never restarted). With no engine to take, the request waits with backoff (0.2 s
+doubling, at most 5 s) within its deadline. Without a router worker list (a fake or single server), only the
+health probe brings an engine back.
+
+Request batching: `generate` calls made under the same `batch_key` (see `batching`; the stock rollout opens one
+per prompt group) within the same event-loop turn go out as one SGLang batch request (`input_ids` a list of
+prompts, `sampling_params`, `rid` and `return_logprob` per item; the answer is a list in the same order) and each
+caller gets its own item. SGLang answers a batch when all its items are done, so only requests that are awaited
+together anyway share one: a group is scored once all its samples are back. Calls outside `batching` go alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import hashlib
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from types import TracebackType
 
 import httpx
@@ -27,6 +52,13 @@ BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.2, 5.0
 
 class EngineError(RuntimeError):
     """An engine or the router answered with an error, did not answer in time, or could not be reached."""
+
+
+class EngineUnavailable(EngineError):
+    """`post(..., retry=False)` found the server unreachable or answering 502/503/504 (worth trying elsewhere)."""
+
+
+ENGINE_LIST_TTL_S = 1.0  # how old the router's worker list may get while requests are sent
 
 
 @dataclass(frozen=True)
@@ -75,6 +107,33 @@ def request_seed(seed: int, rid: str) -> int:
 
 ABORTED_BEFORE_SENDING = GenerateOutput(output_ids=[], log_probs=[], text="", finish_reason="abort")
 
+_BATCH_KEY: contextvars.ContextVar[object | None] = contextvars.ContextVar(
+    "miles_engine_batch_key", default=None
+)
+
+
+@contextlib.contextmanager
+def batching(key: object) -> Iterator[None]:
+    """`generate` calls made inside (including in tasks created inside) may share one batch request with the
+    other calls under the same `key` issued in the same event-loop turn."""
+    token = _BATCH_KEY.set(key)
+    try:
+        yield
+    finally:
+        _BATCH_KEY.reset(token)
+
+
+@dataclass
+class _Queued:
+    """One generate call waiting to be sent (alone or in a batch)."""
+
+    input_ids: list[int]
+    sampling_params: dict
+    rid: str | None
+    sample_index: int
+    phase: str
+    future: asyncio.Future = field(repr=False)
+
 
 class EngineClient:
     """Async client for the engines behind one router.
@@ -108,6 +167,16 @@ class EngineClient:
         self._stopped = False
         self._transport = transport
         self.seed = seed
+        if not self.engine_urls:
+            raise ValueError("EngineClient needs at least one engine URL")
+        self._in_flight = [0] * len(self.engine_urls)  # generations sent to each engine and not yet answered
+        self._next_engine = 0
+        self._set_aside: set[int] = set()  # engines that failed a request (see the module docstring)
+        self._unlisted: set[int] = set()  # engines the router's worker list lacks (taken out by the monitor)
+        self._listed_at = float("-inf")  # when the router's worker list was last read
+        self._queues: dict[object, list[_Queued]] = {}
+        self._sending: set[asyncio.Task] = set()
+        self.requests_sent = 0  # POST /generate requests (a batch counts once)
 
     async def __aenter__(self) -> EngineClient:
         limits = httpx.Limits(
@@ -119,6 +188,10 @@ class EngineClient:
         self._limiter = asyncio.Semaphore(self.concurrency)
         self._stopped = False
         return self
+
+    def resume(self) -> None:
+        """Accept new requests again after `stop_new_requests` (the next rollout on a long-lived client)."""
+        self._stopped = False
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -174,8 +247,10 @@ class EngineClient:
                 problem = f"{url} answered {resp.status_code}: {resp.text[:500]}"
                 if resp.status_code not in TRANSIENT_STATUSES:
                     raise EngineError(f"{phase}: {problem}{suffix}")
-            if not retry or time.monotonic() + backoff >= deadline:
-                stuck = await self.unresponsive_engines() if retry else []
+            if not retry:
+                raise EngineUnavailable(f"{phase}: {problem}{suffix}")
+            if time.monotonic() + backoff >= deadline:
+                stuck = await self.unresponsive_engines()
                 culprit = f"; engines not answering /health: {stuck}" if stuck else ""
                 raise EngineError(
                     f"{phase}: {problem}{suffix} (gave up after {attempt} attempt(s) in {budget:.0f}s){culprit}"
@@ -210,32 +285,180 @@ class EngineClient:
         phase: str,
         rid: str | None = None,
     ) -> GenerateOutput:
-        """One POST /generate through the router (prompt as `input_ids`, log-probs requested; `rid` names the
-        request, which engines also seed its sampling from)."""
+        """One generation (prompt as `input_ids`, log-probs requested; `rid` names the request, which engines
+        also seed its sampling from), sent alone or in a batch with the other calls of its `batching` key."""
         if self._stopped:
             return ABORTED_BEFORE_SENDING
         assert self._limiter is not None, "EngineClient used outside `async with`"
         async with self._limiter:
             if self._stopped:
                 return ABORTED_BEFORE_SENDING
-            url = f"{self.router_url}/generate"
-            payload: dict = {
-                "input_ids": list(input_ids),
-                "sampling_params": sampling_params,
-                "return_logprob": True,
-            }
-            if rid is not None:
-                payload["rid"] = rid
-                if self.seed is not None and "sampling_seed" not in sampling_params:
-                    payload["sampling_params"] = {
-                        **sampling_params,
-                        "sampling_seed": request_seed(self.seed, rid),
-                    }
-            body = await self.post(url, payload, phase, f"sample {sample_index}")
+            if rid is not None and self.seed is not None and "sampling_seed" not in sampling_params:
+                sampling_params = {**sampling_params, "sampling_seed": request_seed(self.seed, rid)}
+            key = _BATCH_KEY.get()
+            item = _Queued(
+                list(input_ids),
+                sampling_params,
+                rid,
+                sample_index,
+                phase,
+                asyncio.get_running_loop().create_future(),
+            )
+            if key is None:
+                await self._send([item])
+            else:
+                queue = self._queues.setdefault(key, [])
+                queue.append(item)
+                if len(queue) == 1:  # the first of its batch: flush once no more arrive
+                    asyncio.get_running_loop().call_soon(self._flush_when_settled, key, 1)
+            return await item.future
+
+    def _flush_when_settled(self, key: object, seen: int) -> None:
+        """Send `key`'s queue once an event-loop turn passes without a new arrival."""
+        queue = self._queues.get(key, [])
+        if len(queue) > seen:
+            asyncio.get_running_loop().call_soon(self._flush_when_settled, key, len(queue))
+            return
+        items = self._queues.pop(key, [])
+        if items:
+            task = asyncio.ensure_future(self._send(items))
+            self._sending.add(task)  # held until done (the loop keeps only weak references)
+            task.add_done_callback(self._sending.discard)
+
+    async def _send(self, items: list[_Queued]) -> None:
+        """POST `items` (one request, a batch when several) and resolve each item's future with its output
+        or the error. Items queued when `stop_new_requests` came are answered aborted without sending."""
+        if self._stopped:
+            for it in items:
+                _resolve(it.future, ABORTED_BEFORE_SENDING)
+            return
+        phase, what = items[0].phase, _samples_text([it.sample_index for it in items])
+        single = len(items) == 1
+        payload: dict = {
+            "input_ids": items[0].input_ids if single else [it.input_ids for it in items],
+            "sampling_params": items[0].sampling_params if single else [it.sampling_params for it in items],
+            "return_logprob": True,
+        }
+        rids = [it.rid for it in items]
+        if any(r is not None for r in rids):
+            if not all(r is not None for r in rids):
+                rids = [r if r is not None else f"{rids[0]}-b{i}" for i, r in enumerate(rids)]
+            payload["rid"] = rids[0] if single else rids
         try:
-            return GenerateOutput.from_response(body, f"{phase}: {url} (sample {sample_index})")
-        except ValueError as e:
-            raise EngineError(str(e)) from e
+            url, body = await self._post_to_an_engine(payload, len(items), phase, what)
+            answers = [body] if single else body
+            if not isinstance(answers, list) or len(answers) != len(items):
+                raise EngineError(
+                    f"{phase}: {url} answered a batch of {len(items)} ({what}) with "
+                    f"{len(answers) if isinstance(answers, list) else type(answers).__name__} items"
+                )
+            outs = []
+            for it, answer in zip(items, answers):
+                try:
+                    outs.append(
+                        GenerateOutput.from_response(answer, f"{phase}: {url} (sample {it.sample_index})")
+                    )
+                except ValueError as e:
+                    raise EngineError(str(e)) from e
+        except Exception as e:  # noqa: BLE001 - every waiting caller gets the error
+            for it in items:
+                if not it.future.done():
+                    it.future.set_exception(e)
+            return
+        except BaseException:  # cancelled (the loop is closing): the callers are cancelled too
+            for it in items:
+                it.future.cancel()
+            raise
+        for it, out in zip(items, outs):
+            _resolve(it.future, out)
+
+    async def _post_to_an_engine(self, payload: dict, n: int, phase: str, what: str) -> tuple[str, dict]:
+        """POST /generate `payload` (`n` generations) to an engine that may take it, trying another one when an
+        engine is unavailable, within one request deadline; returns the engine URL that answered and its body."""
+        deadline = time.monotonic() + self.timeout
+        backoff, attempt = BACKOFF_FIRST_S, 0
+        problem = f"{phase}: no engine to send {what} to (none listed by the router {self.router_url})"
+        while True:
+            await self._refresh_engines()
+            engine = self._pick_engine()
+            if engine is None:  # every engine is set aside or out of the router: wait for one to come back
+                if time.monotonic() + backoff >= deadline:
+                    stuck = await self.unresponsive_engines()
+                    culprit = f"; engines not answering /health: {stuck}" if stuck else ""
+                    raise EngineError(
+                        f"{problem} (gave up after {attempt} attempt(s) in {self.timeout:.0f}s){culprit}"
+                    )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+                self._listed_at = float("-inf")  # look again now
+                continue
+            url = f"{self.engine_urls[engine]}/generate"
+            attempt += 1
+            self._in_flight[engine] += n
+            self.requests_sent += 1
+            try:
+                return url, await self.post(
+                    url, payload, phase, what, retry=False, timeout=max(deadline - time.monotonic(), 0.01)
+                )
+            except EngineUnavailable as e:
+                problem = str(e)
+                self._set_aside.add(engine)
+                logger.warning("%s; setting engine %s aside and trying another", e, self.engine_urls[engine])
+            finally:
+                self._in_flight[engine] -= n
+
+    async def _refresh_engines(self) -> None:
+        """Read the router's worker list (at most once per ENGINE_LIST_TTL_S) and take back set-aside engines
+        that left it or that answer /health while still listed (see the module docstring)."""
+        if time.monotonic() - self._listed_at < ENGINE_LIST_TTL_S:
+            return
+        self._listed_at = time.monotonic()
+        aside = sorted(self._set_aside)
+        healthy = await asyncio.gather(*(self._answers_health(self.engine_urls[i]) for i in aside))
+        listed = await self._router_workers()  # read after the probes: see the module docstring
+        if listed is None:
+            self._unlisted = set()
+        else:
+            self._unlisted = {i for i, u in enumerate(self.engine_urls) if u not in listed}
+        for i, ok in zip(aside, healthy):
+            if i in self._unlisted or ok:
+                self._set_aside.discard(i)
+
+    async def _answers_health(self, url: str) -> bool:
+        try:
+            return (await self.http.get(f"{url}/health", timeout=2.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def _router_workers(self) -> set[str] | None:
+        """The worker URLs sglang-router lists (`GET /workers`); None when there is no such list to read."""
+        if self.router_url in self.engine_urls:
+            return None
+        try:
+            resp = await self.http.get(f"{self.router_url}/workers", timeout=2.0)
+            if resp.status_code != 200:
+                return None
+            body = resp.json()
+            if not isinstance(body, dict) or not isinstance(body.get("workers"), list):
+                return None
+            return {str(w["url"]).rstrip("/") for w in body["workers"]}
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+    def _pick_engine(self) -> int | None:
+        """Of the engines that may take a request, the one with the fewest generations in flight; ties go round
+        robin. None when every engine is set aside or out of the router."""
+        n = len(self.engine_urls)
+        order = [
+            i
+            for i in ((self._next_engine + k) % n for k in range(n))
+            if i not in self._set_aside and i not in self._unlisted
+        ]
+        if not order:
+            return None
+        engine = min(order, key=lambda i: self._in_flight[i])
+        self._next_engine = (engine + 1) % n
+        return engine
 
     # ------------------------------------------------------------------------------------------ aborts
     @property
@@ -262,3 +485,16 @@ class EngineClient:
                 logger.warning("%s: skipping engine %s, which does not answer: %s", phase, url, e)
 
         await asyncio.gather(*(one(url) for url in self.engine_urls))
+
+
+def _resolve(future: asyncio.Future, value: GenerateOutput) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _samples_text(indices: list[int]) -> str:
+    """'sample 3' or 'samples 3, 4, 5 ...' for error messages."""
+    if len(indices) == 1:
+        return f"sample {indices[0]}"
+    shown = ", ".join(str(i) for i in indices[:8])
+    return f"samples {shown}{' ...' if len(indices) > 8 else ''} (batch of {len(indices)})"

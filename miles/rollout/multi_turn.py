@@ -26,21 +26,17 @@ turn, which is what a reward function usually scores); `response` is the decoded
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-import threading
-from collections.abc import Callable
-
 from miles.rollout.base_types import GenerateContext, MultiTurnSettings, SamplingSettings
 from miles.rollout.engine_client import EngineClient
 from miles.rollout.generate import FINISH_TO_STATUS, request_id
+from miles.utils.deadline import DeadlineExceeded, call_with_deadline
 from miles.utils.types import Sample, SampleStatus
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 
 
-class ToolTimeoutError(TimeoutError):
+class ToolTimeoutError(DeadlineExceeded):
     """A tool did not answer within --generate-tool-timeout."""
 
 
@@ -70,46 +66,19 @@ def render_tool_answer(tokenizer: object, answer: str, after_eos: bool) -> str:
     return prefix + f"<tool_response>\n{answer}\n</tool_response>\n"
 
 
-def _in_daemon_thread(fn: Callable[..., object], *args: object) -> asyncio.Future:
-    """Run a sync call in a daemon thread: a call that never returns is abandoned, and does not keep the event
-    loop's executor (and so `asyncio.run`) waiting at shutdown."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future = loop.create_future()
-
-    def deliver(result: object, error: BaseException | None) -> None:
-        if not fut.done():
-            fut.set_exception(error) if error is not None else fut.set_result(result)
-
-    def body() -> None:
-        try:
-            result, error = fn(*args), None
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-            result, error = None, e
-        try:
-            loop.call_soon_threadsafe(deliver, result, error)
-        except RuntimeError:  # the loop closed while an abandoned (timed-out) call was still running
-            pass
-
-    threading.Thread(target=body, name="miles-tool", daemon=True).start()
-    return fut
-
-
 async def run_tool(settings: MultiTurnSettings, arguments: str, sample: Sample, phase: str) -> str:
     """Call the tool with a deadline. Exceptions become the answer text; a timeout raises ToolTimeoutError."""
 
-    async def call() -> object:
-        if inspect.iscoroutinefunction(settings.tool):
-            return await settings.tool(arguments, sample)
-        out = await _in_daemon_thread(settings.tool, arguments, sample)
-        return await out if inspect.isawaitable(out) else out
-
+    what = (
+        f"{phase}: tool {settings.tool_name} gave no answer within {settings.tool_timeout:g}s "
+        f"(--generate-tool-timeout) for sample index {sample.index}"
+    )
     try:
-        answer = await asyncio.wait_for(call(), settings.tool_timeout)
-    except asyncio.TimeoutError:
-        raise ToolTimeoutError(
-            f"{phase}: tool {settings.tool_name} gave no answer within {settings.tool_timeout:.0f}s "
-            f"(--generate-tool-timeout) for sample index {sample.index}"
-        ) from None
+        answer = await call_with_deadline(
+            settings.tool, arguments, sample, timeout=settings.tool_timeout, what=what
+        )
+    except DeadlineExceeded as e:
+        raise ToolTimeoutError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - a tool error is the tool's answer, the model sees it
         return f"error: {type(e).__name__}: {e}"
     if not isinstance(answer, str):

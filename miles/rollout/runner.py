@@ -1,9 +1,10 @@
 """`RolloutRunner`: data source -> generate -> filter -> score -> metrics, as a plain object (no Ray).
 
-The runner talks to the engines only through their router URL (and engine URLs for aborts), so tests build it
-against a real embedded engine process or a fake HTTP server. The Ray actor in `miles.ray.rollout_manager`
+The runner talks to the engines only over HTTP (one long-lived engine client: the engine itself when there is
+one, else the router; engine URLs for aborts), so tests build it against a real embedded engine process or a
+fake HTTP server. The Ray actor in `miles.ray.rollout_manager`
 wraps one. Each `generate` call runs the whole-rollout function (`--rollout-function-path`, by default
-`miles.rollout.default_rollout.generate_rollout`) in a fresh event loop, checks what it returns, numbers the
+`miles.rollout.default_rollout.generate_rollout`) on the runner's event loop, checks what it returns, numbers the
 batch (`index`, `group_index`), masks samples that ended aborted, sets the trained rewards, computes the
 `rollout/*` metrics and writes the detail dump, in that order: a failure anywhere leaves no dump behind.
 """
@@ -13,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 
@@ -36,6 +38,8 @@ from miles.utils.types import Sample, SampleStatus
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+T = TypeVar("T")
 
 
 def sampling_settings(rollout_cfg: Any) -> SamplingSettings:
@@ -93,6 +97,7 @@ def build_scorer(rollout_cfg: Any) -> RewardScorer:
         group_rm=r.group_rm,
         error_as_zero=r.rm_error_as_zero,
         post_process_path=r.custom_reward_post_process_path,
+        timeout=r.reward_timeout,
     )
 
 
@@ -149,6 +154,43 @@ class RolloutRunner:
         )
         self._eval_datasets: dict[str, PromptDataset] = {}
         self._states_after: dict[int, dict[str, Any]] = {}  # rollout id -> state_dict() right after it
+        # one event loop and one engine client (connection pool, TLS context) for the runner's lifetime
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._engine_client: EngineClient | None = None
+
+    def _run(self, fn: Callable[[EngineClient], Awaitable[T]]) -> T:
+        """Run `fn(client)` to completion on the runner's long-lived loop and client (made on first use)."""
+        if self._loop is None or self._loop.is_closed():
+            self._loop = asyncio.new_event_loop()
+            self._engine_client = None
+        loop = self._loop
+        if self._engine_client is None:
+            self._engine_client = loop.run_until_complete(self._client().__aenter__())
+        client = self._engine_client
+        client.resume()
+        try:
+            return loop.run_until_complete(fn(client))
+        except BaseException:
+            self.close()  # a failed rollout leaves no half-done requests or queues on the next one's loop
+            raise
+
+    def close(self) -> None:
+        """Close the engine client and the event loop (idempotent)."""
+        loop, client = self._loop, self._engine_client
+        self._loop = self._engine_client = None
+        if loop is None or loop.is_closed():
+            return
+        try:
+            if client is not None:
+                loop.run_until_complete(client.__aexit__(None, None, None))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+
+    @property
+    def generate_requests_sent(self) -> int:
+        """POST /generate requests this runner's client has sent (a batch counts once)."""
+        return 0 if self._engine_client is None else self._engine_client.requests_sent
 
     def _dataset(self, path: str, input_key: str, label_key: str | None) -> PromptDataset:
         d = self.data_cfg
@@ -220,11 +262,7 @@ class RolloutRunner:
     def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
         """One training rollout: the samples (prompt groups contiguous, numbered) and the `rollout/*` metrics."""
 
-        async def run() -> RolloutOutput:
-            async with self._client() as client:
-                return await self.seams.rollout(self._context(client), rollout_id)
-
-        out = asyncio.run(run())
+        out = self._run(lambda client: self.seams.rollout(self._context(client), rollout_id))
         self._states_after = {k: v for k, v in self._states_after.items() if k >= rollout_id - 1}
         self._states_after[rollout_id] = self.state_dict()
         samples = self._check_output(out)
@@ -295,11 +333,7 @@ class RolloutRunner:
         is the evaluation before training."""
         sets = self.eval_sets()
 
-        async def run() -> EvalOutput:
-            async with self._client() as client:
-                return await self.seams.evaluate(self._context(client), sets, rollout_id)
-
-        out = asyncio.run(run())
+        out = self._run(lambda client: self.seams.evaluate(self._context(client), sets, rollout_id))
         if not isinstance(out, EvalOutput):
             raise ValueError(
                 f"eval function {self.seams.eval_name} returned {type(out).__name__}; expected EvalOutput"

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from urllib.parse import urlparse
 
 from miles.rollout.generate import generate_single_turn
 
 _fired: set[str] = set()
+FAULT_LOG_ENV = "MILES_TEST_FAULT_LOG"  # a file each injected fault is also written to
 
 
 def engine_pid(url: str) -> int:
@@ -34,7 +36,11 @@ async def _faulty(sig: signal.Signals, client, sample, sampling, ctx):
     if ctx.request_id_prefix == "rollout1" and sample.index == 5 and sig.name not in _fired:
         _fired.add(sig.name)
         pid = engine_pid(client.engine_urls[0])
-        print(f"fault injection: {sig.name} to engine {client.engine_urls[0]} (pid {pid})", flush=True)
+        line = f"fault injection: {sig.name} to engine {client.engine_urls[0]} (pid {pid})"
+        print(line, flush=True)
+        if os.environ.get(FAULT_LOG_ENV):  # the driver's tests read it (Ray forwards prints only eventually)
+            with open(os.environ[FAULT_LOG_ENV], "a") as f:
+                f.write(line + "\n")
         os.kill(pid, sig)
     return await generate_single_turn(client, sample, sampling, ctx)
 
@@ -45,3 +51,17 @@ async def sigkill_engine(client, sample, sampling, ctx):
 
 async def sigstop_engine(client, sample, sampling, ctx):
     return await _faulty(signal.SIGSTOP, client, sample, sampling, ctx)
+
+
+class StuckTrainWorker:
+    """A training-worker stand-in for the Ray fan-out tests: rank 1 hangs in the save of rollout 3 and dies in
+    the save of rollout 4 (here, not in the test module, so that Ray workers can import it)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def save(self, rollout_id: int, extra_state: dict) -> None:
+        if self.rank == 1 and rollout_id == 3:
+            time.sleep(600)
+        if self.rank == 1 and rollout_id == 4:
+            os._exit(1)

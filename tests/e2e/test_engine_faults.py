@@ -83,3 +83,33 @@ def test_fault_tolerance_survives_engine_fault(tiny, fault, capfd):
     out = capfd.readouterr()
     assert "fault injection:" in out.out + out.err
     _check_completed(run_dir, rows)
+
+
+NO_FT = ["--rollout-request-timeout", "20"]
+
+
+@pytest.mark.parametrize("fault", ["sigkill_engine", "sigstop_engine"])
+def test_without_fault_tolerance_the_fault_is_named(tiny, fault, monkeypatch):
+    """Without --use-fault-tolerance the run ends within the request deadline with an error naming the engine
+    and the phase. A stopped engine fails the rollout's requests; a killed one refuses connections, so the
+    engine client sends its requests to the other engine and the run ends at the next engine control call
+    (the colocated memory release before training), which names the engine and the endpoint."""
+    import time
+
+    from miles.train import main
+    from tests.e2e.faults import FAULT_LOG_ENV
+
+    root, model, data, _ = tiny
+    run_dir = str(root / f"run_noft_{fault}")
+    fault_log = root / f"{fault}.log"
+    monkeypatch.setenv(FAULT_LOG_ENV, str(fault_log))  # inherited by the Ray workers started in main()
+    with pytest.raises(Exception) as info:
+        main(_args(model, data, run_dir, fault, NO_FT))
+    failed_at = time.time()
+    message = str(info.value)
+    assert fault_log.exists(), message[-3000:]
+    url = fault_log.read_text().split(" to engine ")[1].split()[0]
+    assert url in message, message[-3000:]
+    phases = ("rollout generate (rollout1)", "engine control: cannot reach engine")
+    assert any(phase in message for phase in phases), message[-3000:]
+    assert failed_at - fault_log.stat().st_mtime < 20 + 60, message[-3000:]

@@ -78,7 +78,12 @@ def test_colocated_grpo_steps_and_resume(tiny):
     # metrics keep each step once
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("1\n")
+    straight = rows
     assert main(_args(model, data, run_dir, num_rollout=4, extra=["--load", ckpt])) == 0
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    # the resumed run continues the same trajectory: rollout 2 again draws the same samples (data cursor from
+    # the checkpoint, a sampling_seed per request whichever engine or batch serves it)
+    for key in ("rollout/raw_reward", "rollout/response_len"):
+        assert rows[2][key] == straight[2][key], key
     assert rows[3]["train/train_rollout_logprob_abs_diff"] <= 1e-5

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -62,7 +63,13 @@ def _worker(
             f.write(traceback.format_exc())
         os._exit(1)  # skip atexit/destroy: peers may be blocked in a collective with us
     if dist.is_initialized():
+        dist.barrier()  # no rank tears its group down while a peer is still inside a collective
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: a native thread (gloo, torch's pools) still joinable in a static destructor aborts
+    # the process ("terminate called without an active exception", exit -6) after the body has succeeded.
+    os._exit(0)
 
 
 def run_distributed(

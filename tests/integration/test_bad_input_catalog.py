@@ -120,6 +120,65 @@ def _score(w: World, source: str, responses: tuple[str, ...] = ("1", "2")) -> No
     asyncio.run(score_samples(samples, None, f"{name}:score", None, error_as_zero=False))
 
 
+_ENGINE: dict[
+    str, object
+] = {}  # one in-process embedded engine for the engine-HTTP entries (built on first use)
+
+
+def _engine_app(w: World) -> object:
+    """The embedded engine's FastAPI app over the shared tiny model (its scheduler thread stops at exit)."""
+    if w.model not in _ENGINE:
+        import atexit
+
+        from miles.engines.local.engine import EngineConfig, LocalEngine
+        from miles.engines.local.server import create_app
+
+        engine = LocalEngine(EngineConfig(model_path=w.model, max_running_requests=4))
+        engine.start()
+        atexit.register(engine.stop)
+        _ENGINE[w.model] = create_app(engine, request_timeout=60, admin_timeout=30)
+    return _ENGINE[w.model]
+
+
+def _engine_post(
+    w: World, path: str, body: object, *, before: tuple[str, ...] = (), after: tuple = ()
+) -> None:
+    """POST `body` (raw bytes, or JSON) to the in-process engine (after the POSTs `before`, then `after`);
+    raises naming the status and the answer unless it is 200."""
+    import httpx
+
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=_engine_app(w))
+        async with httpx.AsyncClient(transport=transport, base_url="http://engine") as client:
+            for other in before:
+                (await client.post(other, json={})).raise_for_status()
+            try:
+                if isinstance(body, bytes):
+                    return await client.post(path, content=body, headers={"Content-Type": "application/json"})
+                return await client.post(path, json=body)
+            finally:
+                for other in after:
+                    await client.post(other, json={})
+
+    resp = asyncio.run(go())
+    if resp.status_code != 200:
+        raise RuntimeError(f"engine {path} answered {resp.status_code}: {resp.text}")
+
+
+def _context_len(w: World) -> int:
+    return int(json.loads((Path(w.model) / "config.json").read_text())["max_position_embeddings"])
+
+
+def _hung_reward(w: World) -> None:
+    from miles.rollout.rm_hub import RewardContext, RewardScorer
+
+    name = w.module(
+        "catalog_rm_hangs", "import threading\ndef score(args, s):\n    threading.Event().wait()\n"
+    )
+    scorer = RewardScorer(RewardContext(), f"{name}:score", timeout=0.3)
+    asyncio.run(scorer.score([Sample(index=4, response="1", label="1")]))
+
+
 def _full_disk_save(w: World) -> None:
     """Save onto a 512 KiB tmpfs (private mount namespace); the child reports the error and what is left."""
     if shutil.which("unshare") is None:
@@ -238,6 +297,13 @@ CATALOG = [
     Bad("reward_nan", ("returned nan", "sample index 1"), call=lambda w: _score(w, "def score(args, s):\n    return float('nan') if s.index else 1.0\n")),
     Bad("reward_string", ("returned '1'", "expected a finite float"), call=lambda w: _score(w, "def score(args, s):\n    return s.response\n")),
     Bad("reward_async_raises", ("failed on sample index 1", "KeyError"), call=lambda w: _score(w, "async def score(args, s):\n    return {}['x'] if s.index else 0.0\n")),
+    Bad("reward_hangs", ("reward function --custom-rm-path=catalog_rm_hangs:score", "no answer within 0.3s", "--reward-timeout", "sample index 4"), call=_hung_reward),
+    # ---- engine HTTP (the embedded engine's SGLang contract) --------------------------------------------
+    Bad("engine_prompt_beyond_context", ("/generate answered 400", "longer than the model's context length"), call=lambda w: _engine_post(w, "/generate", {"input_ids": [1] * _context_len(w), "sampling_params": {"max_new_tokens": 1}})),
+    Bad("engine_max_new_tokens_beyond_context", ("/generate answered 400", "exceeds the model's maximum context length"), call=lambda w: _engine_post(w, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": _context_len(w)}})),
+    Bad("engine_body_not_json", ("/generate answered 400",), call=lambda w: _engine_post(w, "/generate", b'{"input_ids": [1,')),
+    Bad("engine_weights_do_not_decode", ("/update_weights_from_tensor answered 400", "serialized_named_tensors[0] does not decode"), call=lambda w: _engine_post(w, "/update_weights_from_tensor", {"serialized_named_tensors": ["%%%not base64"]}, before=("/begin_weight_update",), after=("/end_weight_update",))),
+    Bad("engine_admin_unknown_field", ("/flush_cache answered 400", "unknown fields ['everything']"), call=lambda w: _engine_post(w, "/flush_cache", {"everything": True})),
 ]  # fmt: skip
 
 

@@ -140,6 +140,85 @@ def test_router_passthrough(keyed_engine):
         assert router.list_workers() == []
 
 
+def test_engine_client_sends_only_to_engines_the_router_lists(keyed_engine, monkeypatch):
+    """The engine client bypasses sglang-router for generation but reads its worker list (the fault-tolerance
+    registry): an engine the router does not list gets nothing (here a dead URL, never tried), a request waits
+    while no engine is listed and goes out once the router lists one again."""
+    import asyncio
+    import threading
+    import time
+
+    import miles.rollout.engine_client as ec
+    from miles.engines.sglang_engine import find_free_port
+
+    monkeypatch.setattr(ec, "ENGINE_LIST_TTL_S", 0.0)
+    dead = f"http://127.0.0.1:{find_free_port('127.0.0.1')}"
+    with Router([keyed_engine.url]) as router:
+
+        async def go() -> list[int]:
+            async with ec.EngineClient(router.url, [dead, keyed_engine.url], None, 60.0, 4) as c:
+                sent = []
+                for i in range(3):
+                    out = await c.generate([3, 4], {"max_new_tokens": 2, "ignore_eos": True}, i, "test")
+                    sent.append(len(out.output_ids))
+                assert c.requests_sent == 3  # none went to the dead engine
+                router.remove_worker(keyed_engine.url)  # what the health monitor does before a restart
+                readmitted: list[float] = []
+
+                def readmit() -> None:  # after the refit
+                    readmitted.append(time.monotonic())
+                    router.add_worker(keyed_engine.url)
+
+                timer = threading.Timer(1.0, readmit)
+                timer.start()
+                out = await c.generate([3, 4], {"max_new_tokens": 2, "ignore_eos": True}, 3, "test")
+                answered = time.monotonic()
+                timer.join()
+                assert readmitted and answered > readmitted[0]  # it waited for the router to list the engine
+                return sent + [len(out.output_ids)]
+
+        assert asyncio.run(go()) == [2, 2, 2, 2]
+
+
+def test_batch_generate_equals_single_requests(keyed_engine):
+    """SGLang's batch form (what the rollout's engine client sends for a prompt group: per-item sampling params
+    and rids) answers a list in the batch's order, each item what the same request alone answers (sampling is
+    seeded by the rid). sglang-router refuses this form (422: it takes one rid and one sampling_params), so
+    with several engines the client sends batches to the engines itself."""
+    lengths = (3, 2, 4)
+    body = {
+        "input_ids": [[3, 4, 5], [6, 7], [3, 4, 5]],
+        "sampling_params": [{"max_new_tokens": n, "temperature": 1.0} for n in lengths],
+        "rid": ["b-0", "b-1", "b-2"],
+        "return_logprob": True,
+    }
+    batch = keyed_engine.post("/generate", body)
+    assert isinstance(batch, list) and len(batch) == 3
+    for i, answer in enumerate(batch):
+        alone = keyed_engine.post(
+            "/generate",
+            {"input_ids": body["input_ids"][i], "sampling_params": body["sampling_params"][i],
+             "rid": f"b-{i}", "return_logprob": True},
+        )  # fmt: skip
+        assert answer["output_ids"] == alone["output_ids"] and len(answer["output_ids"]) <= lengths[i]
+        lps = [e[0] for e in answer["meta_info"]["output_token_logprobs"]]
+        assert lps == pytest.approx([e[0] for e in alone["meta_info"]["output_token_logprobs"]], abs=1e-5)
+    # a per-request sampling_seed (what the rollout sends) survives batching and outranks the rid: a request
+    # alone under another rid draws what the same seed drew inside the batch
+    n, seeds = 6, [11, 12, 11]
+    seeded = {**body, "sampling_params": [{"max_new_tokens": n, "temperature": 1.0, "sampling_seed": s}
+                                          for s in seeds]}  # fmt: skip
+    batch = keyed_engine.post("/generate", seeded)
+    assert batch[0]["output_ids"] == batch[2]["output_ids"]  # same prompt, same seed, different rids
+    for i in range(3):
+        alone = keyed_engine.post(
+            "/generate",
+            {"input_ids": body["input_ids"][i], "sampling_params": seeded["sampling_params"][i],
+             "rid": f"alone-{i}", "return_logprob": True},
+        )  # fmt: skip
+        assert batch[i]["output_ids"] == alone["output_ids"], i
+
+
 def test_ray_actor_class_is_built_lazily():
     cls = sglang_engine.make_engine_actor_class()
     assert cls is sglang_engine.make_engine_actor_class()  # built once

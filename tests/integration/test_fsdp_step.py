@@ -7,6 +7,7 @@ import collections
 import http.server
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -194,6 +195,8 @@ class _EngineHandler(http.server.BaseHTTPRequestHandler):
         engine, _, endpoint = self.path.strip("/").partition("/")
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
         answer = {"success": True, "message": ""}
+        if engine == "hung" and endpoint == "update_weights_from_tensor":
+            time.sleep(3)  # past the refit deadline of the updater that talks to it
         if engine == "bad" and endpoint == "update_weights_from_tensor":
             answer = {"success": False, "message": f"refused {self.path}"}
         elif endpoint == "begin_weight_update":
@@ -237,9 +240,15 @@ def _refit_body(rank: int, world_size: int, path: str, url: str) -> None:
     bad = ColocatedWeightUpdater([f"{url}/bad"], 2, rank, world_size)
     with pytest.raises(
         RuntimeError,
-        match=r"engine .*/bad, update_weights_from_tensor, bucket 0, phase response: success=false",
+        match=r"engine .*/bad, update_weights_from_tensor, refit v3, bucket 0, phase response: success=false",
     ):
         bad.update(model, bucket_bytes, weight_version="v3")
+    hung = ColocatedWeightUpdater([f"{url}/hung"], 2, rank, world_size, timeout_s=0.5)
+    with pytest.raises(  # the refit deadline names the engine, the call, the refit and the bucket
+        RuntimeError,
+        match=r"engine .*/hung, update_weights_from_tensor, refit v4, bucket 0, phase request: ReadTimeout",
+    ):
+        hung.update(model, bucket_bytes, weight_version="v4")
     with pytest.raises(ValueError, match="at most 1 engines"):
         ColocatedWeightUpdater([f"{url}/e0", f"{url}/e1"], 2, rank, world_size)
 

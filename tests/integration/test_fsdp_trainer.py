@@ -330,3 +330,64 @@ def test_every_estimator_and_loss_option_trains(tmp_path):
             assert key in m, (name, key)
     # cosine schedule with one warmup step: the first step runs at lr / 1 after warmup, then decays
     assert results["unbiased_kl_sgd_cosine"]["train/lr"] <= 1e-2
+
+
+def _reuse_body(rank: int, world: int, model_dir: str, out: str) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from miles.backends.fsdp_utils.actor import FSDPTrainer
+    from miles.utils.seqlen_balancing import partition_samples_by_dp
+
+    samples = _rollout(model_dir)
+    parts = partition_samples_by_dp(
+        [len(s.tokens) for s in samples], [s.group_index for s in samples], world, balance=False
+    )
+    cases = {
+        "one_step": [],
+        "one_step_tis_kl_loss": ["--use-tis", "--use-kl-loss", "--kl-loss-coef", "0.1", "--use-unbiased-kl"],
+        "two_steps": ["--global-batch-size", "4"],
+    }
+    results = {}
+    for name, extra in cases.items():
+        runs = {}
+        for reuse in (False, True):
+            trainer = FSDPTrainer(_config(model_dir, world, extra), rank, world)
+            trainer.init("actor", with_ref="--use-kl-loss" in extra)
+            trainer.reuse_training_forward = reuse
+            calls = []
+            separate = trainer._log_probs
+            trainer._log_probs = lambda model, *a, _f=separate, _c=calls: _c.append(model) or _f(model, *a)
+            metrics = {}
+            for rollout_id in range(2):
+                metrics = trainer.train(rollout_id, [samples[i] for i in parts[rank]])
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state = get_model_state_dict(trainer.model, options=opts)
+            old_passes = sum(m is trainer.model for m in calls)
+            runs[reuse] = (metrics, {k: v.clone() for k, v in state.items()}, old_passes)
+        (m0, w0, p0), (m1, w1, p1) = runs[False], runs[True]
+        same_weights = all(torch.equal(w0[k], w1[k]) for k in w0)
+        differ = {
+            k: (m0[k], m1.get(k)) for k in m0 if not k.startswith(("timing/", "perf/")) and m0[k] != m1.get(k)
+        }
+        results[name] = {"passes": [p0, p1], "same_weights": same_weights, "differ": differ}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
+def test_old_log_probs_from_the_training_forward_equal_the_separate_pass(tmp_path):
+    """With one optimizer step per rollout the old-log-prob pass is skipped (its numbers read off the training
+    forward) and nothing changes bit for bit: metrics and weights after two rollouts, over DP=2; with two
+    optimizer steps per rollout the separate pass still runs."""
+    model_dir = str(tmp_path / "model")
+    save_tiny_qwen3(model_dir, vocab_size=VOCAB)
+    out = str(tmp_path / "reuse.json")
+    run_distributed(_reuse_body, 2, model_dir, out, init_pg=False)
+    with open(out) as f:
+        results = json.load(f)
+    for name, r in results.items():
+        assert r["same_weights"], name
+        assert r["differ"] == {}, name
+    assert results["one_step"]["passes"] == [2, 0]  # two rollouts: one separate pass each, then none
+    assert results["one_step_tis_kl_loss"]["passes"] == [2, 0]
+    assert results["two_steps"]["passes"] == [2, 2]

@@ -16,12 +16,13 @@ from miles.utils.serialization import serialize, share_named_tensors
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 PROMPTS = [[3, 5, 7], [10, 11, 12, 13, 14, 15, 16], [20], [30, 31, 32, 33]]
+CONTEXT = 32768  # the model's context length: room for "endless" requests that tests abort
+LONG = CONTEXT - 100
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    # a long context, so the abort/pause tests can ask for 100000 tokens without hitting the context check
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), max_position_embeddings=200_000)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), max_position_embeddings=CONTEXT)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,10 @@ def _never_left_paused(engine):
 def test_info_endpoints(engine, model_dir):
     info = engine.get("/get_model_info")
     assert info["model_path"] == str(model_dir) and info["is_generation"] is True
-    assert engine.get("/get_server_info")["kv_cache"] == "per-request"
+    info = engine.get("/get_server_info")
+    assert info["kv_cache"] == "slot pool" and info["context_length"] == CONTEXT
+    # slots x context x (2 layers x 2 KV heads x head_dim 8 x keys and values x 4 bytes)
+    assert info["kv_cache_bytes"] == 8 * CONTEXT * 2 * 2 * 8 * 2 * 4
     assert engine.get("/health_generate") == {}
 
 
@@ -177,11 +181,26 @@ def test_logprobs_match_full_forward(engine, hf_model, sp):
 
 
 def test_sampling_is_reproducible_per_rid(engine):
-    a = gen(engine, PROMPTS[0], max_new_tokens=12, temperature=1.0, ignore_eos=True, rid="same")
-    b = gen(engine, PROMPTS[0], max_new_tokens=12, temperature=1.0, ignore_eos=True, rid="same")
-    c = gen(engine, PROMPTS[0], max_new_tokens=12, temperature=1.0, ignore_eos=True, rid="other")
+    sp = {"max_new_tokens": 12, "temperature": 1.0, "top_p": 0.9, "ignore_eos": True}
+    a = gen(engine, PROMPTS[0], rid="same", return_logprob=True, **sp)
+    b = gen(engine, PROMPTS[0], rid="same", **sp)
+    c = gen(engine, PROMPTS[0], rid="other", **sp)
     assert a["output_ids"] == b["output_ids"]
     assert a["output_ids"] != c["output_ids"]
+    # the same request inside a batch of 10 (more than --max-running-requests 8, rows of other lengths and
+    # temperatures before and after it): same tokens, same log-probs (up to matmul blocking, which depends on the
+    # number of rows: the 1e-5 of the trainer agreement)
+    others = [[3 + i, 40 - i, 7][: 1 + i % 3] for i in range(9)]
+    prompts = others[:4] + [PROMPTS[0]] + others[4:]
+    sps = [{**sp, "max_new_tokens": 2 + 3 * (i % 5), "temperature": 0.6 + 0.2 * (i % 3)} for i in range(10)]
+    sps[4] = sp
+    rids = [f"crowd{i}" for i in range(10)]
+    rids[4] = "same"
+    body = {"input_ids": prompts, "sampling_params": sps, "rid": rids, "return_logprob": True}
+    crowd = engine.post("/generate", body, timeout=60)[4]
+    assert crowd["output_ids"] == a["output_ids"]
+    lps = [[x for x, _, _ in o["meta_info"]["output_token_logprobs"]] for o in (a, crowd)]
+    assert torch.allclose(torch.tensor(lps[0]), torch.tensor(lps[1]), atol=1e-5, rtol=0)
 
 
 def test_bad_requests_are_rejected(engine):
@@ -194,6 +213,9 @@ def test_bad_requests_are_rejected(engine):
         engine.post("/generate", {"input_ids": [10**6]})
     with pytest.raises(EngineHTTPError, match="unknown memory tags"):
         engine.post("/release_memory_occupation", {"tags": ["gpu"]})
+    with pytest.raises(EngineHTTPError, match=f"maximum context length of {CONTEXT} tokens") as e:
+        gen(engine, PROMPTS[0], max_new_tokens=CONTEXT - 2)  # SGLang refuses prompt + new > context
+    assert e.value.status == 400
 
 
 def test_refit_changes_outputs_and_version(engine, hf_model):
@@ -239,14 +261,17 @@ def test_refit_changes_outputs_and_version(engine, hf_model):
 def test_release_resume_refit_restores_outputs(engine, hf_model):
     original = [(n, p.detach().clone()) for n, p in hf_model.named_parameters()]
     base = greedy(engine, PROMPTS[3], n=10)
+    pool_bytes = engine.get("/get_server_info")["kv_cache_bytes"]
     assert engine.post("/release_memory_occupation", {}) is None  # SGLang answers an empty body
-    assert engine.get("/get_server_info")["weights_released"]
+    info = engine.get("/get_server_info")
+    assert info["weights_released"] and info["kv_cache_bytes"] == 0 < pool_bytes
     with pytest.raises(EngineHTTPError, match="released") as e:
         greedy(engine, PROMPTS[3])
     assert e.value.status == 503
     with pytest.raises(EngineHTTPError, match="released"):
         refit(engine, original)
     assert engine.post("/resume_memory_occupation", {"tags": ["weights", "kv_cache", "cuda_graph"]}) is None
+    assert engine.get("/get_server_info")["kv_cache_bytes"] == pool_bytes
     with pytest.raises(EngineHTTPError, match="not loaded since resume") as e:
         greedy(engine, PROMPTS[3])
     assert e.value.status == 503
@@ -261,9 +286,7 @@ def test_release_resume_refit_restores_outputs(engine, hf_model):
 
 def _start_long(engine, rid, results):
     def run():
-        results[rid] = gen(
-            engine, PROMPTS[0], max_new_tokens=100000, ignore_eos=True, temperature=1.0, rid=rid
-        )
+        results[rid] = gen(engine, PROMPTS[0], max_new_tokens=LONG, ignore_eos=True, temperature=1.0, rid=rid)
 
     t = threading.Thread(target=run)
     t.start()
@@ -281,7 +304,7 @@ def test_abort_request(engine):
     t.join(20)
     fr = results["long-abort"]["meta_info"]["finish_reason"]
     assert fr["type"] == "abort"
-    assert 0 < results["long-abort"]["meta_info"]["completion_tokens"] < 100000
+    assert 0 < results["long-abort"]["meta_info"]["completion_tokens"] < LONG
 
 
 def test_pause_abort_mode_then_continue(engine):
@@ -408,7 +431,7 @@ def test_update_weights_from_distributed(engine, hf_model):
 def test_client_disconnect_aborts_request(engine):
     import httpx
 
-    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True}}
+    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(engine.url + "/generate", json=body, timeout=1.0, trust_env=False)
     deadline = time.monotonic() + 10

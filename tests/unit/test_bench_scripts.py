@@ -224,3 +224,46 @@ def test_refit_summary() -> None:
     assert s.bytes == 2 * 10**8 and s.refit_gbps.median == pytest.approx(0.1) and s.memcpy_gbps.median == 10.0
     assert s.ratio == pytest.approx(0.01) and s.refit_s.median == 2.0
     assert "refit / memcpy bandwidth: 0.0100" in refit.format_summary(s, r)
+
+
+# ------------------------------------------------------------------------------------------------ engine.py
+def test_engine_bench_arguments_and_prompts(tmp_path: Path) -> None:
+    import engine as engine_bench
+
+    a = engine_bench.parse_args([])
+    assert (a.models, a.batch_sizes, a.modes, a.baseline_src) == (
+        ["tiny", "25m"],
+        [1, 8, 64],
+        ["inproc", "http"],
+        None,
+    )
+    for argv in (
+        ["--models", "7b"],
+        ["--modes", "grpc"],
+        ["--batch-sizes", "0,8"],
+        ["--baseline-src", str(tmp_path)],
+    ):
+        with pytest.raises(SystemExit):
+            engine_bench.parse_args(argv)
+    prompts = engine_bench.make_prompts(64, vocab=48, seed=3)
+    assert prompts == engine_bench.make_prompts(64, vocab=48, seed=3) != engine_bench.make_prompts(64, 48, 4)
+    assert all(8 <= len(p) <= 24 and min(p) >= 3 and max(p) < 48 for p in prompts)
+    outs = [{"output_ids": [1] * 5}, {"output_ids": [2] * 5}]
+    assert engine_bench._count(outs, 5) == 10
+    with pytest.raises(AssertionError, match="lengths"):
+        engine_bench._count(
+            [{"output_ids": [1] * 4}], 5
+        )  # an early stop would inflate nothing but must not pass
+
+
+def test_engine_bench_baseline_wrapper_puts_the_other_tree_first(tmp_path: Path) -> None:
+    import engine as engine_bench
+
+    src = tmp_path / "src"
+    (src / "miles" / "engines" / "local").mkdir(parents=True)
+    assert engine_bench.parse_args(["--baseline-src", str(src)]).baseline_src == str(src)
+    wrapper = Path(engine_bench.baseline_python(str(src), tmp_path))
+    assert os.access(wrapper, os.X_OK)
+    # `python -m` puts the working directory before PYTHONPATH: the wrapper must cd there as well
+    assert f'cd "{src.resolve()}"' in wrapper.read_text()
+    assert f'PYTHONPATH="{src.resolve()}:$PYTHONPATH" exec "{sys.executable}" "$@"' in wrapper.read_text()

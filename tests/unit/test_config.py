@@ -104,7 +104,7 @@ def test_section_field_names_are_the_agreed_ones() -> None:
         "rollout_max_prompt_len rollout_temperature rollout_top_p rollout_top_k rollout_stop "
         "rollout_stop_token_ids rollout_skip_special_tokens rollout_seed rm_type custom_rm_path "
         "rm_error_as_zero rollout_request_timeout rollout_timeout reward_key group_rm custom_reward_post_process_path rm_url "
-        "rm_timeout rm_max_retries rollout_function_path custom_generate_function_path "
+        "rm_timeout rm_max_retries reward_timeout rollout_function_path custom_generate_function_path "
         "dynamic_sampling_filter_path over_sampling_batch_size partial_rollout mask_offpolicy_in_partial_rollout "
         "generate_max_turns generate_execute_tool_function_path generate_tool_timeout",
         "engine": "engine_host engine_api_key engine_max_running_requests check_weight_update_equal "
@@ -112,7 +112,7 @@ def test_section_field_names_are_the_agreed_ones() -> None:
         "sglang_decode_log_interval sglang_chunked_prefill_size sglang_attention_backend sglang_args",
         "train": "train_backend global_batch_size micro_batch_size use_dynamic_batch_size max_tokens_per_gpu "
         "balance_data context_parallel_size fsdp_cpu_offload update_weight_buffer_size ref_update_interval "
-        "train_timeout",
+        "train_timeout refit_timeout",
         "optim": "optimizer lr min_lr lr_decay_style lr_decay_iters lr_warmup_iters lr_warmup_fraction "
         "weight_decay adam_beta1 adam_beta2 adam_eps clip_grad",
         "algo": "advantage_estimator custom_advantage_function_path disable_grpo_std_normalization "

@@ -114,3 +114,14 @@ def test_check_weight_update_equal_needs_whole_tensors() -> None:
     assert parse_config(base).engine.check_weight_update_equal
     with pytest.raises(ConfigError, match="check-weight-update-equal.*tensor-parallel shards"):
         parse_config([*base, "--rollout-num-gpus-per-engine", "2"])
+
+
+def test_refit_deadline_must_expire_before_the_drivers_wait() -> None:
+    base = REQUIRED + ["--rollout-batch-size", "1", "--global-batch-size", "1"]
+    assert parse_config(base).train.refit_timeout < parse_config(base).train.train_timeout
+    try:
+        parse_config(base + ["--refit-timeout", "100", "--train-timeout", "100"])
+    except ConfigError as e:
+        assert "--refit-timeout" in str(e) and "below --train-timeout (100)" in str(e), str(e)
+    else:
+        raise AssertionError("--refit-timeout >= --train-timeout was accepted")

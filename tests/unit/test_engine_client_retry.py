@@ -5,11 +5,12 @@ not answer /health."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
 
-from miles.rollout.engine_client import EngineClient, EngineError
+from miles.rollout.engine_client import EngineClient, EngineError, batching
 
 OK = {"text": "7", "output_ids": [7], "meta_info": {"finish_reason": {"type": "stop"}}}
 
@@ -28,6 +29,8 @@ def test_transient_errors_are_retried_until_an_engine_answers():
     calls = []
 
     def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/generate":  # no router worker list; the engine answers /health
+            return httpx.Response(404 if request.url.path == "/workers" else 200)
         calls.append(request.url.path)
         if len(calls) == 1:
             raise httpx.ConnectError("connection refused", request=request)
@@ -44,12 +47,14 @@ def test_other_errors_are_not_retried(status):
     calls = []
 
     def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/workers":
+            return httpx.Response(404)
         calls.append(1)
         return httpx.Response(status, text="bad sampling params")
 
     with pytest.raises(
         EngineError,
-        match=f"rollout generate \\(rollout0\\): http://router:1/generate answered "
+        match=f"rollout generate \\(rollout0\\): http://e0:1/generate answered "
         f"{status}: bad sampling params \\(sample 3\\)",
     ):
         run(handler)
@@ -58,7 +63,7 @@ def test_other_errors_are_not_retried(status):
 
 def test_retries_stop_at_the_deadline_and_name_the_dead_engine():
     def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.host == "e1":  # the dead engine behind the router
+        if request.url.host == "e1":  # the dead engine
             raise httpx.ConnectError("connection refused", request=request)
         if request.url.path == "/health":
             return httpx.Response(200)
@@ -67,7 +72,7 @@ def test_retries_stop_at_the_deadline_and_name_the_dead_engine():
     with pytest.raises(EngineError) as info:
         run(handler, timeout=1.0, engines=("http://e0:1", "http://e1:1"))
     msg = str(info.value)
-    assert "rollout generate (rollout0): http://router:1/generate answered 503" in msg
+    assert "rollout generate (rollout0): http://e0:1/generate answered 503" in msg  # generation goes to e0
     assert "(sample 3)" in msg and "gave up after" in msg
     assert "engines not answering /health: ['http://e1:1']" in msg
 
@@ -91,3 +96,83 @@ def test_abort_skips_an_unreachable_engine_but_not_an_error():
     assert sorted(seen) == ["e0", "e1"]  # one attempt each: aborts are not retried
     with pytest.raises(EngineError, match="http://e2:1/abort_request answered 401"):
         asyncio.run(go(["http://e0:1", "http://e2:1"]))
+
+
+class Fleet:
+    """Two engines behind a router whose worker list the test edits (what the health monitor does)."""
+
+    def __init__(self) -> None:
+        self.listed = ["http://e0:1", "http://e1:1"]
+        self.dead: set[str] = set()
+        self.generated: list[str] = []  # engine host per answered /generate
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        url = f"http://{request.url.host}:1"
+        if request.url.host == "router":
+            return httpx.Response(200, json={"workers": [{"id": u, "url": u} for u in self.listed]})
+        if url in self.dead:
+            raise httpx.ConnectError("connection refused", request=request)
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        self.generated.append(request.url.host)
+        n = len(json.loads(request.content)["input_ids"])
+        return httpx.Response(200, json=OK if n == 2 else [OK] * n)
+
+
+def test_a_dead_engine_is_set_aside_and_comes_back_only_when_the_router_lists_it_again(monkeypatch):
+    import miles.rollout.engine_client as ec
+
+    monkeypatch.setattr(ec, "ENGINE_LIST_TTL_S", 0.0)  # read the router's list before every request
+    fleet = Fleet()
+
+    async def go():
+        async with EngineClient(
+            "http://router:1", ["http://e0:1", "http://e1:1"], None, 5.0, 4,
+            transport=httpx.MockTransport(fleet.handler),
+        ) as c:  # fmt: skip
+
+            async def gen(i: int) -> None:
+                out = await c.generate([1, 2], {"max_new_tokens": 1}, i, "rollout generate (rollout0)")
+                assert out.output_ids == [7]
+
+            await gen(0)
+            await gen(1)
+            assert fleet.generated == ["e0", "e1"]  # round robin while both are fine
+            fleet.dead.add("http://e0:1")  # SIGKILL: still listed, refuses connections
+            await gen(2)
+            await gen(3)
+            assert fleet.generated[2:] == ["e1", "e1"]  # retried on e1 at once, e0 set aside
+            fleet.listed = ["http://e1:1"]  # the monitor takes e0 out and restarts it (initial weights)
+            fleet.dead.clear()
+            await gen(4)
+            await gen(5)
+            assert fleet.generated[4:] == ["e1", "e1"]  # e0 answers /health but is not readmitted yet
+            fleet.listed = ["http://e0:1", "http://e1:1"]  # refit and readmitted
+            await gen(6)
+            await gen(7)
+            assert sorted(fleet.generated[6:]) == ["e0", "e1"]
+
+    asyncio.run(go())
+
+
+def test_a_batch_in_flight_on_an_engine_that_dies_is_answered_by_another():
+    fleet = Fleet()
+    fleet.dead.add("http://e0:1")
+
+    async def go():
+        async with EngineClient(
+            "http://router:1", ["http://e0:1", "http://e1:1"], None, 5.0, 8,
+            transport=httpx.MockTransport(fleet.handler),
+        ) as c:  # fmt: skip
+            with batching("group"):
+                outs = await asyncio.gather(
+                    *(
+                        c.generate([1, i], {"max_new_tokens": 1}, i, "rollout generate", rid=f"r{i}")
+                        for i in range(4)
+                    )
+                )
+            return outs, c.requests_sent
+
+    outs, sent = asyncio.run(go())
+    assert [o.output_ids for o in outs] == [[7]] * 4
+    assert fleet.generated == ["e1"] and sent == 2  # one batch, sent twice: e0 refused it, e1 answered

@@ -96,3 +96,17 @@ def test_failed_restart_names_the_engine():
             m.stop_watch(5)
     finally:
         m.close()
+
+
+def test_stop_watch_checks_once_more_and_recovers_an_engine_that_died_since_the_last_check():
+    engines = Engines(sick=set())
+    m = HealthMonitor(["http://a:1", "http://b:1"], HealthSettings(3600.0, 1.0, 0.0), engines.check,
+                      engines.take_out, engines.restart)  # fmt: skip
+    try:
+        m.start_watch()
+        wait_for(lambda: len(engines.checks) == 2)  # one round, the next one an hour away
+        engines.sick.add("http://a:1")  # killed while the rollout ran around it
+        assert m.stop_watch(5) == ["http://a:1"]
+        assert engines.events == [("out", "http://a:1"), ("restart", "http://a:1")]
+    finally:
+        m.close()

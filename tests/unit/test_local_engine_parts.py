@@ -8,8 +8,15 @@ import pytest
 import torch
 
 from miles.engines.local.engine import EngineConfig, LocalEngine
-from miles.engines.local.model_runner import CachedRunner, NoCacheRunner, make_runner
-from miles.engines.local.sampling import SamplingParams, filter_probs, sample_token
+from miles.engines.local.model_runner import NoCacheRunner, PoolRunner, _pad_buckets, make_runner
+from miles.engines.local.sampling import (
+    SamplingParams,
+    filter_probs,
+    request_rng,
+    sample_batch,
+    sample_token,
+)
+from miles.engines.local.scheduler import Request, Scheduler
 from miles.engines.local.testing import build_tiny_model
 from miles.engines.local.weights import EngineNotReady, WeightStore
 
@@ -46,6 +53,9 @@ def _tiny(model_type: str, tie: bool = False):
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif model_type == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
+    elif model_type == "llama_dynamic_rope":  # frequencies depend on the length: RoPE computed per step
+        rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+        model = LlamaForCausalLM(LlamaConfig(rope_parameters=rope, **common))
     else:
         model = GPT2LMHeadModel(GPT2Config(vocab_size=61, n_embd=32, n_layer=2, n_head=4, n_positions=128))
     with torch.no_grad():
@@ -54,43 +64,196 @@ def _tiny(model_type: str, tie: bool = False):
     return model.eval()
 
 
+def drive(runner, arrivals: dict[int, list[Request]], slots: int, chunk: int | None = None, capacity=64):
+    """Run requests through the real scheduler and `runner` like the engine loop; returns (finished requests by
+    rid, the logits each request was sampled from, the batches)."""
+    sched = Scheduler(slots, capacity, set(), lambda ids, skip: "", None, chunk)
+    seen: dict[str, list[torch.Tensor]] = {}
+    done, batches, step = {}, [], 0
+    while arrivals or sched.has_work():
+        for req in arrivals.pop(step, []):
+            sched.add(req)
+        step += 1
+        batch = sched.schedule()
+        if batch is None:
+            continue
+        batches.append(batch)
+        rows = batch.sample_rows
+        logits = runner.forward(batch)
+        for row, lg in zip(rows, logits):
+            seen.setdefault(row.req.rid, []).append(lg)
+        sched.postprocess(
+            batch, *sample_batch(logits, [r.req.params for r in rows], [r.req.rng for r in rows])
+        )
+        done.update((r.rid, r) for r in sched.pop_finished())
+    return done, seen, batches
+
+
+def _req(rid, prompt, n, temperature=0.0, **sp):
+    params = SamplingParams(temperature=temperature, max_new_tokens=n, ignore_eos=True, **sp)
+    return Request(rid, list(prompt), params, return_logprob=True, rng=request_rng(0, rid))
+
+
+def _check_against_forward(model, done, seen):
+    for rid, req in done.items():
+        seq = req.input_ids + req.output_ids
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor([seq])).logits[0, len(req.input_ids) - 1 : -1].float()
+        torch.testing.assert_close(torch.stack(seen[rid]), ref, atol=2e-5, rtol=1e-5, msg=rid)
+
+
+def _staggered_requests():
+    prompts = [
+        [1, 2, 3, 4, 5],
+        [7, 8],
+        [9, 10, 11, 12, 13, 14, 15, 16, 17],
+        [20],
+        [30, 31, 32],
+        [40, 41, 42, 43],
+    ]
+    lens = [6, 2, 5, 4, 7, 3]
+    reqs = [_req(f"r{i}", p, n) for i, (p, n) in enumerate(zip(prompts, lens))]
+    return {0: reqs[:3], 2: reqs[3:5], 3: reqs[5:]}
+
+
 @pytest.mark.parametrize(
-    "model_type,tie", [("qwen3", False), ("qwen3", True), ("qwen2", False), ("llama", False)]
+    "model_type,tie",
+    [("qwen3", False), ("qwen3", True), ("qwen2", False), ("llama", False), ("llama_dynamic_rope", False)],
 )
-def test_cached_runner_matches_full_forward(model_type, tie):
+def test_pool_runner_matches_full_forward(model_type, tie):
+    """Batched prefill, mixed prefill + decode, chunked prompts, rows leaving (slot moves): logits equal HF's."""
     model = _tiny(model_type, tie)
-    runner = make_runner(model)
-    assert isinstance(runner, CachedRunner)
-    _check_runner_against_forward(model, runner)
+    runner = make_runner(model, num_slots=3, capacity=32)
+    assert isinstance(runner, PoolRunner)
+    assert (runner._rope_table is None) == (model_type == "llama_dynamic_rope")
+    done, seen, batches = drive(runner, _staggered_requests(), slots=3, chunk=6)
+    assert len(done) == 6
+    assert any(b.moves for b in batches) and any(b.num_decode_rows and b.num_prefill_tokens for b in batches)
+    _check_against_forward(model, done, seen)
+
+
+def test_pool_runner_decode_rows_on_scattered_slots():
+    """Decode rows around a slot still prefilling (not contiguous) read the pool through an index."""
+    model = _tiny("qwen3")
+    runner = make_runner(model, num_slots=4, capacity=40)
+    # a, b, e decode from step 2; c's 24-token prompt is prefilled 2, 6, 6, ... tokens per step. b leaves after
+    # step 2, c (last slot) moves into its slot 1, so step 3 decodes a (slot 0) and e (slot 2) around c.
+    a, b, e, c = (
+        _req("a", [3, 4], 8),
+        _req("b", [5], 2),
+        _req("e", [6], 6),
+        _req("c", list(range(1, 25)), 3),
+    )
+    done, seen, batches = drive(runner, {0: [a, b, e, c]}, slots=4, chunk=6)
+    scattered = [bt for bt in batches if [(r.slot, r.is_decode) for r in bt.rows] == [(0, 1), (1, 0), (2, 1)]]
+    assert scattered, [[(r.req.rid, r.slot, r.is_decode) for r in bt.rows] for bt in batches]
+    _check_against_forward(model, done, seen)
+
+
+def test_pool_runner_prompts_of_very_different_lengths_are_bucketed():
+    """One long prompt among short ones: padding is bounded by splitting the prompts into length buckets."""
+    model = _tiny("qwen3")
+    runner = make_runner(model, num_slots=6, capacity=64)
+    lens = [40, 2, 3, 2, 5, 3]
+    reqs = [_req(f"p{i}", [(5 * i + j) % 61 for j in range(n)], 3) for i, n in enumerate(lens)]
+    done, seen, batches = drive(runner, {0: reqs}, slots=6)
+    buckets = _pad_buckets(batches[0].rows)
+    assert [[len(r.token_ids) for r in b] for b in buckets] == [[2, 2, 3, 3, 5], [40]]
+    _check_against_forward(model, done, seen)
 
 
 def test_fallback_runner_for_other_architectures():
     model = _tiny("gpt2")
-    runner = make_runner(model)
+    runner = make_runner(model, num_slots=3, capacity=32)
     assert isinstance(runner, NoCacheRunner)
-    _check_runner_against_forward(model, runner)
+    done, seen, _ = drive(runner, _staggered_requests(), slots=3, chunk=6)
+    _check_against_forward(model, done, seen)
 
 
-def _check_runner_against_forward(model, runner):
-    prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17]]
-    caches = [runner.new_cache() for _ in prompts]
-    got = [[runner.prefill(p, c)] for p, c in zip(prompts, caches)]
-    seqs = [list(p) for p in prompts]
-    for step in range(6):
-        active = [
-            i for i in range(len(prompts)) if step < 2 + 2 * i
-        ]  # rows leave the batch at different steps
-        nxt = [int(got[i][-1].argmax()) for i in active]
-        for i, t in zip(active, nxt):
-            seqs[i].append(t)
-        logits = runner.decode(nxt, [caches[i] for i in active])
-        for row, i in enumerate(active):
-            got[i].append(logits[row])
-    for p, s, g in zip(prompts, seqs, got):
-        with torch.no_grad():
-            ref = model(input_ids=torch.tensor([s])).logits[0, len(p) - 1 :].float()
-        assert len(g) == len(s) - len(p) + 1
-        torch.testing.assert_close(torch.stack(g), ref, atol=2e-5, rtol=1e-5)
+def test_same_tokens_alone_and_in_a_batch_of_many():
+    """Per-request seeding: a sampled request gets the same tokens (and log-probs) alone and among 15 others
+    arriving before and after it, whatever the slots and chunking."""
+    model = _tiny("qwen3")
+    prompt = [5, 9, 14, 2, 33]
+
+    def target():
+        return _req("target", prompt, 12, temperature=1.0, top_p=0.9)
+
+    alone, _, _ = drive(make_runner(model, 1, 32), {0: [target()]}, slots=1)
+    others = [_req(f"o{i}", [(7 * i + j) % 61 for j in range(1 + i % 6)], 3 + i % 9, temperature=1.0)
+              for i in range(15)]  # fmt: skip
+    crowd, _, batches = drive(
+        make_runner(model, 8, 32), {0: others[:6], 2: [target()], 3: others[6:]}, slots=8, chunk=7
+    )
+    assert max(len(b.rows) for b in batches) == 8
+    assert crowd["target"].output_ids == alone["target"].output_ids
+    torch.testing.assert_close(
+        torch.tensor(crowd["target"].logprobs), torch.tensor(alone["target"].logprobs), atol=1e-6, rtol=0
+    )
+
+
+def test_kv_pool_release_frees_and_resume_reallocates():
+    model = _tiny("qwen3")
+    runner = make_runner(model, num_slots=4, capacity=16)
+    full = runner.pool.nbytes
+    assert runner.kv_allocated_bytes() == full == 2 * 2 * 4 * 2 * 16 * 8 * 4
+    done, _, _ = drive(runner, {0: [_req("x", [3, 4, 5], 4)]}, slots=4, capacity=16)
+    runner.release_kv()
+    assert runner.kv_allocated_bytes() == 0 and runner.pool.k == []
+    with pytest.raises(RuntimeError, match="released"):
+        drive(runner, {0: [_req("y", [3, 4, 5], 4)]}, slots=4, capacity=16)
+    runner.resume_kv()
+    assert runner.kv_allocated_bytes() == full and runner.pool.initialized == 0
+    runner.pool.data.fill_(
+        float("nan")
+    )  # garbage in fresh memory: masked positions must be zeroed before use
+    reqs = [_req("x", [3, 4, 5], 4), _req("z", [7], 9)]
+    again, seen, _ = drive(runner, {0: reqs}, slots=4, capacity=16)
+    assert again["x"].output_ids == done["x"].output_ids and runner.pool.initialized == 9
+    _check_against_forward(model, again, seen)
+
+
+def test_fused_projections_follow_refits_and_weight_release():
+    """q/k/v (with biases here) and gate/up run as one matmul each, over one [in, out] buffer whose blocks are
+    the parameters: a refit (a copy into the parameters) reaches it, releasing the weights leaves no tensor
+    holding its memory, and after resume + reload it is laid out again."""
+    import gc
+
+    model = _tiny("qwen2")
+    runner = make_runner(model, num_slots=2, capacity=32)
+    attn = model.model.layers[1].self_attn
+    w, b = runner.layers[1].qkv.weight()
+    assert w.data_ptr() == attn.q_proj.weight.data_ptr() and b.data_ptr() == attn.q_proj.bias.data_ptr()
+    assert torch.equal(w.t(), torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    x = torch.randn(5, w.shape[0])
+    assert torch.equal(runner.layers[1].qkv(x)[:, : attn.q_proj.weight.shape[0]], attn.q_proj(x))  # as HF
+    del w, b
+    store = WeightStore(model)
+    gen = torch.Generator().manual_seed(5)
+    fresh = {n: torch.randn(p.shape, generator=gen) * 0.3 for n, p in model.named_parameters()}
+    store.load(fresh.items())
+    done, seen, _ = drive(runner, {0: [_req("a", [3, 4, 5], 5), _req("b", [9], 4)]}, slots=2, capacity=32)
+    _check_against_forward(model, done, seen)
+    fused_storage = attn.q_proj.weight.untyped_storage().data_ptr()
+
+    def holders() -> int:
+        gc.collect()
+        tensors = [t for t in gc.get_objects() if type(t) in (torch.Tensor, torch.nn.Parameter)]
+        return sum(t.untyped_storage().data_ptr() == fused_storage for t in tensors if t.numel())
+
+    assert holders() >= 3  # q, k, v
+    store.release()
+    assert holders() == 0
+    store.resume()
+    store.load(fresh.items())
+    again, seen, _ = drive(runner, {0: [_req("a", [3, 4, 5], 5), _req("b", [9], 4)]}, slots=2, capacity=32)
+    assert {r: q.output_ids for r, q in again.items()} == {r: q.output_ids for r, q in done.items()}
+    assert runner.layers[1].qkv.weight()[0].data_ptr() == attn.q_proj.weight.data_ptr()
+    assert (
+        runner.layers[0].gate_up.weight()[0].data_ptr()
+        == model.model.layers[0].mlp.gate_proj.weight.data_ptr()
+    )
+    _check_against_forward(model, again, seen)
 
 
 def _filter_loop(probs: list[float], top_k: int, top_p: float) -> list[float]:
@@ -120,15 +283,56 @@ def test_filter_probs_matches_loop(top_k, top_p):
 
 def test_sample_token_logprob_is_prefilter_and_greedy_uses_t1():
     logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
-    gen = torch.Generator().manual_seed(0)
-    tok, lp = sample_token(logits, SamplingParams(temperature=0.0), gen)
+    rng = request_rng(0, "x")
+    tok, lp = sample_token(logits, SamplingParams(temperature=0.0), rng)
     assert tok == 0 and lp == pytest.approx(float(torch.log_softmax(logits, 0)[0]))
-    tok, lp = sample_token(logits, SamplingParams(temperature=0.5, top_k=1), gen)
+    tok, lp = sample_token(logits, SamplingParams(temperature=0.5, top_k=1), rng)
     assert tok == 0 and lp == pytest.approx(float(torch.log_softmax(logits / 0.5, 0)[0]), abs=1e-6)
     counts = torch.zeros(4)
     for _ in range(400):
-        counts[sample_token(logits, SamplingParams(temperature=1.0, top_p=0.7), gen)[0]] += 1
+        counts[sample_token(logits, SamplingParams(temperature=1.0, top_p=0.7), rng)[0]] += 1
     assert counts[2:].sum() == 0 and counts[1] > 0  # p = .61, .22, .14, .03: top-p 0.7 keeps tokens 0, 1
+
+
+def test_sample_batch_matches_one_row_reference():
+    """Batched sampling picks exactly the reference's tokens (same per-request draws) and log-probs, for mixed
+    temperatures (greedy included), top-k and top-p, including extreme logits and ties."""
+    gen = torch.Generator().manual_seed(0)
+    checked = 0
+    for trial in range(60):
+        rows, vocab = 1 + trial % 13, (5, 48, 301)[trial % 3]
+        logits = torch.randn(rows, vocab, generator=gen) * (0.5, 4.0, 30.0)[trial % 3]
+        if trial % 5 == 0:
+            logits[:, : vocab // 2] = 1.0  # ties at the top
+        params = [
+            SamplingParams(
+                temperature=(0.0, 0.7, 1.0, 1.5)[(trial + i) % 4],
+                top_k=(-1, -1, 1, 3)[(trial + 2 * i) % 4],
+                top_p=(1.0, 0.9, 0.5, 1e-6)[(trial + 3 * i) % 4],
+            )
+            for i in range(rows)
+        ]
+        rng_a = [request_rng(trial, f"r{i}") for i in range(rows)]
+        rng_b = [request_rng(trial, f"r{i}") for i in range(rows)]
+        for _ in range(3):
+            tokens, logprobs = sample_batch(logits, params, rng_a)
+            for i in range(rows):
+                assert (tokens[i], logprobs[i]) == sample_token(logits[i], params[i], rng_b[i])
+                checked += 1
+    assert checked > 1000
+    assert sample_batch(torch.zeros(0, 7), [], []) == ([], [])
+
+
+def test_sample_batch_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -30.0])
+    n = 20000
+    rngs = [request_rng(1, str(i)) for i in range(n)]
+    tokens, _ = sample_batch(logits.expand(n, -1), [SamplingParams(temperature=1.0)] * n, rngs)
+    freq = torch.bincount(torch.tensor(tokens), minlength=5).double() / n
+    probs = torch.softmax(logits.double(), 0)
+    assert (freq - probs).abs().max() < 4 * (probs * (1 - probs) / n).sqrt().max()
+    tokens, _ = sample_batch(logits.expand(n, -1), [SamplingParams(temperature=1.0, top_k=2)] * n, rngs)
+    assert set(tokens) == {0, 1}
 
 
 def test_sampling_params_validation():
@@ -182,8 +386,8 @@ def test_eos_stops_unless_ignored(local_engine):
     assert len(ref["output_ids"]) == 8
     eos = ref["output_ids"][1]
     first = ref["output_ids"].index(eos)
-    old = local_engine.scheduler.eos_ids
-    local_engine.scheduler.eos_ids = {eos}
+    old = local_engine.scheduler.core.eos_ids
+    local_engine.scheduler.core.eos_ids = {eos}
     try:
         out = _run(
             local_engine, {"input_ids": [3, 4, 5], "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
@@ -195,12 +399,20 @@ def test_eos_stops_unless_ignored(local_engine):
             == ref["output_ids"]
         )
     finally:
-        local_engine.scheduler.eos_ids = old
+        local_engine.scheduler.core.eos_ids = old
 
 
 def test_admission_budgets(local_engine):
     with pytest.raises(ValueError, match="max-total-tokens"):
         local_engine.submit_generate({"input_ids": [3] * 30, "sampling_params": {"max_new_tokens": 20}})
+    with pytest.raises(
+        ValueError, match=r"The input \(512 tokens\) is longer than the model's context length"
+    ):
+        local_engine.submit_generate({"input_ids": [3] * 512})
+    with pytest.raises(
+        ValueError, match="maximum context length of 512 tokens. You requested a total of 513"
+    ):
+        local_engine.submit_generate({"input_ids": [3] * 500, "sampling_params": {"max_new_tokens": 13}})
     sp = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
     before = dict(local_engine.scheduler.stats)
     outs = _run(local_engine, {"input_ids": [[3, 4], [5, 6], [7, 8], [9, 10]], "sampling_params": sp})
@@ -280,7 +492,7 @@ def test_failed_decode_step_fails_only_the_batch(local_engine, monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(local_engine.runner, "decode", broken)
+    monkeypatch.setattr(local_engine.runner, "forward", broken)
     _, futs, _ = local_engine.submit_generate({"input_ids": [3, 4], "sampling_params": sp})
     with pytest.raises(RuntimeError, match="boom"):
         futs[0].result(30)

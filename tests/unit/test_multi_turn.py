@@ -117,7 +117,7 @@ def test_tool_error_is_the_answer_and_a_hanging_tool_fails_in_time(tok):
 
     t0 = time.monotonic()
     with pytest.raises(ToolTimeoutError, match=r"rollout generate \(rollout3\): tool the_tool gave no answer within "
-                       r"0s .*sample index 5"):  # fmt: skip
+                       r"0.3s .*sample index 5"):  # fmt: skip
         run(
             tok,
             FakeEngine(scripted(tok, ["<tool_call>1 + 1</tool_call>"])),

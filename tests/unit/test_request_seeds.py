@@ -4,10 +4,11 @@ from it, independent of which engine (server seed) and which request id serves i
 
 from __future__ import annotations
 
-import pytest
-import torch
+import random
 
-from miles.engines.local.sampling import SamplingParams, request_generator
+import pytest
+
+from miles.engines.local.sampling import SamplingParams, request_rng
 from miles.rollout.engine_client import request_seed
 
 
@@ -19,15 +20,15 @@ def test_request_seed_is_a_pure_function_of_seed_and_request_id():
 
 
 def test_embedded_engine_sampler_follows_sampling_seed_not_engine_or_rid():
-    def draws(gen: torch.Generator) -> list[float]:
-        return torch.rand(8, generator=gen).tolist()
+    def draws(rng: random.Random) -> list[float]:
+        return [rng.random() for _ in range(8)]
 
-    same = [draws(request_generator(engine_seed, rid, 1234)) for engine_seed, rid in ((42, "a"), (43, "b"))]
+    same = [draws(request_rng(engine_seed, rid, 1234)) for engine_seed, rid in ((42, "a"), (43, "b"))]
     assert same[0] == same[1]
-    assert draws(request_generator(42, "a", 1235)) != same[0]
+    assert draws(request_rng(42, "a", 1235)) != same[0]
     # without a sampling_seed: (server seed, rid) as before
-    assert draws(request_generator(42, "a")) == draws(request_generator(42, "a"))
-    assert draws(request_generator(42, "a")) != draws(request_generator(43, "a"))
+    assert draws(request_rng(42, "a")) == draws(request_rng(42, "a"))
+    assert draws(request_rng(42, "a")) != draws(request_rng(43, "a"))
 
 
 def test_sampling_seed_is_validated():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -322,3 +323,45 @@ def test_group_rm_and_post_process(tmp_path, monkeypatch) -> None:
     with pytest.raises(ValueError, match="--custom-reward-post-process-path.*user_group_rm:missing"):
         RewardScorer(RewardContext(rm_type="math"), post_process_path="user_group_rm:missing")
     sys.modules.pop("user_group_rm", None)
+
+
+def test_a_hung_reward_function_expires_naming_it(tmp_path, monkeypatch) -> None:
+    """--reward-timeout bounds each call, sync (run in a thread) or async, per sample or per group; the error
+    names the function, the sample(s) and the flag. A function raising TimeoutError itself is its own error."""
+    (tmp_path / "user_slow_rm.py").write_text(
+        textwrap.dedent(
+            """
+            import asyncio, threading
+
+            def hangs(ctx, sample):
+                threading.Event().wait()
+
+            async def hangs_async(ctx, sample):
+                await asyncio.Event().wait()
+
+            def hangs_group(ctx, samples):
+                threading.Event().wait()
+
+            def own_timeout(ctx, sample):
+                raise TimeoutError("the judge service timed out")
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name, group_rm in [("hangs", False), ("hangs_async", False), ("hangs_group", True)]:
+        scorer = RewardScorer(RewardContext(), f"user_slow_rm:{name}", group_rm=group_rm, timeout=0.2)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=rf"reward function --custom-rm-path=user_slow_rm:{name} gave no "
+                           r"answer within 0.2s \(--reward-timeout\) for .*(sample index |indices \[)7"):  # fmt: skip
+            asyncio.run(scorer.score([_sample("x", None, 7), _sample("y", None, 8)]))
+        assert time.monotonic() - t0 < 5, name
+    lenient = RewardScorer(RewardContext(), "user_slow_rm:hangs", error_as_zero=True, timeout=0.2)
+    group = [_sample("x", None, 0), _sample("y", None, 1)]
+    assert asyncio.run(lenient.score(group)) == 2  # with --rm-error-as-zero an expired call is a failure
+    assert [(s.reward, s.status) for s in group] == [(0.0, SampleStatus.FAILED)] * 2
+    own = RewardScorer(RewardContext(), "user_slow_rm:own_timeout", timeout=5)
+    with pytest.raises(RuntimeError, match="failed on sample index 3.*TimeoutError: the judge service"):
+        asyncio.run(own.score([_sample("x", None, 3)]))
+    with pytest.raises(ValueError, match="--reward-timeout must be > 0"):
+        RewardScorer(RewardContext(rm_type="math"), timeout=0)
+    sys.modules.pop("user_slow_rm", None)

@@ -12,6 +12,7 @@ import sys
 import textwrap
 from collections import Counter
 
+import httpx
 import pytest
 
 from miles.config import parse_config
@@ -84,6 +85,16 @@ def test_default_rollout_single_turn(tokenizer, data, tmp_path):
     assert metrics["rollout/filtered_groups"] == 0 and metrics["rollout/sampling_rounds"] == 1
     lines = (tmp_path / "dump" / "rollout_0000000.jsonl").read_text().splitlines()
     assert [json.loads(line)["index"] for line in lines] == list(range(8))
+    # one batch request per prompt group, sent straight to the single engine
+    assert engine.posts == 4 and engine.batch_sizes == [2, 2, 2, 2]
+    assert runner.generate_requests_sent == 4
+    # the next rollout reuses the runner's client and loop: same answers, same batching
+    client = runner._engine_client
+    again, _ = runner.generate(1)
+    assert runner._engine_client is client and engine.batch_sizes == [2] * 8
+    assert [s.response for s in again] == [str(i % 4) for i in range(8)]
+    runner.close()
+    runner.close()  # idempotent
 
 
 def spread_by_group(ids, sp, rid):
@@ -284,3 +295,98 @@ def test_rollout_state_round_trips_through_json(tokenizer, data):
     assert a.state_dict(0) == state
     with pytest.raises(ValueError, match="no rollout state kept for rollout 5"):
         a.state_dict(5)
+
+
+def test_engine_client_batches_per_key_and_names_every_sample_on_error():
+    """Calls under one `batching` key in the same loop turn share a request (items answered in order, each
+    caller its own); calls without a key go alone; a failed batch fails each of its callers naming them all; a
+    batch answered with the wrong number of items is an error."""
+    import asyncio
+
+    from miles.rollout.engine_client import EngineClient, EngineError, batching
+
+    engine = FakeEngine(lambda ids, sp, rid: Reply([ids[0], 7]))
+
+    async def go(keyed: list[list[int]], alone: list[int]) -> list:
+        async with EngineClient(
+            "http://router:1", [engine.url], None, 5.0, 16, transport=engine.transport
+        ) as c:
+
+            async def group(prompts: list[int], g: int):
+                with batching(object()):
+                    return await asyncio.gather(
+                        *(
+                            c.generate([p, 1], {"max_new_tokens": 2}, p, "test", rid=f"r{g}-{p}")
+                            for p in prompts
+                        )
+                    )
+
+            outs = await asyncio.gather(
+                *(group(ps, g) for g, ps in enumerate(keyed)),
+                *(c.generate([p], {"max_new_tokens": 2}, p, "test", rid=f"a{p}") for p in alone),
+            )
+            assert c.requests_sent == engine.posts
+            return outs
+
+    outs = asyncio.run(go([[10, 11, 12], [20, 21]], [30]))
+    assert [[o.output_ids for o in g] for g in outs[:2]] == [[[10, 7], [11, 7], [12, 7]], [[20, 7], [21, 7]]]
+    assert outs[2].output_ids == [30, 7]
+    assert sorted(engine.batch_sizes) == [1, 2, 3] and engine.posts == 3
+    assert all(r["return_logprob"] is True for r in engine.requests)
+
+    bad = FakeEngine(lambda ids, sp, rid: Reply([1]))
+    with pytest.raises(EngineError, match=r"samples 10, 11, 12 \(batch of 3\)"):
+        asyncio.run(go_bad(bad, {"max_new_tokens": 0}))
+
+    async def short_answer(request):
+        return httpx.Response(200, json=[{"output_ids": [1], "meta_info": {}}])
+
+    with pytest.raises(EngineError, match=r"answered a batch of 3 .* with 1 items"):
+        asyncio.run(go_bad(None, {"max_new_tokens": 2}, httpx.MockTransport(short_answer)))
+
+
+async def go_bad(engine, sp, transport=None):
+    import asyncio
+
+    from miles.rollout.engine_client import EngineClient, batching
+
+    url = "http://e:1"
+    async with EngineClient(url, [url], None, 5.0, 16, transport=transport or engine.transport) as c:
+        with batching("g"):
+            return await asyncio.gather(*(c.generate([p], sp, p, "test", rid=f"r{p}") for p in (10, 11, 12)))
+
+
+def test_engine_client_spreads_batches_over_engines():
+    """Several engines: each batch goes straight to the engine with the fewest generations in flight."""
+    import asyncio
+
+    from miles.rollout.engine_client import EngineClient, batching
+
+    engines = [FakeEngine(lambda ids, sp, rid: Reply([ids[0]]), url=f"http://e{i}:1") for i in range(2)]
+    by_host = {httpx.URL(e.url).host: e for e in engines}
+
+    async def route(request: httpx.Request) -> httpx.Response:
+        return await by_host[request.url.host].transport.handle_async_request(request)
+
+    async def go() -> None:
+        urls = [e.url for e in engines]
+        async with EngineClient(
+            "http://router:1", urls, None, 5.0, 64, transport=httpx.MockTransport(route)
+        ) as c:
+
+            async def group(g: int, size: int):
+                with batching(g):
+                    return await asyncio.gather(
+                        *(
+                            c.generate([g, j], {"max_new_tokens": 1}, j, "test", rid=f"{g}-{j}")
+                            for j in range(size)
+                        )
+                    )
+
+            await asyncio.gather(*(group(g, size) for g, size in enumerate([4, 1, 1, 2, 2])))
+
+    asyncio.run(go())
+    # every batch is whole on one engine; least-loaded choice keeps the engines within one batch of each other
+    assert sorted(engines[0].batch_sizes + engines[1].batch_sizes) == [1, 1, 2, 2, 4]
+    loads = [sum(e.batch_sizes) for e in engines]
+    assert min(loads) > 0 and abs(loads[0] - loads[1]) <= 4

@@ -7,7 +7,9 @@ One `train(rollout_id, data)` call:
   1. split the rank's samples into optimizer steps of `global_batch_size / dp` samples and plan each step's packs
      (micro-batches) once;
   2. with the weights the rollout used, compute old log-probs (and reference log-probs) over exactly those packs,
-     so the first micro-batch sees ppo_kl == 0 bit for bit;
+     so the first micro-batch sees ppo_kl == 0 bit for bit; with one optimizer step per rollout (and no
+     KL-in-reward or custom advantage reading them) the old log-probs are instead each micro-batch's own
+     training forward, detached: the same numbers without the extra pass (rb.old_log_probs_from_training_forward);
   3. advantages (miles.algo), whitened over the DP group where the estimator asks for it;
   4. per step: forward each pack with grad, loss (miles.algo.loss), backward; clip; optimizer + LR step.
 """
@@ -84,6 +86,9 @@ class FSDPTrainer(TrainBackend):
             warmup_fraction=o.lr_warmup_fraction,
             decay_iters=o.lr_decay_iters,
         )
+        # read the old log-probs off the training forward when that is provably the same pass (see
+        # rb.old_log_probs_from_training_forward); tests switch it off to compare against the separate pass
+        self.reuse_training_forward = True
         self._offloaded = False
         self._weight_updater = None
         start = 0
@@ -109,20 +114,28 @@ class FSDPTrainer(TrainBackend):
             torch.cuda.reset_peak_memory_stats()
         batch = rb.RankBatch.from_samples(samples, ps.device)
         steps = rb.plan_steps(batch, cfg, ps, self.steps_per_rollout)
+        reuse = self.reuse_training_forward and rb.old_log_probs_from_training_forward(
+            len(steps), cfg, self.ref_model is not None
+        )
         with torch.no_grad():
-            batch.old_log_probs = self._log_probs(self.model, batch, steps)
+            if not reuse:
+                batch.old_log_probs = self._log_probs(self.model, batch, steps)
             if self.ref_model is not None:
                 batch.ref_log_probs = self._log_probs(self.ref_model, batch, steps)
         if cfg.algo.use_rollout_logprobs:
             batch.require_rollout_log_probs()
         rb.compute_advantages_for(batch, cfg, ps.dp_group)
+        if reuse:  # filled micro-batch by micro-batch from the training forward (see _train_step)
+            batch.old_log_probs = [None] * len(batch)
         t_prep = time.perf_counter() - t0
 
         metrics = rb.MetricSum()
         num_packs = sum(len(step_packs) for step_packs in steps)
         with progress_bar(num_packs, f"train {rollout_id}", unit="mb", enabled=ps.rank == 0) as bar:
             for step_index, step_packs in enumerate(steps):
-                self._train_step(batch, step_packs, metrics, first_step=step_index == 0, bar=bar)
+                self._train_step(
+                    batch, step_packs, metrics, first_step=step_index == 0, bar=bar, fill_old=reuse
+                )
         out = metrics.reduce(ps.dp_group)
         out.update(rb.batch_metrics(batch, ps.dp_group))
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
@@ -130,7 +143,7 @@ class FSDPTrainer(TrainBackend):
         if self.ref_model is not None and interval and (rollout_id + 1) % interval == 0:
             self._update_reference_model()
         out["timing/train_logprob_prep"] = t_prep
-        passes = 1 + (self.ref_model is not None)  # no-grad forwards: old (and reference) log-probs
+        passes = (not reuse) + (self.ref_model is not None)  # no-grad forwards: old, reference log-probs
         out.update(_perf_metrics(self.model, batch, passes, time.perf_counter() - t0, ps, self.param_dtype))
         return out
 
@@ -173,7 +186,10 @@ class FSDPTrainer(TrainBackend):
         metrics: rb.MetricSum,
         first_step: bool,
         bar: Any = None,
+        fill_old: bool = False,
     ) -> None:
+        """One optimizer step over `step_packs`. `fill_old`: each micro-batch's detached log-probs become its
+        old log-probs (only valid when `rb.old_log_probs_from_training_forward` holds)."""
         from miles.backends.fsdp_utils.forward import forward_packed
 
         cfg = self.config
@@ -184,6 +200,9 @@ class FSDPTrainer(TrainBackend):
             log_probs, entropy = forward_packed(
                 self.model, pack.packed, temperature, cp=self._cp(), with_entropy=True
             )
+            if fill_old:
+                for sample_i, values in zip(pack.indices, log_probs):
+                    batch.old_log_probs[sample_i] = values.detach().float()
             inputs = batch.loss_inputs(pack.indices, log_probs, entropy)
             loss, mb_metrics = self._loss_fn(inputs, settings)
             loss.backward()
@@ -289,7 +308,7 @@ class FSDPTrainer(TrainBackend):
             rank=self.ps.rank,
             world_size=self.ps.world_size,
             api_key=cfg.engine.engine_api_key,
-            timeout_s=cfg.train.train_timeout,
+            timeout_s=cfg.train.refit_timeout,  # below the driver's wait: the engine is named
             check_equal=cfg.engine.check_weight_update_equal,
         )
         if cfg.cluster.colocate or not self.ps.is_cuda:

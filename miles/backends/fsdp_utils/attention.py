@@ -5,8 +5,10 @@ sequence only. Boundaries come from `cu_seq_lens_q` (HF's flash-attention kwarg 
 forward) or, when absent, from `position_ids` restarting at 0; never from token values.
 
 Kernels:
-- CPU (and CUDA with backend "sdpa"): one `scaled_dot_product_attention(is_causal=True)` per sequence, so
-  the work is sum(L_i^2) and each sequence computes exactly what an unpacked forward would;
+- CPU (and CUDA with backend "sdpa"): sequences of similar length are gathered into right-padded batches and
+  each batch is one `scaled_dot_product_attention(is_causal=True)` call (no Python loop per sequence; the
+  padded work stays within `PAD_WORK_LIMIT` x sum(L_i^2)); each sequence computes what an unpacked forward
+  would, up to summation order;
 - CUDA with flash-attn importable: `flash_attn_varlen_func` over the whole row;
 - context parallel (a `miles_cp` kwarg, see context_parallel.py): all-gathered K/V with a block-diagonal
   causal mask in global positions.
@@ -78,7 +80,33 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([idx, idx.new_tensor([pos.numel()])]).to(torch.int32)
 
 
-def _sdpa_per_sequence(
+# a bucket of sequences is padded to its longest one while that costs at most this much more attention work
+# (sum of L_max^2 over the bucket vs sum of L_i^2); measured on CPU (2 cores, fp32, fwd+bwd), one padded SDPA
+# over 32 sequences of ~90 tokens is ~4x faster than 32 per-sequence calls
+PAD_WORK_LIMIT = 1.3
+
+
+def length_buckets(lengths: list[int], pad_work_limit: float = PAD_WORK_LIMIT) -> list[list[int]]:
+    """Sequence indices grouped longest first into buckets whose padded work (n * L_max^2) stays within
+    `pad_work_limit` x their exact work (sum L_i^2). Empty sequences are left out."""
+    order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: -lengths[i])
+    buckets: list[list[int]] = []
+    exact = 0
+    for i in order:
+        if buckets:
+            bucket = buckets[-1]
+            longest = lengths[bucket[0]]
+            work = exact + lengths[i] ** 2
+            if (len(bucket) + 1) * longest**2 <= pad_work_limit * work:
+                bucket.append(i)
+                exact = work
+                continue
+        buckets.append([i])
+        exact = lengths[i] ** 2
+    return buckets
+
+
+def _sdpa_bucketed(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -86,23 +114,49 @@ def _sdpa_per_sequence(
     scaling: float | None,
     dropout: float,
 ) -> torch.Tensor:
-    """query [B, H, T, D], key/value [B, Hkv, T, D] -> [B, H, T, D], causal within each [bounds[i], bounds[i+1])."""
+    """query [B, H, T, D], key/value [B, Hkv, T, D] -> [B, H, T, D], causal within each [bounds[i], bounds[i+1]).
+
+    Sequences of similar length (`length_buckets`) are gathered into one right-padded batch per bucket and run
+    through one causal SDPA call: a real query attends only to keys at or before it, all of its own sequence, so
+    padding never enters a real row (padded rows are dropped). Each sequence computes what an unpacked forward
+    would, up to the kernel's summation order (<= 1e-6 in fp32).
+    """
     gqa = query.shape[1] != key.shape[1]
-    outs = []
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        if e > s:
-            outs.append(
-                F.scaled_dot_product_attention(
-                    query[:, :, s:e],
-                    key[:, :, s:e],
-                    value[:, :, s:e],
-                    dropout_p=dropout,
-                    is_causal=True,
-                    scale=scaling,
-                    enable_gqa=gqa,
-                )
-            )
-    return torch.cat(outs, dim=2)
+    device = query.device
+    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    outs, token_order = [], []
+    for bucket in length_buckets(lengths):
+        longest = lengths[bucket[0]]
+        starts = torch.tensor([bounds[i] for i in bucket], device=device)
+        lens = torch.tensor([lengths[i] for i in bucket], device=device)
+        steps = torch.arange(longest, device=device)
+        valid = steps[None, :] < lens[:, None]  # [n, L]
+        idx = torch.where(
+            valid, starts[:, None] + steps[None, :], starts[:, None]
+        )  # pads read the first token
+
+        def gather(
+            x: torch.Tensor, idx: torch.Tensor = idx
+        ) -> torch.Tensor:  # [B, h, T, D] -> [B*n, h, L, D]
+            g = x[:, :, idx]  # [B, h, n, L, D]
+            return g.transpose(1, 2).reshape(-1, x.shape[1], idx.shape[1], x.shape[3])
+
+        o = F.scaled_dot_product_attention(
+            gather(query),
+            gather(key),
+            gather(value),
+            dropout_p=dropout,
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=gqa,
+        )  # [B*n, H, L, D]
+        o = o.reshape(query.shape[0], len(bucket), query.shape[1], longest, query.shape[3]).transpose(1, 2)
+        outs.append(o[:, :, valid])  # [B, H, tokens of the bucket, D]
+        token_order.append(idx[valid])
+    order = torch.cat(token_order)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=device)
+    return torch.cat(outs, dim=2)[:, :, inverse]
 
 
 def varlen_attention_forward(
@@ -191,7 +245,7 @@ def varlen_attention_forward(
             outs.append(out)
         return torch.stack(outs), None
 
-    out = _sdpa_per_sequence(query, key, value, cu.tolist(), scaling, dropout)
+    out = _sdpa_bucketed(query, key, value, cu.tolist(), scaling, dropout)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -8,9 +8,23 @@ version an engine serves is the ``weight_version`` of ``/model_info``; ``/weight
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 
 import httpx
+
+_CLIENT: httpx.Client | None = None
+_CLIENT_LOCK = threading.Lock()
+
+
+def http_client() -> httpx.Client:
+    """The process's one HTTP client for engine control calls (its connection pool and TLS context are built
+    once, not per call); each call passes its own timeout and headers."""
+    global _CLIENT
+    with _CLIENT_LOCK:
+        if _CLIENT is None:
+            _CLIENT = httpx.Client()
+        return _CLIENT
 
 
 def post_engine(
@@ -20,7 +34,7 @@ def post_engine(
     phase (request: no answer in time / connection; status: non-200; response: not JSON or success=false)."""
     where = f"engine {url}, {endpoint}, {what}"
     try:
-        resp = httpx.post(f"{url}/{endpoint}", json=body, headers=headers, timeout=timeout_s)
+        resp = http_client().post(f"{url}/{endpoint}", json=body, headers=headers, timeout=timeout_s)
     except httpx.HTTPError as exc:
         raise RuntimeError(f"{where}, phase request: {type(exc).__name__}: {exc}") from exc
     if resp.status_code != 200:
@@ -68,7 +82,7 @@ def end_sessions(
 def get_engine_json(url: str, path: str, headers: dict[str, str], timeout_s: float, what: str) -> dict:
     """GET ``{url}{path}`` as JSON; errors name the engine and ``what``."""
     try:
-        resp = httpx.get(f"{url}{path}", headers=headers, timeout=timeout_s)
+        resp = http_client().get(f"{url}{path}", headers=headers, timeout=timeout_s)
     except httpx.HTTPError as exc:
         raise RuntimeError(f"engine {url}, GET {path}, {what}: {type(exc).__name__}: {exc}") from exc
     if resp.status_code != 200:

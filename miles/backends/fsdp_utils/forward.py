@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from miles.algo.logprobs import compute_entropy, compute_log_probs
+from miles.algo.logprobs import log_probs_and_entropy
 from miles.backends.fsdp_utils.attention import enable_varlen_attention
 from miles.backends.fsdp_utils.context_parallel import CPContext, all_gather_autograd, shard_for_cp
 from miles.backends.fsdp_utils.data_packing import PackedBatch, unpack_sequences
@@ -30,9 +30,10 @@ def forward_packed(
     Runs `model` (an HF causal LM, plain or FSDP2-wrapped) on the packed row with "miles_varlen" attention
     (switched on here if needed), `use_cache=False`. The logits at row position t predict token t+1, so
     response token j of sequence i (row position cu_seqlens[i] + prompt_length_i + j) is scored from the
-    logits one position earlier, always inside the same sequence; both use
-    `compute_log_probs(logits, next_ids, temperature)` / `compute_entropy(logits, temperature)` (fp32,
-    temperature-scaled). Differentiable with respect to the model parameters.
+    logits one position earlier, always inside the same sequence. Only those rows go through the LM head
+    (`logits_to_keep`), and `log_probs_and_entropy` reads log-probs and entropy off them in row chunks (the same
+    numbers as `compute_log_probs` / `compute_entropy`: fp32, temperature-scaled) without [T, V] float32 copies.
+    Differentiable with respect to the model parameters.
 
     With `cp` (size > 1) the row is padded and split across the CP group (see context_parallel.py); every CP
     rank must call this with the same pack and gets the same full results.
@@ -58,10 +59,12 @@ def forward_packed(
             cu_seq_lens_k=cu,
             max_length_q=max_len,
             max_length_k=max_len,
+            logits_to_keep=positions,  # the LM head runs on the R scored rows only, not on the whole row
         )
-        logits = out.logits[0].index_select(0, positions)  # [R, V]
-        log_probs = compute_log_probs(logits, tokens.index_select(0, positions + 1), temperature)
-        entropy = compute_entropy(logits, temperature) if with_entropy else None
+        logits = out.logits[0]  # [R, V]
+        log_probs, entropy = log_probs_and_entropy(
+            logits, tokens.index_select(0, positions + 1), temperature, with_entropy
+        )
     else:
         shard = shard_for_cp(tokens, packed.position_ids.to(device), packed.cu_seqlens.to(device), cp)
         out = model(
@@ -71,11 +74,12 @@ def forward_packed(
             miles_cp=shard,
         )
         local_logits = out.logits[0]  # [C, V]
-        local_lp = compute_log_probs(local_logits, shard.local_next_tokens(), temperature)
+        local_lp, local_ent = log_probs_and_entropy(
+            local_logits, shard.local_next_tokens(), temperature, with_entropy
+        )
         log_probs = all_gather_autograd(local_lp, cp).index_select(0, positions)  # [T_pad] -> [R]
         entropy = None
-        if with_entropy:
-            local_ent = compute_entropy(local_logits, temperature)
+        if local_ent is not None:
             entropy = all_gather_autograd(local_ent, cp).index_select(0, positions)
 
     lp_list = unpack_sequences(log_probs, packed)

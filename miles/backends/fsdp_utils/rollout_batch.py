@@ -148,6 +148,25 @@ def plan_steps(batch: RankBatch, cfg: Any, ps: Any, steps_per_rollout: int) -> l
     return steps
 
 
+def old_log_probs_from_training_forward(num_steps: int, cfg: Any, has_ref: bool) -> bool:
+    """Whether the old log-probs can be read off the training forward instead of a separate no-grad pass.
+
+    They can when that pass is provably equal to the training forward (same weights, same packs, same kernels)
+    and nothing needs them before training starts:
+    - this `train` call makes exactly one optimizer step (--global-batch-size = the whole rollout), so the
+      weights do not move between the micro-batches and every micro-batch's forward runs on the rollout's
+      weights, exactly as the separate pass would;
+    - the advantages do not read them: no KL-in-reward penalty (--kl-coef 0 or no reference model) and no
+      --custom-advantage-function-path (which receives them).
+    Then each micro-batch's own log-probs, detached, are its old log-probs, so the first micro-batch's
+    ppo_kl is 0 by construction (and every other micro-batch's too). TIS/MIS, --use-rollout-logprobs, the
+    KL loss and custom losses see the same values the separate pass would give.
+    """
+    a = cfg.algo
+    kl_in_reward = has_ref and a.kl_coef != 0
+    return num_steps == 1 and not kl_in_reward and not a.custom_advantage_function_path
+
+
 def _all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(t, group=group)

@@ -244,7 +244,14 @@ class ColocatedWeightUpdater:
             "flush_cache": is_last,
             "weight_version": weight_version,
         }
-        post_engine(url, "update_weights_from_tensor", body, self._headers, self.timeout_s, f"bucket {index}")
+        post_engine(
+            url,
+            "update_weights_from_tensor",
+            body,
+            self._headers,
+            self.timeout_s,
+            f"refit {weight_version}, bucket {index}",
+        )
 
     def _raise_if_any_failed(self, error: str | None) -> None:
         raise_if_any_failed(error, self.world_size, self._ctrl)

@@ -35,6 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-total-tokens", type=int, default=None, help="KV token budget (prompt + max_new_tokens)"
     )
     p.add_argument(
+        "--context-length", type=int, default=None, help="max prompt + new tokens (default: the model's)"
+    )
+    p.add_argument(
+        "--chunked-prefill-size", type=int, default=8192, help="prompt tokens per forward pass; -1: unlimited"
+    )
+    p.add_argument(
         "--random-seed", type=int, default=0, help="with the request id, seeds each request's sampler"
     )
     p.add_argument("--weight-version", default="default", help="initial weight version reported")
@@ -55,6 +61,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if not 0 <= args.port < 65536:
         p.error(f"--port {args.port} must be in [0, 65535]")
+    for flag, value, low in [
+        ("--max-running-requests", args.max_running_requests, 1),
+        ("--max-total-tokens", args.max_total_tokens, 1),
+        ("--context-length", args.context_length, 2),
+    ]:
+        if value is not None and value < low:
+            p.error(f"{flag} {value} must be >= {low}")
+    if args.chunked_prefill_size != -1 and args.chunked_prefill_size < 1:
+        p.error(f"--chunked-prefill-size {args.chunked_prefill_size} must be >= 1, or -1 (unlimited)")
     return args
 
 
@@ -80,6 +95,8 @@ def main(argv: list[str] | None = None) -> None:
             device=args.device,
             max_running_requests=args.max_running_requests,
             max_total_tokens=args.max_total_tokens,
+            context_length=args.context_length,
+            chunked_prefill_size=None if args.chunked_prefill_size == -1 else args.chunked_prefill_size,
             random_seed=args.random_seed,
             weight_version=args.weight_version,
             update_group_timeout=args.update_group_timeout,

@@ -48,6 +48,7 @@ class WeightControl:
     # provided by LocalEngine
     weights: Any
     scheduler: Any
+    runner: Any
     kv_released: bool
     released_tags: set[str]
     session_open: bool
@@ -177,6 +178,7 @@ class WeightControl:
         if "weights" in tags:
             self.weights.release()
         if "kv_cache" in tags:
+            self.runner.release_kv()  # the pool's storage is freed, not just marked unused
             self.kv_released = True
         self.released_tags.update(tags)
         return None  # SGLang answers 200 with an empty (null) body
@@ -193,6 +195,7 @@ class WeightControl:
         if "weights" in tags:
             self.weights.resume()
         if "kv_cache" in tags:
+            self.runner.resume_kv()
             self.kv_released = False
         return None
 

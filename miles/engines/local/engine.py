@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from miles.engines.local.control import WeightControl
+from miles.engines.local.engine_loop import EngineLoop
 from miles.engines.local.model_runner import make_runner
 from miles.engines.local.sampling import SamplingParams
-from miles.engines.local.scheduler import Scheduler
 from miles.engines.local.weights import EngineNotReady, WeightStore
 
 logger = logging.getLogger(__name__)
@@ -85,9 +85,23 @@ class EngineConfig:
     device: str = "cpu"  # where the model lives: cpu, cuda, cuda:N
     max_running_requests: int = 64
     max_total_tokens: int | None = None
+    context_length: int | None = None  # None: the model's max_position_embeddings
+    chunked_prefill_size: int | None = 8192  # prompt tokens per forward; None: unlimited
     random_seed: int = 0
     weight_version: str = "default"
     update_group_timeout: float = 30.0  # seconds /init_weights_update_group may wait for its peers
+
+
+def _context_length(requested: int | None, model_config: Any) -> int:
+    """--context-length, or the model's max_position_embeddings; longer than the model's is refused."""
+    derived = int(model_config.max_position_embeddings)
+    if requested is None:
+        return derived
+    if not 2 <= requested <= derived:
+        raise ValueError(
+            f"--context-length {requested} must be in [2, {derived}] (the model's max_position_embeddings)"
+        )
+    return requested
 
 
 class LocalEngine(WeightControl):
@@ -108,22 +122,26 @@ class LocalEngine(WeightControl):
         model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=self.dtype)
         self.model = model.to(self.device).eval()
         self.weights = WeightStore(self.model)
-        self.runner = make_runner(self.model)
+        self.context_len = _context_length(config.context_length, self.model.config)
+        kv_capacity = min(self.context_len, config.max_total_tokens or self.context_len)
+        self.runner = make_runner(self.model, config.max_running_requests, kv_capacity)
         self.weight_version = config.weight_version
         self.kv_released = False
         self.released_tags: set[str] = set()  # SGLang's `offload_tags`: filled by release, emptied by resume
         self.session_open = False  # between /begin_weight_update and /end_weight_update
         self.update_groups: dict[str, Any] = {}
         self._groups_lock = threading.Lock()
-        self.context_len = int(getattr(self.model.config, "max_position_embeddings", 0) or 0) or None
-        self.scheduler = Scheduler(
-            runner_fn=lambda: self.runner,
+        # `scheduler` is the loop thread around the pure scheduler (`self.scheduler.core`)
+        self.scheduler = EngineLoop(
+            runner=self.runner,
             tokenizer=self.tokenizer,
             eos_ids=self._eos_ids(),
             check_ready=self._check_ready,
             weight_version_fn=lambda: self.weight_version,
             max_running_requests=config.max_running_requests,
+            context_length=self.context_len,
             max_total_tokens=config.max_total_tokens,
+            chunked_prefill_size=config.chunked_prefill_size,
             random_seed=config.random_seed,
         )
 
@@ -236,7 +254,7 @@ class LocalEngine(WeightControl):
         return {"success": True, "message": "generation continued"}
 
     def _op_flush_cache(self) -> dict[str, Any]:
-        # KV caches are per request and freed when it finishes; there is no shared prefix cache to drop.
+        # a finished request's pool slot is reused by the next one; there is no shared prefix cache to drop.
         return {"success": True, "message": "cache flushed (no prefix cache is kept)"}
 
     def _set_version(self, weight_version: str | None) -> None:
@@ -276,7 +294,10 @@ class LocalEngine(WeightControl):
             "max_running_requests": self.config.max_running_requests,
             "max_total_num_tokens": self.config.max_total_tokens,
             "random_seed": self.config.random_seed,
-            "kv_cache": "per-request" if self.runner.uses_kv_cache else "none (full forward per step)",
+            "kv_cache": "slot pool" if self.runner.uses_kv_cache else "none (full forward per step)",
+            "kv_cache_bytes": self.runner.kv_allocated_bytes(),
+            "context_length": self.context_len,
+            "chunked_prefill_size": self.config.chunked_prefill_size,
             "weight_version": self.weight_version,
             "paused": self.scheduler.paused,
             "weights_released": self.weights.released,

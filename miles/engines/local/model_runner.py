@@ -1,69 +1,38 @@
-"""Forward passes for the embedded engine: per-request KV caches and one batched decode step.
+"""Forward passes of the embedded engine: one batch (prefill chunks and decode tokens together) per call.
 
-`CachedRunner` reuses the submodules of a loaded HF causal LM of the Llama family (Llama, Qwen2, Qwen3: token
-embedding, per-layer q/k/v/o projections, optional q/k RMS norms, rotary embedding, MLP, norms, lm_head) and keeps
-its own KV cache per request, so a decode step over requests of different lengths is one padded, masked
-attention per layer. `NoCacheRunner` is the fallback for other architectures: a full forward per request per step.
+`PoolRunner` drives an HF causal LM of the Llama family (Llama, Qwen2, Qwen3) with its own modules (embedding,
+per-layer norms, q/k/v/o projections, optional q/k norms, rotary embedding, MLP, final norm, lm_head) and keeps
+keys/values in a `KVPool`. The tokens of all rows are packed into one sequence for every matmul (q/k/v in one
+matmul and gate/up in another, see `fused.py`); attention runs per group of rows against the pool in place:
+- decode rows (one new token each) attend over `pool[:, slots, :, :length]`, a view when their slots are
+  contiguous (the scheduler keeps them so), with grouped-query heads folded into the query dimension; two
+  batched matmuls and a softmax (cheaper than the fused CPU kernel for one query per row);
+- prompt rows (several tokens) are padded to the longest among them and attend causally to their slot's cached
+  prefix plus themselves.
+`NoCacheRunner` is the fallback for other architectures: a full forward over each row's whole sequence.
+Both are device-agnostic (the pool lives on the model's device); only the logits of sampling rows come back.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from miles.engines.local.fused import FusedLinear
+from miles.engines.local.kv_pool import KVPool
+from miles.engines.local.scheduler import Batch, BatchRow
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
-class KVCache:
-    """Keys and values of one request: [num_layers, kv_heads, capacity, head_dim] each; `length` tokens valid."""
-
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int = 64):
-        self.k = torch.zeros(num_layers, kv_heads, capacity, head_dim, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
-        self.length = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[2]
-
-    def reserve(self, n: int) -> None:
-        """Make room for `n` more tokens (capacity doubles, so appends are amortised O(1))."""
-        need = self.length + n
-        if need <= self.capacity:
-            return
-        cap = max(need, 2 * self.capacity)
-        k = torch.zeros(*self.k.shape[:2], cap, self.k.shape[3], dtype=self.k.dtype)
-        v = torch.zeros_like(k)
-        k[:, :, : self.length] = self.k[:, :, : self.length]
-        v[:, :, : self.length] = self.v[:, :, : self.length]
-        self.k, self.v = k, v
-
-
-class Runner(Protocol):
-    """What the scheduler needs from a model runner."""
-
-    uses_kv_cache: bool
-
-    def new_cache(self) -> object: ...
-
-    def prefill(self, input_ids: list[int], cache: object) -> torch.Tensor: ...
-
-    def decode(self, token_ids: list[int], caches: list[object]) -> torch.Tensor: ...
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def supports_kv_cache(model: nn.Module) -> tuple[bool, str]:
-    """Whether `CachedRunner` can drive `model`; the reason when it cannot."""
+    """Whether `PoolRunner` can drive `model`; the reason when it cannot."""
     config = model.config
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         return False, f"model_type {config.model_type!r} not in {SUPPORTED_MODEL_TYPES}"
@@ -76,146 +45,359 @@ def supports_kv_cache(model: nn.Module) -> tuple[bool, str]:
             return False, f"model.model has no {attr!r}"
     if not hasattr(model, "lm_head"):
         return False, "no lm_head"
+    if not hasattr(inner.norm, "variance_epsilon"):
+        return False, f"norm {type(inner.norm).__name__} is not an RMSNorm with variance_epsilon"
+    attn = inner.layers[0].self_attn
+    if len({getattr(attn, n).bias is None for n in ("q_proj", "k_proj", "v_proj")}) != 1:
+        return False, "some of the q/k/v projections have a bias, others not"
     return True, ""
 
 
-class CachedRunner:
-    """Batched prefill/decode with per-request KV caches over an HF Llama-family model's own modules."""
+@dataclass(slots=True)
+class _Norm:
+    """The HF Llama-family RMSNorm (weight * x / rms(x)) as one op; bitwise equal to the module in float32."""
+
+    weight: nn.Parameter
+    eps: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+@dataclass(slots=True)
+class _Linear:
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass(slots=True)
+class _LayerRefs:
+    """What one decoder layer reads, looked up once: loads, releases and resumes of the weights change the data
+    of these Parameter objects, never the objects."""
+
+    input_norm: _Norm
+    post_norm: _Norm
+    qkv: FusedLinear
+    q_norm: nn.Parameter | None  # per-head weights of Qwen3's q/k norms
+    k_norm: nn.Parameter | None
+    qk_eps: float
+    o_proj: FusedLinear
+    gate_up: FusedLinear | None  # None: not the SiLU-gated MLP, `mlp` runs as a module
+    down: FusedLinear | None
+    mlp: nn.Module
+    scaling: float
+
+    @classmethod
+    def of(cls, layer: nn.Module, silu_mlp: bool) -> _LayerRefs:
+        attn, mlp = layer.self_attn, layer.mlp
+        q_norm = getattr(attn, "q_norm", None)
+        return cls(
+            input_norm=_Norm(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
+            post_norm=_Norm(
+                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
+            ),
+            qkv=FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj]),
+            q_norm=None if q_norm is None else q_norm.weight,
+            k_norm=None if q_norm is None else attn.k_norm.weight,
+            qk_eps=0.0 if q_norm is None else q_norm.variance_epsilon,
+            o_proj=FusedLinear([attn.o_proj]),
+            gate_up=FusedLinear([mlp.gate_proj, mlp.up_proj]) if silu_mlp else None,
+            down=FusedLinear([mlp.down_proj]) if silu_mlp else None,
+            mlp=mlp,
+            scaling=float(attn.scaling),
+        )
+
+
+def _slot_selector(slots: list[int], device: torch.device) -> slice | torch.Tensor:
+    """A slice when `slots` are consecutive (attention reads the pool in place), else an index tensor."""
+    if slots == list(range(slots[0], slots[0] + len(slots))):
+        return slice(slots[0], slots[0] + len(slots))
+    return torch.tensor(slots, device=device)
+
+
+def _pad_buckets(rows: list[BatchRow], slack: int = 64) -> list[list[BatchRow]]:
+    """Split prompt rows into groups padded to their longest row, so that padding at most doubles a group's
+    tokens (plus `slack`): one group in slot order when that already holds, else buckets of similar length."""
+
+    def fits(group_len: int, longest: int, total: int) -> bool:
+        return group_len * longest <= 2 * total + slack
+
+    if not rows or fits(len(rows), max(len(r.token_ids) for r in rows), sum(len(r.token_ids) for r in rows)):
+        return [rows] if rows else []
+    buckets: list[list[BatchRow]] = []
+    total = 0
+    for r in sorted(rows, key=lambda r: len(r.token_ids)):
+        n = len(r.token_ids)
+        if buckets and fits(len(buckets[-1]) + 1, n, total + n):
+            buckets[-1].append(r)
+            total += n
+        else:
+            buckets.append([r])
+            total = n
+    return buckets
+
+
+@dataclass
+class _Packed:
+    """One forward's tokens, packed (decode rows first, then prompt buckets), and what every layer needs."""
+
+    ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    kv_index: torch.Tensor  # [N * kv_heads] flat pool index of each token's key/value per KV head
+    groups: list[_Group]  # attention groups, in packing order
+    picked: torch.Tensor | None  # packed index of each sampling row's last token; None: all tokens, in order
+
+
+@dataclass
+class _Group:
+    """Attention metadata of a group of rows, shared by every layer of one forward."""
+
+    num_rows: int
+    tokens: int  # packed tokens of the group
+    slots: slice | torch.Tensor
+    key_len: int
+    # decode: additive float32 [rows, 1, 1, key_len]; prompts: bool [rows, 1, group * q_len, key_len]
+    mask: torch.Tensor
+    q_len: int  # padded query length (1 for decode)
+    scatter: torch.Tensor | None  # packed token -> padded (row * q_len + t) index; None when not padded
+
+
+class PoolRunner:
+    """Batched prefill and decode over a Llama-family HF model, keys/values in a preallocated `KVPool`."""
 
     uses_kv_cache = True
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, num_slots: int, capacity: int):
         ok, why = supports_kv_cache(model)
         if not ok:
-            raise ValueError(f"CachedRunner cannot drive this model: {why}")
+            raise ValueError(f"PoolRunner cannot drive this model: {why}")
         self.model = model
         cfg = model.config
-        self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.group = self.num_heads // self.kv_heads
+        inner = model.model
+        mlp = inner.layers[0].mlp
+        silu_mlp = getattr(cfg, "hidden_act", None) == "silu" and all(
+            hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")
+        )
+        self.layers = [_LayerRefs.of(layer, silu_mlp) for layer in inner.layers]
+        self.final_norm = _Norm(inner.norm.weight, inner.norm.variance_epsilon)
+        self.lm_head = _Linear(model.lm_head.weight, model.lm_head.bias)
+        emb = inner.embed_tokens.weight
+        self.embedding = inner.embed_tokens.weight  # the Parameter (tied to lm_head's in some models)
+        self.device = emb.device
+        self.pool = KVPool(
+            cfg.num_hidden_layers, num_slots, capacity, self.kv_heads, self.head_dim, emb.dtype, emb.device
+        )
+        self._kv_head_ids = torch.arange(self.kv_heads, device=emb.device)[None, :]
+        self._arange = torch.arange(capacity, device=emb.device)
+        # RoPE cos and sign-adjusted sin of every position, computed once by the model's own rotary module (each
+        # entry is position * inv_freq, so a table row equals what a per-step call returns); rope types whose
+        # frequencies depend on the sequence length are computed per step instead
+        rotary = model.model.rotary_emb
+        self._rope_table = None
+        if getattr(rotary, "rope_type", "default") not in ("dynamic", "longrope"):
+            self._rope_table = self._rope(self._arange, emb[:1]).contiguous()
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.model.embed_tokens.weight.dtype
+    # ------------------------------------------------------------------ memory
+    def release_kv(self) -> None:
+        """Free the KV pool's storage."""
+        self.pool.release()
 
-    def new_cache(self) -> KVCache:
-        """An empty KV cache for one request."""
-        return KVCache(self.num_layers, self.kv_heads, self.head_dim, self.dtype)
+    def resume_kv(self) -> None:
+        """Allocate the KV pool again."""
+        self.pool.allocate()
 
-    @torch.no_grad()
-    def prefill(self, input_ids: list[int], cache: KVCache) -> torch.Tensor:
-        """Run the prompt through the model, fill `cache`; returns fp32 logits of the last position, [V]."""
-        ids = torch.tensor([input_ids], dtype=torch.long)
-        return self._forward(ids, [cache])[0, -1]
+    def kv_allocated_bytes(self) -> int:
+        return self.pool.allocated_bytes()
 
-    @torch.no_grad()
-    def decode(self, token_ids: list[int], caches: list[KVCache]) -> torch.Tensor:
-        """One new token per request (each appended to its own cache); returns fp32 logits [B, V]."""
-        ids = torch.tensor(token_ids, dtype=torch.long).unsqueeze(1)
-        return self._forward(ids, caches)[:, 0]
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Apply the batch's KV moves, feed every row's tokens; returns fp32 logits [sample rows, V]."""
+        if self.pool.released:
+            raise RuntimeError("KV pool is released; resume_memory_occupation(kv_cache) first")
+        for src, dst, length in batch.moves:
+            self.pool.move(src, dst, length)
+        packed = self._pack(batch)
+        self.pool.ensure_initialized(max(g.key_len for g in packed.groups))
+        hidden = F.embedding(packed.ids, self.embedding)  # [N, hidden]
+        table = self._rope_table
+        rope = (
+            self._rope(packed.positions, hidden) if table is None else table.index_select(0, packed.positions)
+        )
+        cos, sin_signed = rope[:, :1], rope[:, 1:]  # [N, 1, D] each
+        for li, refs in enumerate(self.layers):
+            hidden = self._layer(li, refs, hidden, cos, sin_signed, packed)
+        if packed.picked is not None:
+            hidden = hidden.index_select(0, packed.picked)
+        return self.lm_head(self.final_norm(hidden)).float()
 
-    def _forward(self, ids: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
-        """ids: [B, T] new tokens of each request (T > 1 only when B == 1). Returns fp32 logits [B, T, V]."""
-        bsz, t = ids.shape
-        starts = torch.tensor([c.length for c in caches], dtype=torch.long)
-        for c in caches:
-            c.reserve(t)
-        positions = starts[:, None] + torch.arange(t)[None, :]  # [B, T]
-        total = int(starts.max()) + t
-        # key j is visible to query (i, s) when j <= starts[i] + s; this also hides the padding of short rows
-        keys = torch.arange(total)
-        mask = keys[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, total]
+    def _pack(self, batch: Batch) -> _Packed:
+        """Token ids, positions and pool indices of the batch, packed as decode rows then prompt buckets."""
+        dev = self.device
+        decode = [r for r in batch.rows if len(r.token_ids) == 1]
+        prompts = [r for r in batch.rows if len(r.token_ids) > 1]
+        buckets = _pad_buckets(prompts)
+        ids = [r.token_ids[0] for r in decode]
+        pos_of = [r.start for r in decode]
+        slot_of = [r.slot for r in decode]
+        last = {id(r): i for i, r in enumerate(decode)}
+        for r in (r for bucket in buckets for r in bucket):
+            n = len(r.token_ids)
+            ids += r.token_ids
+            slot_of += [r.slot] * n
+            pos_of += range(r.start, r.start + n)
+            last[id(r)] = len(ids) - 1
+        ids_t, positions, slots = torch.tensor([ids, pos_of, slot_of], device=dev).unbind(0)
+        # flat index of (slot, kv head, position) in a layer's pool viewed as [slots * kv_heads * capacity, D]
+        kv_index = ((slots[:, None] * self.kv_heads + self._kv_head_ids) * self.pool.capacity).add_(
+            positions[:, None]
+        )
+        groups = [self._decode_group(decode, positions[: len(decode)])] if decode else []
+        groups += [self._prefill_group(b) for b in buckets]
+        # the logits wanted: last token of each sampling row, in batch order (the scheduler's order)
+        picked = [last[id(r)] for r in batch.rows if r.sample]
+        picked_t = None if picked == list(range(len(ids))) else torch.tensor(picked, device=dev)
+        return _Packed(ids_t, positions, kv_index.view(-1), groups, picked_t)
 
-        inner = self.model.model
-        hidden = inner.embed_tokens(ids)
-        cos, sin = inner.rotary_emb(hidden, positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
-        for li, layer in enumerate(inner.layers):
-            residual = hidden
-            x = layer.input_layernorm(hidden)
-            attn = layer.self_attn
-            q = attn.q_proj(x).view(bsz, t, self.num_heads, self.head_dim)
-            k = attn.k_proj(x).view(bsz, t, self.kv_heads, self.head_dim)
-            v = attn.v_proj(x).view(bsz, t, self.kv_heads, self.head_dim)
-            if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            keys_b = torch.zeros(bsz, self.kv_heads, total, self.head_dim, dtype=k.dtype)
-            vals_b = torch.zeros_like(keys_b)
-            for i, c in enumerate(caches):
-                s = c.length
-                c.k[li, :, s : s + t] = k[i]
-                c.v[li, :, s : s + t] = v[i]
-                keys_b[i, :, : s + t] = c.k[li, :, : s + t]
-                vals_b[i, :, : s + t] = c.v[li, :, : s + t]
-            out = F.scaled_dot_product_attention(
-                q,
-                keys_b,
-                vals_b,
-                attn_mask=mask,
-                scale=attn.scaling,
-                enable_gqa=self.kv_heads != self.num_heads,
-            )
-            out = attn.o_proj(out.transpose(1, 2).reshape(bsz, t, self.num_heads * self.head_dim))
-            hidden = residual + out
-            residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
-        for c in caches:
-            c.length += t
-        return self.model.lm_head(inner.norm(hidden)).float()
+    def _layer(
+        self,
+        li: int,
+        refs: _LayerRefs,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        packed: _Packed,
+    ) -> torch.Tensor:
+        """One decoder layer over the packed tokens; writes their keys/values into the pool."""
+        n_tok, d, half, heads = hidden.shape[0], self.head_dim, self.head_dim // 2, self.num_heads
+        qkv = refs.qkv(refs.input_norm(hidden))  # [N, (H + 2 KVH) * D]
+        qk = qkv[:, : (heads + self.kv_heads) * d].view(n_tok, heads + self.kv_heads, d)
+        v = qkv[:, (heads + self.kv_heads) * d :].view(n_tok, self.kv_heads, d)
+        if refs.q_norm is not None:  # per-head RMSNorm of q and k: one normalisation, then each part's weight
+            qk = F.rms_norm(qk, (d,), None, refs.qk_eps)
+            qk[:, :heads].mul_(refs.q_norm)
+            qk[:, heads:].mul_(refs.k_norm)
+        qk = torch.addcmul(qk * cos, torch.roll(qk, half, -1), sin_signed)  # RoPE of q and k together
+        q, k = qk[:, :heads], qk[:, heads:]
+        pool_k, pool_v = self.pool.k[li], self.pool.v[li]
+        pool_k.view(-1, d).index_copy_(0, packed.kv_index, k.reshape(-1, d))
+        pool_v.view(-1, d).index_copy_(0, packed.kv_index, v.reshape(-1, d))
+        outs, offset = [], 0
+        for g in packed.groups:
+            outs.append(self._attend(g, q[offset : offset + g.tokens], pool_k, pool_v, refs.scaling))
+            offset += g.tokens
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        hidden = hidden + refs.o_proj(out)
+        x = refs.post_norm(hidden)
+        if refs.gate_up is None:
+            return hidden + refs.mlp(x)
+        # down(silu(gate(x)) * up(x)), the Llama-family MLP, gate and up in one matmul
+        gate_up = refs.gate_up(x)
+        inter = gate_up.shape[-1] // 2
+        return hidden + refs.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
 
+    def _rope(self, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """[N, 2, D]: cos and sin_signed of each position. rotate_half(x) * sin == roll(x, D/2) * sin_signed
+        (the first half of sin negated), with the same rounding."""
+        cos, sin = self.model.model.rotary_emb(like, positions[None])
+        half = self.head_dim // 2
+        return torch.stack((cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)), dim=1)
 
-class TokenHistory:
-    """The 'cache' of `NoCacheRunner`: just the tokens seen so far."""
+    def _decode_group(self, rows: list[BatchRow], positions: torch.Tensor) -> _Group:
+        key_len = max(r.start for r in rows) + 1
+        visible = self._arange[:key_len][None, :] <= positions[:, None]  # [rows, key_len]
+        mask = torch.zeros(visible.shape, dtype=torch.float32, device=self.device).masked_fill_(
+            ~visible, float("-inf")
+        )
+        slots = _slot_selector([r.slot for r in rows], self.device)
+        return _Group(len(rows), len(rows), slots, key_len, mask[:, None, None, :], 1, None)
 
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
+    def _prefill_group(self, rows: list[BatchRow]) -> _Group:
+        dev = self.device
+        lens = [len(r.token_ids) for r in rows]
+        q_len = max(lens)
+        key_len = max(r.start + n for r, n in zip(rows, lens))
+        # query t of row i sits at position start_i + t (padding repeats the row's last position)
+        t = torch.arange(q_len, device=dev)
+        starts = torch.tensor([r.start for r in rows], device=dev)
+        lens_t = torch.tensor(lens, device=dev)
+        pos = starts[:, None] + torch.minimum(t[None, :], lens_t[:, None] - 1)  # [rows, q_len]
+        mask = torch.arange(key_len, device=dev)[None, None, :] <= pos[:, :, None]  # [rows, q_len, key]
+        mask = mask[:, None].expand(len(rows), self.group, q_len, key_len).reshape(len(rows), 1, -1, key_len)
+        scatter = None
+        if any(n != q_len for n in lens):
+            scatter = torch.cat([torch.arange(n, device=dev) + i * q_len for i, n in enumerate(lens)])
+        slots = _slot_selector([r.slot for r in rows], dev)
+        return _Group(len(rows), sum(lens), slots, key_len, mask, q_len, scatter)
 
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
+    def _attend(
+        self, g: _Group, q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Attention of one group. q: [tokens, H, D] packed; returns [tokens, H * D]."""
+        rows, kvh, grp, d = g.num_rows, self.kv_heads, self.group, self.head_dim
+        keys = pool_k[g.slots, :, : g.key_len]  # [rows, kvh, key_len, D]; a view when slots is a slice
+        vals = pool_v[g.slots, :, : g.key_len]
+        if g.q_len == 1:  # one query per row: scores [rows, kvh, group, key_len], softmax in float32
+            scores = torch.matmul(q.reshape(rows, kvh, grp, d) * scale, keys.transpose(-1, -2))
+            probs = torch.softmax(scores.float().add_(g.mask), -1, dtype=torch.float32).to(vals.dtype)
+            return torch.matmul(probs, vals).view(rows, -1)
+        if g.scatter is None:
+            padded = q.reshape(rows, g.q_len, self.num_heads, d)
+        else:
+            padded = q.new_zeros(rows * g.q_len, self.num_heads, d)
+            padded.index_copy_(0, g.scatter, q)
+            padded = padded.view(rows, g.q_len, self.num_heads, d)
+        # [rows, q_len, H, D] -> [rows, kvh, group * q_len, D]: heads of one KV head share its keys
+        qf = padded.permute(0, 2, 1, 3).reshape(rows, kvh, grp * g.q_len, d)
+        out = F.scaled_dot_product_attention(qf, keys, vals, attn_mask=g.mask, scale=scale)
+        out = out.reshape(rows, self.num_heads, g.q_len, d).permute(0, 2, 1, 3).reshape(rows * g.q_len, -1)
+        return out if g.scatter is None else out.index_select(0, g.scatter)
 
 
 class NoCacheRunner:
-    """Fallback for architectures `CachedRunner` does not know: a full forward of the whole sequence per step."""
+    """Fallback for architectures `PoolRunner` does not know: a full forward of each row's sequence."""
 
     uses_kv_cache = False
 
     def __init__(self, model: nn.Module):
         self.model = model
+        self.history: dict[int, list[int]] = {}  # slot -> tokens fed so far
 
-    def new_cache(self) -> TokenHistory:
-        """An empty token history for one request."""
-        return TokenHistory()
+    def release_kv(self) -> None:
+        self.history.clear()
+
+    def resume_kv(self) -> None:
+        pass
+
+    def kv_allocated_bytes(self) -> int:
+        return 0
 
     @torch.no_grad()
-    def prefill(self, input_ids: list[int], cache: TokenHistory) -> torch.Tensor:
-        """Full forward over the prompt; returns fp32 logits of the last position, [V]."""
-        cache.tokens.extend(input_ids)
-        return self._last_logits(cache.tokens)
-
-    @torch.no_grad()
-    def decode(self, token_ids: list[int], caches: list[TokenHistory]) -> torch.Tensor:
-        """Full forward per request; returns fp32 logits [B, V]."""
-        rows = []
-        for tok, c in zip(token_ids, caches):
-            c.tokens.append(tok)
-            rows.append(self._last_logits(c.tokens))
-        return torch.stack(rows)
-
-    def _last_logits(self, tokens: list[int]) -> torch.Tensor:
-        out = self.model(input_ids=torch.tensor([tokens], dtype=torch.long), use_cache=False)
-        return out.logits[0, -1].float()
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Extend each row's token history; a full forward per sampling row. Returns fp32 logits [rows, V]."""
+        for src, dst, length in batch.moves:
+            self.history[dst] = self.history[src][:length]
+        out = []
+        for r in batch.rows:
+            seq = self.history[r.slot] = self.history.get(r.slot, [])[: r.start] + list(r.token_ids)
+            if r.sample:
+                ids = torch.tensor([seq], device=self.model.device)
+                out.append(self.model(input_ids=ids, use_cache=False).logits[0, -1].float())
+        return torch.stack(out)
 
 
-def make_runner(model: nn.Module) -> CachedRunner | NoCacheRunner:
-    """The KV-cache runner when the architecture is supported, else the no-cache fallback (logged)."""
+def make_runner(model: nn.Module, num_slots: int, capacity: int) -> PoolRunner | NoCacheRunner:
+    """The KV-pool runner when the architecture is supported, else the no-cache fallback (logged)."""
     ok, why = supports_kv_cache(model)
     if ok:
-        return CachedRunner(model)
+        return PoolRunner(model, num_slots, capacity)
     logger.warning(
         "embedded engine: no KV-cache runner for this model (%s); using a full forward per step", why
     )

@@ -1,273 +1,252 @@
-"""Continuous batching for the embedded engine.
+"""The embedded engine's scheduler: a pure state machine (no thread, no model, no torch).
 
-One thread owns the model. Each iteration it (1) runs queued commands (weight updates, aborts, memory release:
-anything that must not interleave with a forward pass), (2) admits waiting requests up to the running-request and
-token budgets, prefilling each and sampling its first token, then (3) runs ONE batched decode step over every
-running request. A request leaves the batch as soon as it finishes (EOS unless ignore_eos, stop_token_ids, stop
-strings, max_new_tokens, abort); the others go on. Results are delivered through `concurrent.futures.Future`s.
+`schedule()` builds the next forward batch, `postprocess(batch, tokens, logprobs)` takes the sampled tokens back;
+finished requests come out of `pop_finished()`. The engine loop (`engine_loop.py`) wires it to the model runner
+and the sampler; tests drive it with a mock runner.
+
+Policy (SGLang's continuous batching with mixed chunked prefill):
+- every running request that has its prompt cached gets one decode row per batch;
+- prompt tokens still to prefill (a request admitted earlier whose prompt was longer than the chunk budget, then
+  waiting requests in arrival order) fill the batch up to `chunked_prefill_size` prompt tokens, so new prompts
+  are prefilled together, in the same forward as the running requests' decode step;
+- a waiting request is admitted when a slot is free and its reservation (prompt + max_new_tokens) fits the
+  `max_total_tokens` budget. Reservations make preemption unnecessary: an admitted request always fits its slot.
+A request's slot is its row in the KV pool. Running requests always occupy slots `0..n-1`: when one leaves, the
+request on the last slot moves into the hole (the move is attached to the next batch for the runner to apply).
 """
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import Future
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from miles.engines.local.sampling import SamplingParams, request_generator, sample_token
-from miles.engines.local.weights import EngineNotReady
-
-logger = logging.getLogger(__name__)
+from miles.engines.local.sampling import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False, slots=True)
 class Request:
     """One generation request and its progress."""
 
     rid: str
     input_ids: list[int]
     params: SamplingParams
-    return_logprob: bool
-    generator: torch.Generator
-    future: Future = field(default_factory=Future)
+    return_logprob: bool = False
+    return_text_in_logprobs: bool = False
+    rng: Any = None  # the sampler's per-request RNG; the scheduler never reads it
+    future: Any = None  # the engine loop's handle for the answer; the scheduler never reads it
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    cache: Any = None
+    slot: int = -1  # row of the KV pool while running
+    num_cached: int = 0  # tokens (prompt, then outputs) whose keys/values are in the pool
     finish_reason: dict[str, Any] | None = None
     stop_text_end: int | None = None  # where a matched stop string starts in the decoded text
-    return_text_in_logprobs: bool = False
     created: float = field(default_factory=time.monotonic)
+    stop_ids: frozenset[int] = (
+        frozenset()
+    )  # tokens that finish it (EOS unless ignored, stop_token_ids): set on add
 
     @property
     def budget(self) -> int:
         """KV tokens this request may occupy."""
         return len(self.input_ids) + self.params.max_new_tokens
 
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.input_ids) + len(self.output_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        n = len(self.input_ids)
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        if end <= n:
+            return self.input_ids[start:end]
+        return self.input_ids[start:] + self.output_ids[: end - n]
+
+
+@dataclass(eq=False, slots=True)
+class BatchRow:
+    """The tokens one request feeds in one forward."""
+
+    req: Request
+    slot: int
+    start: int  # position of token_ids[0]: tokens of this request already in the pool
+    token_ids: list[int]
+    sample: bool  # the logits after the last token pick the request's next token
+
+    @property
+    def is_decode(self) -> bool:
+        return self.start >= len(self.req.input_ids)
+
+
+@dataclass(eq=False)
+class Batch:
+    """One forward pass: rows ordered by slot, and KV moves to apply before it."""
+
+    rows: list[BatchRow]
+    moves: list[tuple[int, int, int]]  # (source slot, destination slot, tokens to copy), in order
+    num_slots: int  # slots in use; every row's slot is below it
+    sample_rows: list[BatchRow] = field(init=False)  # rows whose last token's logits pick a token, in order
+    num_decode_rows: int = field(init=False)
+    num_prefill_tokens: int = field(init=False)  # prompt tokens fed (decode rows excluded)
+
+    def __post_init__(self) -> None:
+        self.sample_rows = [r for r in self.rows if r.sample]
+        prefill = [len(r.token_ids) for r in self.rows if not r.is_decode]
+        self.num_decode_rows = len(self.rows) - len(prefill)
+        self.num_prefill_tokens = sum(prefill)
+
 
 class Scheduler:
-    """The scheduler thread and its queues; the callables passed in supply the model pieces (see `LocalEngine`)."""
+    """Waiting queue, running set (by slot), budgets, stop conditions."""
 
     def __init__(
         self,
-        runner_fn: Callable[[], Any],
-        tokenizer: Any,
-        eos_ids: set[int],
-        check_ready: Callable[[], None],
-        weight_version_fn: Callable[[], str],
-        max_running_requests: int = 64,
+        num_slots: int,
+        slot_capacity: int,
+        eos_ids: Iterable[int],
+        detokenize: Callable[[list[int], bool], str],
         max_total_tokens: int | None = None,
-        random_seed: int = 0,
+        chunked_prefill_size: int | None = None,
     ):
-        if max_running_requests < 1:
-            raise ValueError(f"--max-running-requests must be >= 1, got {max_running_requests}")
+        if num_slots < 1:
+            raise ValueError(f"--max-running-requests must be >= 1, got {num_slots}")
         if max_total_tokens is not None and max_total_tokens < 1:
             raise ValueError(f"--max-total-tokens must be >= 1, got {max_total_tokens}")
-        self._runner_fn = runner_fn
-        self.tokenizer = tokenizer
-        self.eos_ids = eos_ids
-        self._check_ready = check_ready
-        self._weight_version_fn = weight_version_fn
-        self.max_running_requests = max_running_requests
+        if chunked_prefill_size is not None and chunked_prefill_size < 1:
+            raise ValueError(f"--chunked-prefill-size must be >= 1 or -1 (off), got {chunked_prefill_size}")
+        self.num_slots = num_slots
+        self.slot_capacity = slot_capacity
+        self.eos_ids = set(eos_ids)
+        self.detokenize = detokenize
         self.max_total_tokens = max_total_tokens
-        self.random_seed = random_seed
+        self.chunked_prefill_size = chunked_prefill_size
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
-        self._cond = threading.Condition()
-        self._stop = False
-        self.paused: str | None = None  # None, "abort" or "in_place"
-        self.stats = {"decode_steps": 0, "decode_tokens": 0, "decode_seconds": 0.0, "prefill_tokens": 0}
-        self._thread = threading.Thread(target=self._loop, name="miles-local-scheduler", daemon=True)
+        self.running: list[Request] = []  # running[i].slot == i
+        self._reserved = 0  # sum of running budgets
+        self._moves: list[tuple[int, int, int]] = []
+        self._finished: list[Request] = []
 
-    # ---------------------------------------------------------------- API used from other threads
-    def start(self) -> None:
-        """Start the scheduler thread."""
-        self._thread.start()
+    # ------------------------------------------------------------------ queue
+    def add(self, req: Request) -> None:
+        """Queue a request (its size was checked against the budgets by the caller)."""
+        assert req.budget <= self.slot_capacity + 1, (req.budget, self.slot_capacity)
+        eos = () if req.params.ignore_eos else self.eos_ids
+        req.stop_ids = frozenset((*eos, *req.params.stop_token_ids))
+        self.waiting.append(req)
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the thread (in-flight requests are aborted)."""
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        self._thread.join(timeout)
-
-    def submit(
-        self,
-        rid: str,
-        input_ids: list[int],
-        params: SamplingParams,
-        return_logprob: bool,
-        return_text_in_logprobs: bool = False,
-    ) -> Future:
-        """Queue a request; its future resolves to the SGLang-style answer dict."""
-        if not input_ids:
-            raise ValueError("empty prompt: input_ids/text must contain at least one token")
-        if (
-            self.max_total_tokens is not None
-            and len(input_ids) + params.max_new_tokens > self.max_total_tokens
-        ):
-            raise ValueError(
-                f"prompt ({len(input_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
-                f"--max-total-tokens={self.max_total_tokens}"
-            )
-        self._check_ready()
-        req = Request(
-            rid,
-            list(input_ids),
-            params,
-            return_logprob,
-            request_generator(self.random_seed, rid, params.sampling_seed),
-        )
-        req.return_text_in_logprobs = return_text_in_logprobs
-        with self._cond:
-            # a finished request may still sit in `running` until the end of the step that finished it
-            if any(r.rid == rid and r.finish_reason is None for r in (*self.waiting, *self.running)):
-                raise ValueError(f"duplicate rid {rid!r}: a request with this id is in flight")
-            self.waiting.append(req)
-            self._cond.notify_all()
-        return req.future
-
-    def call(self, fn: Callable[[], Any]) -> Future:
-        """Run `fn()` on the scheduler thread between forward passes; the future gets its result."""
-        fut: Future = Future()
-        with self._cond:
-            self._commands.append((fn, fut))
-            self._cond.notify_all()
-        return fut
-
-    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> int:
-        """Abort one request (by rid) or all; call on the scheduler thread (through `call`). Returns the count."""
-        with self._cond:
-            victims = [r for r in (*self.waiting, *self.running) if abort_all or r.rid == rid]
-            for r in victims:
-                self._finish(r, {"type": "abort", "message": message})
-            self.waiting = deque(r for r in self.waiting if r.finish_reason is None)
-            self.running = [r for r in self.running if r.finish_reason is None]
-        return len(victims)
-
-    def set_paused(self, mode: str | None) -> None:
-        """Pause ("abort": in-flight requests are aborted; "in_place": they are held) or resume (None)."""
-        if mode not in (None, "abort", "in_place"):
-            raise ValueError(f"pause mode {mode!r} not supported; allowed: 'abort', 'in_place'")
-        if mode == "abort":
-            self.abort(abort_all=True, message="aborted by pause_generation")
-        self.paused = mode
-
-    def load(self) -> dict[str, int]:
-        """Queue sizes for /get_server_info and /get_load."""
-        running = sum(r.finish_reason is None for r in self.running)
-        return {"num_waiting": len(self.waiting), "num_running": running}
-
-    # ---------------------------------------------------------------- scheduler thread
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stop and not self._has_work():
-                    self._cond.wait(timeout=0.5)
-                if self._stop:
-                    break
-                commands = list(self._commands)
-                self._commands.clear()
-            for fn, fut in commands:
-                self._run_command(fn, fut)
-            if self.paused:
-                continue
-            self._admit()
-            if self.running:
-                try:
-                    self._decode_step()
-                except Exception as e:  # noqa: BLE001 - a model failure must fail the batch, not hang it
-                    logger.exception("decode step failed; failing %d running requests", len(self.running))
-                    failed, self.running = self.running, []
-                    for r in failed:
-                        if not r.future.done():
-                            r.future.set_exception(e)
-        self.abort(abort_all=True, message="server shutting down")
-        for _fn, fut in self._commands:
-            fut.set_exception(RuntimeError("server shutting down"))
-
-    def _has_work(self) -> bool:
-        if self._commands:
-            return True
-        if self.paused:
-            return False
+    def has_work(self) -> bool:
+        """Whether `schedule()` would return a batch (or finish a request)."""
         return bool(self.running) or (bool(self.waiting) and self._can_admit(self.waiting[0]))
 
-    @staticmethod
-    def _run_command(fn: Callable[[], Any], fut: Future) -> None:
-        try:
-            fut.set_result(fn())
-        except BaseException as e:  # noqa: BLE001 - delivered to the caller
-            fut.set_exception(e)
-
-    def _reserved_tokens(self) -> int:
-        return sum(r.budget for r in self.running)
+    def pop_finished(self) -> list[Request]:
+        """Requests finished since the last call (stop, length, abort), each once."""
+        out, self._finished = self._finished, []
+        return out
 
     def _can_admit(self, req: Request) -> bool:
-        if len(self.running) >= self.max_running_requests:
+        if len(self.running) >= self.num_slots:
             return False
-        return self.max_total_tokens is None or self._reserved_tokens() + req.budget <= self.max_total_tokens
+        return self.max_total_tokens is None or self._reserved + req.budget <= self.max_total_tokens
 
-    def _admit(self) -> None:
-        runner = self._runner_fn()
-        while self.waiting and self._can_admit(self.waiting[0]):
-            with self._cond:
-                req = self.waiting.popleft()
-            try:
-                self._check_ready()
-            except EngineNotReady as e:
-                req.future.set_exception(e)
-                continue
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> Batch | None:
+        """The next batch: a decode row per running request, then prompt chunks up to the prefill budget."""
+        budget = self.chunked_prefill_size or float("inf")
+        rows: list[BatchRow] = []
+        for req in self.running:
+            start = req.num_cached
+            if start >= len(req.input_ids):  # decode: feed the last sampled token
+                rows.append(BatchRow(req, req.slot, start, [req.output_ids[-1]], True))
+            elif budget > 0:
+                budget -= self._prefill_row(req, budget, rows)
+        while self.waiting and budget > 0 and self._can_admit(self.waiting[0]):
+            req = self.waiting[0]
             if req.params.max_new_tokens == 0:
                 self._finish(req, {"type": "length", "length": 0})
                 continue
-            req.cache = runner.new_cache()
-            try:
-                logits = runner.prefill(req.input_ids, req.cache)
-                finish = self._append_token(req, logits)
-            except Exception as e:  # noqa: BLE001 - fail this request only
-                logger.exception("prefill of request %s failed", req.rid)
-                req.future.set_exception(e)
-                continue
-            self.stats["prefill_tokens"] += len(req.input_ids)
-            if finish is None:
-                self.running.append(req)
-            else:
-                self._finish(req, finish)
+            self.waiting.popleft()
+            req.slot = len(self.running)
+            self.running.append(req)
+            self._reserved += req.budget
+            budget -= self._prefill_row(req, budget, rows)
+        if not rows:
+            return None
+        moves, self._moves = self._moves, []
+        return Batch(rows, moves, len(self.running))
 
-    def _decode_step(self) -> None:
-        runner = self._runner_fn()
-        t0 = time.perf_counter()
-        logits = runner.decode([r.output_ids[-1] for r in self.running], [r.cache for r in self.running])
-        self.stats["decode_seconds"] += time.perf_counter() - t0
-        self.stats["decode_steps"] += 1
-        self.stats["decode_tokens"] += len(self.running)
-        done = [(req, self._append_token(req, logits[i])) for i, req in enumerate(self.running)]
-        # leave the batch first, then answer: a client's next request must not see its old one as running
-        self.running = [req for req, finish in done if finish is None]
-        for req, finish in done:
-            if finish is not None:
-                self._finish(req, finish)
+    @staticmethod
+    def _prefill_row(req: Request, budget: float, rows: list[BatchRow]) -> int:
+        start = req.num_cached
+        end = min(len(req.input_ids), start + budget)
+        rows.append(BatchRow(req, req.slot, start, req.input_ids[start:end], end == len(req.input_ids)))
+        return end - start
 
-    def _append_token(self, req: Request, logits: torch.Tensor) -> dict[str, Any] | None:
-        """Sample the next token of `req`; returns its finish reason when the request is done."""
-        token, logprob = sample_token(logits, req.params, req.generator)
-        req.output_ids.append(token)
-        req.logprobs.append(logprob)
-        return self._check_stop(req, token)
+    def postprocess(self, batch: Batch, tokens: list[int], logprobs: list[float]) -> None:
+        """Account the fed tokens, append the sampled ones (one per sample row, in row order), finish requests."""
+        for row in batch.rows:
+            row.req.num_cached = row.start + len(row.token_ids)
+        sample_rows = batch.sample_rows
+        assert len(tokens) == len(logprobs) == len(sample_rows), (len(tokens), len(sample_rows))
+        done = []
+        for row, token, logprob in zip(sample_rows, tokens, logprobs):
+            req = row.req
+            req.output_ids.append(token)
+            req.logprobs.append(logprob)
+            if token in req.stop_ids:
+                done.append((req, {"type": "stop", "matched": token}))
+            elif req.params.stop or len(req.output_ids) >= req.params.max_new_tokens:
+                reason = self._check_stop(req)
+                if reason is not None:
+                    done.append((req, reason))
+        for req, reason in done:
+            self._finish(req, reason)
 
-    def _check_stop(self, req: Request, token: int) -> dict[str, Any] | None:
+    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> int:
+        """Finish one request (by rid) or all, waiting or running, with finish reason abort; returns the count."""
+        victims = [r for r in (*self.waiting, *self.running) if abort_all or r.rid == rid]
+        for r in victims:
+            self._finish(r, {"type": "abort", "message": message})
+        return len(victims)
+
+    def fail(self, batch: Batch) -> list[Request]:
+        """Drop every request of a batch whose forward failed; returns them (their futures get the error)."""
+        reqs = [row.req for row in batch.rows if row.req.finish_reason is None]
+        for req in reqs:
+            self._remove(req)
+            req.finish_reason = {"type": "abort", "message": "forward pass failed"}
+        return reqs
+
+    # ------------------------------------------------------------------ finishing
+    def _finish(self, req: Request, reason: dict[str, Any]) -> None:
+        req.finish_reason = reason
+        self._remove(req)
+        self._finished.append(req)
+
+    def _remove(self, req: Request) -> None:
+        if req.slot < 0:
+            self.waiting.remove(req)
+            return
+        i, last = req.slot, self.running[-1]
+        if last is not req:  # keep slots dense: the last request moves into the hole
+            self._moves.append((last.slot, i, last.num_cached))
+            self.running[i] = last
+            last.slot = i
+        self.running.pop()
+        self._reserved -= req.budget
+        req.slot = -1
+        if not self.running:  # nobody left to move (the pool may even be released now)
+            self._moves = []
+
+    def _check_stop(self, req: Request) -> dict[str, Any] | None:
+        """Stop strings, then the length limit (stop tokens were checked by the caller)."""
         p = req.params
-        if (not p.ignore_eos and token in self.eos_ids) or token in p.stop_token_ids:
-            return {"type": "stop", "matched": token}
         if p.stop and self._stop_in_tail(req.output_ids, p):
-            text = self._decode(req.output_ids, p.skip_special_tokens)
+            text = self.detokenize(req.output_ids, p.skip_special_tokens)
             hits = [(text.find(s), s) for s in p.stop if s in text]
             if hits:
                 start, s = min(hits)
@@ -277,7 +256,7 @@ class Scheduler:
             return {"type": "length", "length": p.max_new_tokens}
         return None
 
-    def _stop_in_tail(self, ids: list[int], p: Any) -> bool:
+    def _stop_in_tail(self, ids: list[int], p: SamplingParams) -> bool:
         """Whether a stop string may have just completed: checked on the last few tokens only, so a long
         generation is not re-decoded whole at every step. A string that was not there before this token ends
         in it and spans at most 4 tokens per character (byte-level pieces), plus one partial character. With
@@ -285,39 +264,5 @@ class Scheduler:
         if p.skip_special_tokens:
             return True
         window = 4 * max(len(s) for s in p.stop) + 4
-        tail = self._decode(ids[-window:], False)
+        tail = self.detokenize(ids[-window:], False)
         return any(s in tail for s in p.stop)
-
-    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def _finish(self, req: Request, finish_reason: dict[str, Any]) -> None:
-        req.finish_reason = finish_reason
-        req.cache = None
-        if not req.future.done():
-            req.future.set_result(self._answer(req))
-
-    def _answer(self, req: Request) -> dict[str, Any]:
-        p, fr = req.params, req.finish_reason
-        ids = req.output_ids
-        if fr["type"] == "stop" and isinstance(fr.get("matched"), int) and not p.no_stop_trim:
-            text = self._decode(ids[:-1], p.skip_special_tokens)
-        else:
-            text = self._decode(ids, p.skip_special_tokens)
-            if req.stop_text_end is not None and not p.no_stop_trim:
-                text = text[: req.stop_text_end]
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "finish_reason": fr,
-            "prompt_tokens": len(req.input_ids),
-            "completion_tokens": len(ids),
-            "cached_tokens": 0,
-            "weight_version": self._weight_version_fn(),
-            "e2e_latency": time.monotonic() - req.created,
-        }
-        if req.return_logprob:
-            texts = (
-                [self._decode([t], False) for t in ids] if req.return_text_in_logprobs else [None] * len(ids)
-            )
-            meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x in zip(req.logprobs, ids, texts)]
-        return {"text": text, "output_ids": list(ids), "meta_info": meta}

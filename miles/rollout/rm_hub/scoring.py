@@ -26,6 +26,7 @@ from miles.rollout.rm_hub.registry import (
     load_custom_rm,
     split_rm_type,
 )
+from miles.utils.deadline import DeadlineExceeded, call_with_deadline
 from miles.utils.misc import load_function
 from miles.utils.types import Sample, SampleStatus
 
@@ -57,8 +58,9 @@ async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
-async def builtin_reward(ctx: RewardContext, sample: Sample) -> Reward:
-    """Score with the built-in type of `sample.metadata["rm_type"]` or `ctx.rm_type` (`boxed_` prefix honoured)."""
+def resolve_builtin(ctx: RewardContext, sample: Sample) -> tuple[RewardFn, Sample, str]:
+    """The built-in function for `sample` (its `metadata["rm_type"]`, else `ctx.rm_type`), the view of the
+    sample it scores (the last \\boxed{} content for a `boxed_` type) and the function's name for messages."""
     rm_type = sample.metadata.get("rm_type") or ctx.rm_type
     if not rm_type:
         raise ValueError(
@@ -70,6 +72,12 @@ async def builtin_reward(ctx: RewardContext, sample: Sample) -> Reward:
     view = (
         dataclasses.replace(sample, response=last_boxed_content(sample.response) or "") if boxed else sample
     )
+    return fn, view, f"rm_type {rm_type}"
+
+
+async def builtin_reward(ctx: RewardContext, sample: Sample) -> Reward:
+    """Score with the built-in type of `sample.metadata["rm_type"]` or `ctx.rm_type` (`boxed_` prefix honoured)."""
+    fn, view, _ = resolve_builtin(ctx, sample)
     return await _maybe_await(fn(ctx, view))
 
 
@@ -83,7 +91,13 @@ class RewardScorer:
         group_rm: bool = False,
         error_as_zero: bool = False,
         post_process_path: str | None = None,
+        timeout: float = 600.0,
     ) -> None:
+        """`timeout`: seconds one reward function call may take (--reward-timeout); sync functions run in a
+        thread meanwhile (see `miles.utils.deadline`), so several samples are scored at once."""
+        if timeout <= 0:
+            raise ValueError(f"--reward-timeout must be > 0 seconds, got {timeout}")
+        self.timeout = float(timeout)
         self.ctx = ctx
         self.group_rm = group_rm
         self.error_as_zero = error_as_zero
@@ -125,14 +139,24 @@ class RewardScorer:
             failed += self._store(sample, result)
         return failed
 
+    def _late(self, fn_name: str, what: str) -> str:
+        return (
+            f"reward function {fn_name} gave no answer within {self.timeout:g}s (--reward-timeout) for "
+            f"{what} (phase: {'eval ' if self.ctx.evaluation else ''}reward)"
+        )
+
     async def _one(self, sample: Sample) -> Reward:
+        what = f"sample index {sample.index}"
         if self.custom is not None:
-            return await _maybe_await(self.custom(self.ctx, sample))  # type: ignore[arg-type]
-        return await builtin_reward(self.ctx, sample)
+            late = self._late(self.fn_name, what)
+            return await call_with_deadline(self.custom, self.ctx, sample, timeout=self.timeout, what=late)
+        fn, view, name = resolve_builtin(self.ctx, sample)
+        return await call_with_deadline(fn, self.ctx, view, timeout=self.timeout, what=self._late(name, what))
 
     async def _score_as_group(self, group: list[Sample]) -> int:
+        late = self._late(self.fn_name, f"the group of sample indices {[s.index for s in group]}")
         try:
-            rewards = await _maybe_await(self.custom(self.ctx, group))  # type: ignore[arg-type, misc]
+            rewards = await call_with_deadline(self.custom, self.ctx, group, timeout=self.timeout, what=late)
         except Exception as e:  # noqa: BLE001 - reported with the function and the group
             return sum(self._store(s, e) for s in group)
         if not isinstance(rewards, list) or len(rewards) != len(group):
@@ -148,6 +172,8 @@ class RewardScorer:
             if not isinstance(result, Exception):  # KeyboardInterrupt, CancelledError, ...
                 raise result
             if not self.error_as_zero:
+                if isinstance(result, DeadlineExceeded):  # its message names the function and the sample
+                    raise result
                 raise RuntimeError(
                     f"reward function {self.fn_name} failed on sample index {sample.index} (phase: reward): "
                     f"{type(result).__name__}: {result}"

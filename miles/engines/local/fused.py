@@ -1,0 +1,86 @@
+"""Projections of the embedded engine's decoder layers, each one matmul: q/k/v together, o, gate/up together, down.
+
+`FusedLinear` keeps the weights of its `nn.Linear`s as column blocks of one `[in, out]` buffer (transposed
+storage) and points each module's parameter at its block (a `[out_i, in]` view, stride `(1, out)`); biases are
+consecutive pieces of one vector. `x @ buffer` then computes every projection in one matmul without transposing
+the weight (MKL's fastest path on CPU for decode-sized batches), and the HF modules, which compute the same
+`x @ weight.T`, give bitwise the same results. Weight loads copy into the parameters in place, so they update
+the buffer; nothing is kept apart from the parameters, so releasing them frees the memory. When a parameter got
+storage of its own (weights released and resumed), the next `weight()` call lays the buffer out again.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class FusedLinear:
+    """One matmul for `linears` (same input): `forward(x)` is `cat([lin(x) for lin in linears], -1)`."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        biases = [lin.bias is not None for lin in linears]
+        if any(biases) and not all(biases):
+            raise ValueError("FusedLinear needs a bias on all or none of its projections")
+        # the Parameter objects stay the same when weights are loaded, released or resumed (only .data changes)
+        self.weights = [lin.weight for lin in linears]
+        self.biases = [lin.bias for lin in linears] if all(biases) else None
+        self.in_features = self.weights[0].shape[1]
+        self.offsets = []  # first column of each projection in the buffer
+        start = 0
+        for w in self.weights:
+            self.offsets.append(start)
+            start += w.shape[0]
+        self.out_features = start
+        self.layout()
+
+    @torch.no_grad()
+    def layout(self) -> None:
+        """Copy the weights into one `[in, out]` buffer (the biases into one vector); point each at its part."""
+        first = self.weights[0]
+        with torch.inference_mode(False):  # loads copy into these later, outside inference mode
+            buf = torch.empty((self.in_features, self.out_features), dtype=first.dtype, device=first.device)
+            for w, start in zip(self.weights, self.offsets):
+                buf[:, start : start + w.shape[0]].copy_(w.data.t())
+            for w, start in zip(self.weights, self.offsets):
+                w.data = buf[:, start : start + w.shape[0]].t()
+            if self.biases is not None:
+                fused = torch.cat([b.data for b in self.biases])
+                for b, start in zip(self.biases, self.offsets):
+                    b.data = fused[start : start + b.shape[0]]
+
+    def _laid_out(self) -> bool:
+        """Whether the parameters still are the blocks of one buffer (and the biases of one vector)."""
+        first = self.weights[0]
+        if first.numel() == 0:
+            return False
+        base, size = first.data_ptr(), first.element_size()
+        for w, start in zip(self.weights, self.offsets):
+            if w.data_ptr() != base + start * size or w.stride() != (1, self.out_features):
+                return False
+        storage = first.untyped_storage()
+        end = base + self.in_features * self.out_features * size
+        if not storage.data_ptr() <= base or end > storage.data_ptr() + storage.nbytes():
+            return False
+        if self.biases is not None:
+            b0 = self.biases[0]
+            if any(b.data_ptr() != b0.data_ptr() + s * size for b, s in zip(self.biases, self.offsets)):
+                return False
+            bstore = b0.untyped_storage()
+            start, end = bstore.data_ptr(), bstore.data_ptr() + bstore.nbytes()
+            if not start <= b0.data_ptr() or b0.data_ptr() + self.out_features * size > end:
+                return False
+        return True
+
+    def weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The `[in, out]` buffer and the bias `[out]` (None without bias), as views of the parameters."""
+        if not self._laid_out():
+            self.layout()
+        w = self.weights[0].as_strided((self.in_features, self.out_features), (self.out_features, 1))
+        b = None if self.biases is None else self.biases[0].as_strided((self.out_features,), (1,))
+        return w, b
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in] -> [N, out]."""
+        w, b = self.weight()
+        return torch.mm(x, w) if b is None else torch.addmm(b, x, w)

@@ -1,0 +1,110 @@
+"""The driver's local Ray instance: it listens on loopback only, and a training rank that hangs or dies in a
+phase (here: save) is named by its rank and the phase.
+
+One Ray instance for the module (started as the driver starts it, `miles.ray.utils.init_ray`); the training
+workers are stand-ins (`tests.e2e.faults.StuckTrainWorker`) with the real `RayTrainGroup` fan-out around them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    from miles.ray.utils import init_ray
+
+    if ray.is_initialized():  # an instance left by another module would not be the driver's
+        ray.shutdown()
+    init_ray(min_cpus=2)
+    yield ray
+    ray.shutdown()
+
+
+def _descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(pid))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _listening(pids: set[int]) -> list[tuple[int, str]]:
+    """(pid, local address in hex as /proc/net/tcp* writes it) of every listening TCP socket of `pids`."""
+    inodes: dict[str, str] = {}
+    for name in ("tcp", "tcp6"):
+        with open(f"/proc/net/{name}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # LISTEN
+                    inodes[fields[9]] = fields[1].rsplit(":", 1)[0]
+    found = []
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in inodes:
+                found.append((pid, inodes[target[8:-1]]))
+    return found
+
+
+# 127.0.0.1, ::1, ::ffff:127.0.0.1 (an IPv6 socket bound to the IPv4 loopback)
+LOOPBACK_HEX = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux /proc")
+def test_local_ray_listens_on_loopback_only(local_ray):
+    from miles.ray.utils import get_node_ip
+
+    assert get_node_ip() == "127.0.0.1"
+    assert local_ray.get(local_ray.remote(num_cpus=0)(get_node_ip).remote(), timeout=60) == "127.0.0.1"
+    sockets = _listening(_descendants(os.getpid()))
+    assert sockets, "found no listening socket of the Ray processes"
+    public = [(pid, addr) for pid, addr in sockets if addr not in LOOPBACK_HEX]
+    assert not public, public
+
+
+def _group(ray, timeout: float):
+    from miles.ray.train_group import RayTrainGroup
+    from tests.e2e.faults import StuckTrainWorker
+
+    group = object.__new__(RayTrainGroup)  # the fan-out and its error handling, without placement or backend
+    group.timeout, group.num_workers, group.cp_size = timeout, 2, 1
+    group.workers = [ray.remote(num_cpus=0)(StuckTrainWorker).remote(rank) for rank in range(2)]
+    return group
+
+
+def test_a_hung_or_dead_rank_in_save_is_named(local_ray):
+    from miles.ray.utils import PhaseTimeoutError
+
+    hung = _group(local_ray, timeout=3)
+    t0 = time.monotonic()
+    with pytest.raises(PhaseTimeoutError, match=r"phase 'save checkpoint 3'.*training ranks not done: \[1\]"):
+        hung.save(3, {})
+    assert time.monotonic() - t0 < 30
+    hung.shutdown()
+    with pytest.raises(RuntimeError, match=r"training worker rank 1 died in phase 'save checkpoint 4'"):
+        _group(local_ray, timeout=60).save(4, {})
