@@ -339,18 +339,15 @@ def _perf_metrics(
         peaks.append(torch.cuda.max_memory_allocated() / 1024**3)
     peak_t = torch.tensor(peaks, dtype=torch.float64, device=ps.device)
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
-    out = {"perf/train_peak_rss_gb": float(peak_t[0])}
+    # forward-equivalents of this call: forward + backward (3) and each no-grad pass (old, reference log-probs)
+    out = {"perf/train_peak_rss_gb": float(peak_t[0]), "perf/forward_passes": float(3 + no_grad_passes)}
     if not ps.is_cuda:
         return out
     out["perf/train_peak_gpu_mem_gb"] = float(peak_t[1])
     device_peak = perf.peak_flops(torch.cuda.get_device_name())
     if device_peak is None or dtype != torch.bfloat16:
         return out
-    c = model.config
-    embed = model.get_input_embeddings().weight.numel()
-    params = perf.matmul_params(sum(p.numel() for p in model.parameters()), embed, c.tie_word_embeddings)
-    width = c.num_attention_heads * getattr(c, "head_dim", c.hidden_size // c.num_attention_heads)
-    fwd = perf.forward_flops([len(t) for t in batch.tokens], params, c.num_hidden_layers, width)
+    fwd = perf.model_forward_flops(model, [len(t) for t in batch.tokens])
     flops = torch.tensor(fwd * (3 + no_grad_passes), dtype=torch.float64, device=ps.device)
     dist.all_reduce(flops, group=ps.dp_group)  # CP ranks share their samples: count each DP rank once
     out["perf/mfu"] = perf.mfu(float(flops), seconds, ps.world_size, device_peak)

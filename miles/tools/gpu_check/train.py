@@ -45,17 +45,6 @@ def start_trainer(s: Settings, model_dir: str) -> Any:
     return trainer
 
 
-def _train_flops(model: torch.nn.Module, seq_lens: list[int]) -> float:
-    """Model FLOPs of one `train` call: the no-grad old-log-prob forward plus forward and backward (3x)."""
-    from miles.utils import perf
-
-    c = model.config
-    embed = model.get_input_embeddings().weight.numel()
-    params = perf.matmul_params(sum(p.numel() for p in model.parameters()), embed, c.tie_word_embeddings)
-    width = c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-    return perf.forward_flops(seq_lens, params, c.num_hidden_layers, width) * 4
-
-
 def check_train_step(trainer: Any, s: Settings) -> CheckResult:
     """Two train calls on synthetic samples (the first warms up); the second is timed. Passes when loss and
     gradient norm are finite."""
@@ -73,7 +62,8 @@ def check_train_step(trainer: Any, s: Settings) -> CheckResult:
     sync(s.device)
     seconds = time.perf_counter() - t0
     loss, grad_norm = float(metrics["train/loss"]), float(metrics["train/grad_norm"])
-    flops = _train_flops(trainer.model, seq_lens)
+    # forward-equivalents the trainer ran (forward + backward = 3, plus the no-grad passes it did not skip)
+    flops = perf.model_forward_flops(trainer.model, seq_lens) * metrics["perf/forward_passes"]
     peak = s.peak_tflops * 1e12 if s.peak_tflops else None
     if peak is None and s.device.type == "cuda":
         peak = perf.peak_flops(torch.cuda.get_device_name(s.device))
