@@ -17,7 +17,8 @@ from typing import Any
 
 import httpx
 
-from miles.engines.sglang_engine import EngineStartupError, find_free_port
+from miles.engines.sglang_engine import EngineStartupError
+from miles.utils.net import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class Router:
             "--port",
             str(self.port),
         ]
-        cmd += ["--policy", self.policy, "--prometheus-port", str(find_free_port(self.host))]
+        cmd += ["--policy", self.policy, "--prometheus-port", str(free_port(self.host))]
         cmd += ["--prometheus-host", self.host, "--log-level", "warn"]
         if self.worker_urls:
             cmd += ["--worker-urls", *self.worker_urls]
@@ -95,7 +96,7 @@ class Router:
         if self.proc is not None:
             raise RuntimeError(f"router already launched at {self.url}")
         if self.port is None:
-            self.port = find_free_port(self.host)
+            self.port = free_port(self.host)
         if self.log_path is None:
             fd, self.log_path = tempfile.mkstemp(prefix=f"miles-router-{self.port}-", suffix=".log")
             os.close(fd)

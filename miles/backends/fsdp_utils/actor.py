@@ -17,6 +17,7 @@ One `train(rollout_id, data)` call:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -300,7 +301,7 @@ class FSDPTrainer(TrainBackend):
             ColocatedWeightUpdater,
             DistributedWeightUpdater,
         )
-        from miles.ray.utils import get_free_port, get_node_ip
+        from miles.utils.net import free_port
 
         cfg = self.config
         common = dict(
@@ -313,7 +314,8 @@ class FSDPTrainer(TrainBackend):
         )
         if cfg.cluster.colocate or not self.ps.is_cuda:
             return ColocatedWeightUpdater(engine_urls, **common)
-        endpoint = [(get_node_ip(), get_free_port()) if self.ps.rank == 0 else None]
+        # rank 0 hosts the update group; MASTER_ADDR is its node's address (what the engines can reach)
+        endpoint = [(os.environ["MASTER_ADDR"], free_port("")) if self.ps.rank == 0 else None]
         dist.broadcast_object_list(endpoint, src=0)
         updater = DistributedWeightUpdater(
             engine_urls, master_address=endpoint[0][0], master_port=endpoint[0][1], **common

@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 from typing import Any
 
 import torch
 
 from miles.tools.gpu_check.common import CheckResult, Settings, sync, training_samples
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from miles.utils.net import free_port
 
 
 def start_trainer(s: Settings, model_dir: str) -> Any:
@@ -29,7 +23,7 @@ def start_trainer(s: Settings, model_dir: str) -> Any:
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ[key] = value
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     attn = "flash_attention_2" if s.flash else "sdpa"
     pairs = s.num_seqs // 2
     cfg = parse_config([
