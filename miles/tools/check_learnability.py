@@ -1,8 +1,9 @@
 """Check that a toy task is learnable by GRPO-style RL on the tiny model, with plain torch on a CPU.
 
 Per step: draw `--prompts` prompts, sample `--n` responses each (temperature 1, up to `--max-new-tokens`),
-score them with the reward hub, normalise rewards within each prompt group (GRPO), and take one Adam step on
-the REINFORCE loss `-sum(adv * log p(response token)) / (number of response tokens in the batch)`. Prints the
+score them with the reward hub, take GRPO advantages (`miles.algo`: rewards normalised within each prompt group),
+and take one Adam step on miles' policy loss (`miles.algo.compute_loss`, token mean over the batch; on-policy, so
+its gradient is REINFORCE's, `-sum(adv * grad log p(response token)) / (number of response tokens)`). Prints the
 mean reward per step and the wall time. This is independent of the Ray/FSDP stack: it tells whether the task
 and model sizes are right before an end-to-end run.
 
@@ -28,6 +29,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from miles.algo import (
+    AdvantageInputs,
+    LossInputs,
+    LossSettings,
+    compute_advantages,
+    compute_log_probs,
+    compute_loss,
+)
 from miles.rollout.rm_hub import get_reward_fn
 from miles.tools.tiny_model import build_tiny_model
 from miles.tools.toy_data import DEFAULT_TASK, FORMATS, TASKS, make_rows
@@ -84,24 +93,46 @@ def _loss(
     adv: list[float],
     pad_id: int,
 ) -> torch.Tensor:
-    """REINFORCE loss `-sum_i sum_t adv_i * log p(y_it)` over the batch, divided by its response-token count.
+    """miles' policy loss (`miles.algo.compute_loss`, PPO clip, token mean over the batch) of one on-policy
+    step: old log-probs are the detached new ones, so the ratio is 1 and the gradient is REINFORCE's,
+    `-grad sum_i sum_t adv_i * log p(y_it)` over the batch's response-token count.
 
     One right-padded forward over prompt + response; only response tokens count.
     """
     seqs = [p + r for p, r in zip(prompts, responses)]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id)
-    mask = torch.zeros(len(seqs), width)  # 1 where the *target* token at position t+1 is a response token
     attn = torch.zeros(len(seqs), width, dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-        attn[i, : len(p) + len(r)] = 1
-        mask[i, len(p) - 1 : len(p) + len(r) - 1] = 1.0
-    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
-    a = torch.tensor(adv)[:, None]
-    m = mask[:, :-1]
-    return -(a * logp * m).sum() / m.sum().clamp(min=1)
+    for i, seq in enumerate(seqs):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        attn[i, : len(seq)] = 1
+    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+    log_probs = [
+        compute_log_probs(logits[i, len(p) - 1 : len(p) + len(r) - 1], torch.tensor(r))
+        for i, (p, r) in enumerate(zip(prompts, responses))
+    ]
+    masks = [torch.ones(len(r)) for r in responses]
+    inputs = LossInputs(
+        log_probs=log_probs,
+        old_log_probs=[lp.detach() for lp in log_probs],
+        advantages=[torch.full((len(r),), a) for r, a in zip(responses, adv)],
+        loss_masks=masks,
+    )
+    settings = LossSettings(reduction="token_mean", denominator=float(max(1, sum(len(r) for r in responses))))
+    return compute_loss(inputs, settings)[0]
+
+
+def _group_advantages(rewards: list[float], n: int) -> list[float]:
+    """GRPO advantages (`miles.algo`, group of `n` consecutive samples per prompt): (r - mean) / (std + eps)."""
+    out = compute_advantages(
+        "grpo",
+        AdvantageInputs(
+            rewards=torch.tensor(rewards, dtype=torch.float32),
+            group_ids=torch.arange(len(rewards)) // n,
+            loss_masks=[torch.ones(1) for _ in rewards],
+        ),
+    )
+    return [float(a[0]) for a in out.advantages]
 
 
 def run(
@@ -136,7 +167,7 @@ def run(
     t0 = time.perf_counter()
     for step in range(steps):
         batch = rng.sample(rows, prompts_per_step)
-        prompts, responses, rewards, adv = [], [], [], []
+        prompts, responses, rewards = [], [], []
         for row in batch:
             p_ids = _prompt_ids(tok, row["prompt"])
             group = _sample(model, p_ids, n, max_new_tokens, tok.eos_token_id)
@@ -145,11 +176,10 @@ def run(
                 sample = Sample(tokens=p_ids + r, response_length=len(r), label=row["label"])
                 sample.response = tok.decode(r, skip_special_tokens=True)
                 scores.append(float(reward_fn(None, sample)))
-            g = torch.tensor(scores)
-            adv += ((g - g.mean()) / (g.std() + 1e-6)).tolist()
             prompts += [p_ids] * n
             responses += group
             rewards += scores
+        adv = _group_advantages(rewards, n)
         loss = _loss(model, prompts, responses, adv, tok.pad_token_id)
         opt.zero_grad()
         loss.backward()

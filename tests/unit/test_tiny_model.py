@@ -160,23 +160,31 @@ def test_echo_task_is_learned_by_grpo() -> None:
     assert first <= 0.2 and last >= first + 0.3, rewards
 
 
-def test_reinforce_loss_matches_loop(model_dir: Path) -> None:
-    """The learnability check's batched loss equals a per-sequence loop over unpadded sequences."""
+def test_learnability_loss_has_the_reinforce_gradient_of_a_loop(model_dir: Path) -> None:
+    """The learnability check's loss (miles.algo's, on-policy) has the gradient of REINFORCE written as a loop
+    over unpadded sequences: -sum_i sum_t adv_i * log p(y_it) / (response tokens)."""
     from transformers import AutoModelForCausalLM
 
-    from miles.tools.check_learnability import _loss
+    from miles.tools.check_learnability import _group_advantages, _loss
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     prompts = [[1, 5, 6], [1, 7], [1, 8, 9, 10]]
     responses = [[11, 2], [12, 13, 14], [4]]
     adv = [1.5, -0.5, 0.25]
-    got = _loss(model, prompts, responses, adv, pad_id=0)
+    model.zero_grad()
+    _loss(model, prompts, responses, adv, pad_id=0).backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
     total, count = 0.0, 0
     for p, r, a in zip(prompts, responses, adv):
-        with torch.no_grad():
-            logits = model(torch.tensor([p + r])).logits[0].float()
+        logits = model(torch.tensor([p + r])).logits[0].float()
         for t, token in enumerate(r):
-            logp = torch.log_softmax(logits[len(p) + t - 1], dim=-1)[token]
-            total += -a * float(logp)
+            total = total - a * torch.log_softmax(logits[len(p) + t - 1], dim=-1)[token]
             count += 1
-    assert abs(float(got.detach()) - total / count) < 1e-5
+    (total / count).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, atol=1e-6, rtol=1e-5, msg=n)
+    # GRPO advantages of two prompts x 3 samples: within-group, equal rewards give 0
+    assert _group_advantages([1.0, 0.0, 0.0, 1.0, 1.0, 1.0], 3)[3:] == [0.0, 0.0, 0.0]
+    a = _group_advantages([1.0, 0.0, 0.0, 1.0, 1.0, 1.0], 3)[:3]
+    assert a[0] > 0 > a[1] == a[2]
