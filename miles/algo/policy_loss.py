@@ -12,6 +12,7 @@ e^{+-20}, far outside any clip range. Values at loss-mask-0 positions are set to
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -122,13 +123,26 @@ def _clipped_ratio_loss(
     old_log_probs: list[Tensor],
     advantages: list[Tensor],
     loss_masks: list[Tensor],
+    *,
     eps_clip: float,
     eps_clip_high: float,
-    eps_clip_c: float | None,
+    eps_clip_c: float | None = None,
     sequence_ratio: bool,
 ) -> PolicyLossOutputs:
-    """The clipped-ratio loss both PPO and GSPO are: `compute_policy_loss` on a log-ratio that is per token (PPO)
-    or per sequence (GSPO, see `gspo_policy_loss`)."""
+    """The clipped-ratio loss PPO and GSPO both are: `compute_policy_loss` on a log-ratio per token (PPO) or
+    per sequence (GSPO).
+
+    PPO/GRPO: token-level ratio pi_theta(x_t) / pi_old(x_t), clipped per token.
+
+    GSPO (Zheng et al. 2025): one ratio per sequence, s_i = exp(mean_t (log pi_theta - log pi_old)) with the mean
+    over sample i's loss tokens, clipped per sequence (GSPO uses much smaller eps than PPO). Stop-gradient trick
+    (GSPO-token): each token uses ``log s_i,t = log pi_theta(x_t) - sg[log pi_theta(x_t)] + sg[log s_i]``, whose
+    VALUE is log s_i for every token while its gradient is that of log pi_theta(x_t). Hence
+    d s_i,t = s_i * d log pi_theta(x_t) per token, and a per-sample token mean of the loss has exactly the
+    gradient of the sequence-level objective -A_i * s_i (for advantages constant over the sequence) while
+    advantages may still vary per token. Reported ppo_kl is the per-sequence value -log s_i broadcast to the
+    tokens.
+    """
     _check(log_probs, old_log_probs, advantages, loss_masks)
     lengths = _ops.lengths_of(loss_masks)
     new, old, adv = _masked_inputs(log_probs, old_log_probs, advantages, loss_masks)
@@ -147,62 +161,8 @@ def _clipped_ratio_loss(
     )
 
 
-@register_policy_loss("ppo")
-def ppo_policy_loss(
-    log_probs: list[Tensor],
-    old_log_probs: list[Tensor],
-    advantages: list[Tensor],
-    loss_masks: list[Tensor],
-    *,
-    eps_clip: float,
-    eps_clip_high: float,
-    eps_clip_c: float | None = None,
-) -> PolicyLossOutputs:
-    """PPO/GRPO: token-level ratio pi_theta(x_t) / pi_old(x_t), clipped per token (`compute_policy_loss`)."""
-    return _clipped_ratio_loss(
-        log_probs,
-        old_log_probs,
-        advantages,
-        loss_masks,
-        eps_clip,
-        eps_clip_high,
-        eps_clip_c,
-        sequence_ratio=False,
-    )
-
-
-@register_policy_loss("gspo")
-def gspo_policy_loss(
-    log_probs: list[Tensor],
-    old_log_probs: list[Tensor],
-    advantages: list[Tensor],
-    loss_masks: list[Tensor],
-    *,
-    eps_clip: float,
-    eps_clip_high: float,
-    eps_clip_c: float | None = None,
-) -> PolicyLossOutputs:
-    """GSPO (Zheng et al. 2025): the PPO loss with one ratio per sequence,
-    s_i = exp(mean_t (log pi_theta - log pi_old)) with the mean over sample i's loss tokens, clipped per sequence
-    (GSPO uses much smaller eps than PPO).
-
-    Stop-gradient trick (GSPO-token): each token uses
-    ``log s_i,t = log pi_theta(x_t) - sg[log pi_theta(x_t)] + sg[log s_i]``, whose VALUE is log s_i for every
-    token while its gradient is that of log pi_theta(x_t). Hence d s_i,t = s_i * d log pi_theta(x_t) per token,
-    and a per-sample token mean of the loss has exactly the gradient of the sequence-level objective
-    -A_i * s_i (for advantages constant over the sequence) while advantages may still vary per token.
-    Reported ppo_kl is the per-sequence value -log s_i broadcast to the tokens.
-    """
-    return _clipped_ratio_loss(
-        log_probs,
-        old_log_probs,
-        advantages,
-        loss_masks,
-        eps_clip,
-        eps_clip_high,
-        eps_clip_c,
-        sequence_ratio=True,
-    )
+ppo_policy_loss = POLICY_LOSSES.add("ppo", functools.partial(_clipped_ratio_loss, sequence_ratio=False))
+gspo_policy_loss = POLICY_LOSSES.add("gspo", functools.partial(_clipped_ratio_loss, sequence_ratio=True))
 
 
 def compute_opsm_mask(
