@@ -141,9 +141,9 @@ class InProcEngine:
     """`LocalEngine` in this process (no HTTP)."""
 
     def __init__(self, path: str, max_running: int, device: str = "cpu"):
-        from miles.engines.local.engine import EngineConfig, LocalEngine
+        from miles.engines.local.engine import LocalEngine, LocalEngineConfig
 
-        cfg = EngineConfig(model_path=path, max_running_requests=max_running, device=device)
+        cfg = LocalEngineConfig(model_path=path, max_running_requests=max_running, device=device)
         self.engine = LocalEngine(cfg)
         self.engine.start()
         self.calls = 0

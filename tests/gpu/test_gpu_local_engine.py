@@ -7,14 +7,14 @@ from __future__ import annotations
 import torch
 from fastapi.testclient import TestClient
 
-from miles.engines.local.engine import EngineConfig, LocalEngine
+from miles.engines.local.engine import LocalEngine, LocalEngineConfig
 from miles.engines.local.server import create_app
 from miles.tools.tiny_model import build_tiny_model
 
 
 def test_engine_on_cuda_generates_with_the_trainers_log_probs(tmp_path):
     path = build_tiny_model(tmp_path / "m", seed=0)
-    engine = LocalEngine(EngineConfig(model_path=str(path), device="cuda", max_running_requests=4))
+    engine = LocalEngine(LocalEngineConfig(model_path=str(path), device="cuda", max_running_requests=4))
     engine.start()
     try:
         assert engine.model.device.type == "cuda" and engine.runner.pool.data.device.type == "cuda"

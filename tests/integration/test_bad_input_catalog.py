@@ -130,10 +130,10 @@ def _engine_app(w: World) -> object:
     if w.model not in _ENGINE:
         import atexit
 
-        from miles.engines.local.engine import EngineConfig, LocalEngine
+        from miles.engines.local.engine import LocalEngine, LocalEngineConfig
         from miles.engines.local.server import create_app
 
-        engine = LocalEngine(EngineConfig(model_path=w.model, max_running_requests=4))
+        engine = LocalEngine(LocalEngineConfig(model_path=w.model, max_running_requests=4))
         engine.start()
         atexit.register(engine.stop)
         _ENGINE[w.model] = create_app(engine, request_timeout=60, admin_timeout=30)

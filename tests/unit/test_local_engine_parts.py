@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from miles.engines.local.engine import EngineConfig, LocalEngine
+from miles.engines.local.engine import LocalEngine, LocalEngineConfig
 from miles.engines.local.model_runner import NoCacheRunner, PoolRunner, _pad_buckets, make_runner
 from miles.engines.local.sampling import (
     SamplingParams,
@@ -368,7 +368,7 @@ def test_weight_store_release_resume_and_aliases():
 @pytest.fixture(scope="module")
 def local_engine(tmp_path_factory):
     path = build_tiny_model(tmp_path_factory.mktemp("tiny"))
-    eng = LocalEngine(EngineConfig(model_path=str(path), max_running_requests=2, max_total_tokens=40))
+    eng = LocalEngine(LocalEngineConfig(model_path=str(path), max_running_requests=2, max_total_tokens=40))
     eng.start()
     yield eng
     eng.stop()
@@ -472,7 +472,7 @@ def test_text_prompt_equals_token_prompt(local_engine):
 
 def test_bfloat16_engine_runs_in_its_dtype(tmp_path):
     path = build_tiny_model(tmp_path / "m")
-    eng = LocalEngine(EngineConfig(model_path=str(path), dtype="bfloat16"))
+    eng = LocalEngine(LocalEngineConfig(model_path=str(path), dtype="bfloat16"))
     assert eng.model.model.embed_tokens.weight.dtype == torch.bfloat16
     eng.start()
     try:
@@ -483,7 +483,7 @@ def test_bfloat16_engine_runs_in_its_dtype(tmp_path):
     finally:
         eng.stop()
     with pytest.raises(ValueError, match="--dtype 'int8'"):
-        LocalEngine(EngineConfig(model_path=str(path), dtype="int8"))
+        LocalEngine(LocalEngineConfig(model_path=str(path), dtype="int8"))
 
 
 def test_failed_decode_step_fails_only_the_batch(local_engine, monkeypatch):
@@ -515,3 +515,13 @@ def test_batch_is_all_or_nothing(local_engine):
     sched = local_engine.scheduler
     assert "first" not in [r.rid for r in (*sched.waiting, *sched.running) if r.finish_reason is None]
     assert busy[0].result(30)["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_every_admin_route_has_an_engine_operation():
+    """The server's admin routes name operations of the engine's dispatch table (and nothing else is in it)."""
+    from unittest.mock import MagicMock
+
+    from miles.engines.local.server import _ADMIN_POSTS
+
+    ops = LocalEngine.admin_ops(MagicMock())
+    assert set(ops) == {op for _, op, _ in _ADMIN_POSTS}

@@ -82,13 +82,13 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import uvicorn
 
-    from miles.engines.local.engine import EngineConfig, LocalEngine
+    from miles.engines.local.engine import LocalEngine, LocalEngineConfig
     from miles.engines.local.server import create_app
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     engine = LocalEngine(
-        EngineConfig(
+        LocalEngineConfig(
             model_path=args.model_path,
             tokenizer_path=args.tokenizer_path,
             dtype=args.dtype,

@@ -11,8 +11,8 @@ The rules and the refusal wording are SGLang's (see docs/sglang-contract.md for 
 - `weights_checker` with action `checksum` answers SGLang's payload: per tensor the first 8 bytes of the SHA-256
   of its raw bytes, as 16 hex digits (sglang/srt/utils/weight_checker.py).
 
-`LocalEngine` mixes this in; every `_op_*` runs on the scheduler thread (through `LocalEngine.run`), except
-`join_update_group`, which waits for remote peers and so runs on a thread of its own with a short deadline.
+`LocalEngine` mixes this in; every `_op_*` runs on the scheduler thread (through `LocalEngine.run` and its
+table `LocalEngine.admin_ops`), except `join_update_group`, which waits for remote peers and so runs on a thread of its own with a short deadline.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -76,7 +77,7 @@ def _device(name: str) -> torch.device:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class LocalEngineConfig:
     """Startup options of the embedded engine (the CLI flags of `python -m miles.engines.local`)."""
 
     model_path: str
@@ -107,7 +108,7 @@ def _context_length(requested: int | None, model_config: Any) -> int:
 class LocalEngine(WeightControl):
     """The embedded rollout engine (TP=1, CPU or one device)."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: LocalEngineConfig):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if config.dtype not in DTYPES:
@@ -236,9 +237,30 @@ class LocalEngine(WeightControl):
             )
 
     # ------------------------------------------------------------------ admin (run on the scheduler thread)
-    def run(self, fn_name: str, **kwargs: Any) -> Future:
-        """Run admin operation `_op_<fn_name>(**kwargs)` on the scheduler thread."""
-        fn = getattr(self, f"_op_{fn_name}")
+    def admin_ops(self) -> dict[str, Callable[..., Any]]:
+        """The admin operations `run` dispatches, by the name the server's routes use."""
+        return {
+            "abort": self._op_abort,
+            "pause": self._op_pause,
+            "continue": self._op_continue,
+            "flush_cache": self._op_flush_cache,
+            "begin_weight_update": self._op_begin_weight_update,
+            "end_weight_update": self._op_end_weight_update,
+            "update_weights_from_tensor": self._op_update_weights_from_tensor,
+            "update_weights_from_distributed": self._op_update_weights_from_distributed,
+            "update_weights_from_disk": self._op_update_weights_from_disk,
+            "release_memory_occupation": self._op_release_memory_occupation,
+            "resume_memory_occupation": self._op_resume_memory_occupation,
+            "get_weights_by_name": self._op_get_weights_by_name,
+            "weights_checker": self._op_weights_checker,
+            "destroy_weights_update_group": self._op_destroy_weights_update_group,
+        }
+
+    def run(self, op: str, **kwargs: Any) -> Future:
+        """Run admin operation `op` (a key of `admin_ops`) with `kwargs` on the scheduler thread."""
+        fn = self.admin_ops().get(op)
+        if fn is None:
+            raise ValueError(f"unknown admin operation {op!r}; known: {sorted(self.admin_ops())}")
         return self.scheduler.call(lambda: fn(**kwargs))
 
     def _op_abort(self, rid: str = "", abort_all: bool = False) -> dict[str, Any]:
