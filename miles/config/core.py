@@ -6,7 +6,7 @@ import copy
 import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import field
-from typing import Any
+from typing import Any, TypeVar
 
 from miles.config.sections import (
     AlgoConfig,
@@ -26,6 +26,8 @@ from miles.config.sections import (
     section,
 )
 
+T = TypeVar("T")
+
 
 def _section_name(cfg: Config, owner: Any) -> str:
     return next(f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) is owner)
@@ -39,6 +41,15 @@ class ConfigError(ValueError):
         count = len(self.violations)
         lines = "\n".join(f"  - {v}" for v in self.violations)
         super().__init__(f"{title} ({count} problem{'s' if count != 1 else ''}):\n{lines}")
+
+
+def required(value: T | None, flag: str) -> T:
+    """The value of a flag declared `required=True` (None in its declaration only as the not-given marker).
+
+    Validation has rejected a missing one already; a Config built directly (tests) gets the same error here."""
+    if value is None:
+        raise ConfigError([f"{flag} is required"])
+    return value
 
 
 @section

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from miles.rollout.rm_hub import get_reward_fn
+from miles.rollout.rm_hub import RewardContext, get_reward_fn
 from miles.tools.tiny_model import build_tiny_model
 from miles.tools.toy_data import DEFAULT_TASK, FORMATS, TASKS, make_rows
 from miles.utils.types import Sample
@@ -131,6 +131,7 @@ def run(
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     reward_fn = get_reward_fn(rm_type)
+    ctx = RewardContext(rm_type=rm_type)  # the built-in local rewards read nothing from it
     rows = make_rows(task, 1000, seed, fmt)
     stats: list[StepStats] = []
     t0 = time.perf_counter()
@@ -138,13 +139,19 @@ def run(
         batch = rng.sample(rows, prompts_per_step)
         prompts, responses, rewards, adv = [], [], [], []
         for row in batch:
-            p_ids = _prompt_ids(tok, row["prompt"])
+            prompt = row["prompt"]
+            assert isinstance(prompt, str | list), f"toy row prompt {prompt!r}"
+            p_ids = _prompt_ids(tok, prompt)
             group = _sample(model, p_ids, n, max_new_tokens, tok.eos_token_id)
             scores = []
             for r in group:
                 sample = Sample(tokens=p_ids + r, response_length=len(r), label=row["label"])
                 sample.response = tok.decode(r, skip_special_tokens=True)
-                scores.append(float(reward_fn(None, sample)))
+                score = reward_fn(ctx, sample)
+                assert isinstance(score, int | float), (
+                    f"--rm-type {rm_type}: a number was expected, got {score!r}"
+                )
+                scores.append(float(score))
             g = torch.tensor(scores)
             adv += ((g - g.mean()) / (g.std() + 1e-6)).tolist()
             prompts += [p_ids] * n

@@ -15,7 +15,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,9 @@ class Tracker:
             self._wandb = wandb.init(
                 project=wandb_project,
                 group=wandb_group,
-                mode=wandb_mode,
+                mode=cast(
+                    "Literal['online', 'offline', 'disabled'] | None", wandb_mode
+                ),  # --wandb-mode choices
                 dir=str(self.run_dir),
                 config=config,
             )

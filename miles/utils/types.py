@@ -9,7 +9,14 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
+
+# a value as JSON reads it (dataset rows, labels, metadata, HTTP bodies); narrow it with isinstance before use
+JSON: TypeAlias = "dict[str, JSON] | list[JSON] | str | int | float | bool | None"
+
+# a Ray actor handle (ray.actor.ActorHandle); its `.method.remote(...)` attributes are made at run time, so
+# no checker can see them: Any is the honest type
+ActorHandle: TypeAlias = Any
 
 
 class SampleStatus(str, enum.Enum):

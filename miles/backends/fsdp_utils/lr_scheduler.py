@@ -127,6 +127,7 @@ def build_lr_scheduler(
         raise ValueError("invalid learning-rate schedule: " + "; ".join(errors))
 
     if warmup_fraction is not None:
+        assert total_iters is not None  # an error above otherwise
         warmup_iters = int(warmup_fraction * total_iters)
     if decay_iters is None:
         decay_iters = warmup_iters  # constant schedule: unused

@@ -139,7 +139,7 @@ def check_generation(before: dict[str, float], after: dict[str, float], s: Setti
     tol = s.tolerances
     sensitive = before["mean"] >= POWER * tol.gen_mean
     passed = after["mean"] <= tol.gen_mean and after["max"] <= tol.gen_max and sensitive
-    numbers = {"tokens": after["tokens"], "mean_abs_diff": after["mean"], "max_abs_diff": after["max"],
+    numbers: dict[str, float | int | str | None] = {"tokens": after["tokens"], "mean_abs_diff": after["mean"], "max_abs_diff": after["max"],
                "before_refit_mean_abs_diff": before["mean"], "tolerance_mean": tol.gen_mean,
                "tolerance_max": tol.gen_max}  # fmt: skip
     summary = (

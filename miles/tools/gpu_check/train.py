@@ -114,7 +114,7 @@ def check_varlen(trainer: Any, s: Settings) -> CheckResult:
         diff = (lp - compute_log_probs(logits, ids[1:], 1.0)).abs()
         worst, total, count = max(worst, float(diff.max())), total + float(diff.sum()), count + diff.numel()
     tol = s.tolerances.varlen_max
-    numbers = {"sequences": len(rows), "tokens": packed.num_tokens, "max_abs_diff": worst,
+    numbers: dict[str, float | int | str | None] = {"sequences": len(rows), "tokens": packed.num_tokens, "max_abs_diff": worst,
                "mean_abs_diff": total / count, "tolerance": tol, "kernel": kernel}  # fmt: skip
     passed = worst <= tol
     summary = (
