@@ -139,9 +139,7 @@ def run(
         batch = rng.sample(rows, prompts_per_step)
         prompts, responses, rewards, adv = [], [], [], []
         for row in batch:
-            prompt = row["prompt"]
-            assert isinstance(prompt, str | list), f"toy row prompt {prompt!r}"
-            p_ids = _prompt_ids(tok, prompt)
+            p_ids = _prompt_ids(tok, row["prompt"])
             group = _sample(model, p_ids, n, max_new_tokens, tok.eos_token_id)
             scores = []
             for r in group:
