@@ -8,13 +8,16 @@ backend can be built and tested without Ray. Everything not listed below is priv
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import TYPE_CHECKING
 
-from miles.utils.types import Sample
+from miles.utils.types import JSON, Sample
+
+if TYPE_CHECKING:
+    from miles.config import Config
 
 
 class TrainBackend(abc.ABC):
-    def __init__(self, config: Any, rank: int, world_size: int) -> None:
+    def __init__(self, config: Config, rank: int, world_size: int) -> None:
         self.config = config
         self.rank = rank
         self.world_size = world_size
@@ -32,11 +35,11 @@ class TrainBackend(abc.ABC):
         (`Sample.scalar_reward()`)."""
 
     @abc.abstractmethod
-    def save(self, rollout_id: int, extra_state: dict[str, Any] | None = None) -> None:
+    def save(self, rollout_id: int, extra_state: dict[str, JSON] | None = None) -> None:
         """Sharded checkpoint of model, optimizer, scheduler, RNG and counters, written atomically, with the
         driver's `extra_state` (plain data: the rollout's data cursor) stored beside them."""
 
-    def resume_state(self) -> dict[str, Any]:
+    def resume_state(self) -> dict[str, JSON]:
         """The `extra_state` of the checkpoint `init` resumed from; {} for a fresh start."""
         return dict(getattr(self, "_resumed_extra_state", {}))
 

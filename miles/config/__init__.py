@@ -8,7 +8,7 @@ Modules: `sections` (field declarations), `core` (Config, ConfigError), `schema`
 `validate` (derived values and rules), `parser` (argparse generation, YAML, merge).
 """
 
-from miles.config.core import Config, ConfigError
+from miles.config.core import Config, ConfigError, required
 from miles.config.parser import build_parser, parse_config
 from miles.config.schema import FIELDS, FieldSpec
 from miles.config.sections import (
@@ -47,4 +47,5 @@ __all__ = [
     "TrainConfig",
     "build_parser",
     "parse_config",
+    "required",
 ]

@@ -6,7 +6,7 @@ import copy
 import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import field
-from typing import Any
+from typing import Any, TypeVar
 
 from miles.config.sections import (
     AlgoConfig,
@@ -26,8 +26,10 @@ from miles.config.sections import (
     section,
 )
 
+T = TypeVar("T")
 
-def _section_name(cfg: Config, owner: Any) -> str:
+
+def _section_name(cfg: Config, owner: object) -> str:
     return next(f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) is owner)
 
 
@@ -39,6 +41,15 @@ class ConfigError(ValueError):
         count = len(self.violations)
         lines = "\n".join(f"  - {v}" for v in self.violations)
         super().__init__(f"{title} ({count} problem{'s' if count != 1 else ''}):\n{lines}")
+
+
+def required(value: T | None, flag: str) -> T:
+    """The value of a flag declared `required=True` (None in its declaration only as the not-given marker).
+
+    Validation has rejected a missing one already; a Config built directly (tests) gets the same error here."""
+    if value is None:
+        raise ConfigError([f"{flag} is required"])
+    return value
 
 
 @section
@@ -65,7 +76,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
-    def _leaves(self) -> Iterator[tuple[Any, dataclasses.Field]]:
+    def _leaves(self) -> Iterator[tuple[object, dataclasses.Field]]:
         """(owner, field) for every flag-level field: run-wide ones first, then each section's."""
         for f in dataclasses.fields(self):
             if "help" in f.metadata:
@@ -76,7 +87,7 @@ class Config:
                 for g in dataclasses.fields(owner):
                     yield owner, g
 
-    def to_dict(self, redact_secrets: bool = False) -> dict[str, Any]:
+    def to_dict(self, redact_secrets: bool = False) -> dict[str, Any]:  # each field's own type; sections nest
         """Plain nested dict: run-wide keys, then `{section: {field: value}}`; lists and dicts are copies.
 
         With `redact_secrets`, fields marked secret (API keys) read "<redacted>" (for logs and trackers; such a
@@ -98,7 +109,7 @@ class Config:
         return out
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Config:
+    def from_dict(cls, d: Mapping[str, object]) -> Config:
         """Build a validated Config from `to_dict()` output (or any flat/nested mapping of flag names).
 
         Unset fields take their defaults; derived values are resolved and everything is validated.

@@ -13,10 +13,19 @@ import difflib
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from miles.config.core import Config, ConfigError
-from miles.config.schema import BOOL, FIELDS, LIST_INT, LIST_STR, SECTION_OF, scalar_to_str, to_str_dict
+from miles.config.schema import (
+    BOOL,
+    FIELDS,
+    LIST_INT,
+    LIST_STR,
+    SECTION_OF,
+    FieldSpec,
+    scalar_to_str,
+    to_str_dict,
+)
 from miles.config.sections import SECTIONS
 from miles.config.validate import CLI, DEFAULT, Values, resolve_and_validate
 
@@ -30,7 +39,7 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError([message])
 
 
-def _metavar(spec: Any) -> str:
+def _metavar(spec: FieldSpec) -> str:
     choices = spec.choices
     if choices is not None:
         return "{" + ",".join(choices) + "}"
@@ -80,7 +89,7 @@ class Layer:
     """Values from one source, keyed by field name, plus SGLang pass-through args."""
 
     source: str
-    values: dict[str, Any] = field(default_factory=dict)
+    values: dict[str, object] = field(default_factory=dict)
     sglang: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
@@ -153,7 +162,7 @@ def _unknown_cli(extras: list[str], known: list[str]) -> list[str]:
     return problems
 
 
-def _assign(layer: Layer, name: str, value: Any, key: str, allow_config: bool) -> None:
+def _assign(layer: Layer, name: str, value: object, key: str, allow_config: bool) -> None:
     if name == "sglang_args":
         try:
             layer.sglang.update(to_str_dict(value))
@@ -167,14 +176,14 @@ def _assign(layer: Layer, name: str, value: Any, key: str, allow_config: bool) -
         layer.values[name] = value
 
 
-def _assign_sglang(layer: Layer, name: str, value: Any, key: str) -> None:
+def _assign_sglang(layer: Layer, name: str, value: object, key: str) -> None:
     try:
         layer.sglang[name[len("sglang_") :]] = scalar_to_str(value)
     except ValueError as e:
         layer.problems.append(f"{layer.source}: key {key!r}: {e}")
 
 
-def normalize_mapping(data: Mapping[str, Any], source: str, allow_config: bool = False) -> Layer:
+def normalize_mapping(data: Mapping[str, object], source: str, allow_config: bool = False) -> Layer:
     """Read a flat or section-nested mapping of flag names (dashes or underscores) into a Layer.
 
     Unknown keys become problems naming `source` and the key.
@@ -255,7 +264,7 @@ def assemble(layers: list[Layer]) -> Config:
     return Config(**top, **sections)
 
 
-def build_config(mappings: list[tuple[str, Mapping[str, Any]]]) -> Config:
+def build_config(mappings: list[tuple[str, Mapping[str, object]]]) -> Config:
     """Config from (source name, mapping) layers, e.g. `[("from_dict", cfg.to_dict())]`."""
     return assemble([normalize_mapping(data, source, allow_config=True) for source, data in mappings])
 
@@ -274,6 +283,7 @@ def parse_config(argv: list[str] | None = None, prog: str = DEFAULT_PROG) -> Con
     cli.values = vars(namespace)
     cli.problems.extend(_unknown_cli(extras, known))
     layers = [cli]
-    if cli.values.get("config") is not None:
-        layers.insert(0, load_yaml(cli.values["config"]))
+    config_path = cli.values.get("config")
+    if config_path is not None:
+        layers.insert(0, load_yaml(str(config_path)))  # argparse gives the --config flag's string
     return assemble(layers)

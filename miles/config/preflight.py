@@ -19,9 +19,9 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
-from miles.config.core import ConfigError
+from miles.config.core import Config, ConfigError, required
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,15 @@ CUSTOM_FUNCTION_FLAGS = (
 )
 
 
+class RowKeys(TypedDict):
+    """How a prompt file's rows are read (`check_first_row`'s keyword arguments)."""
+
+    input_key: str
+    label_key: str | None
+    metadata_key: str | None
+    apply_chat_template: bool
+
+
 class PreflightError(ConfigError):
     """Every problem the pre-flight checks found, one per line."""
 
@@ -41,7 +50,7 @@ class PreflightError(ConfigError):
         super().__init__(violations, title="pre-flight check failed")
 
 
-def unbuilt_flags(cfg: Any) -> list[str]:
+def unbuilt_flags(cfg: Config) -> list[str]:
     """A problem per flag listed in NOT_IMPLEMENTED that is set to a non-default value."""
     return [
         f"{flag}: accepted but not implemented yet (listed in NOT_IMPLEMENTED, miles/config/sections.py); "
@@ -70,7 +79,7 @@ def reward_problems(rm_type: str | None, custom_rm_path: str | None, rm_url: str
     return []
 
 
-def rollout_function_problems(cfg: Any) -> list[str]:
+def rollout_function_problems(cfg: Config) -> list[str]:
     """Every rollout seam and reward function the flags name imports and has the expected signature."""
     from miles.rollout.runner import build_scorer
     from miles.rollout.seams import load_seams
@@ -98,7 +107,7 @@ def function_path_problems(paths: dict[str, str | None]) -> list[str]:
     return problems
 
 
-def data_file_problems(flag: str, path: str, keys: dict[str, Any]) -> list[str]:
+def data_file_problems(flag: str, path: str, keys: RowKeys) -> list[str]:
     """The prompt file given by `flag` exists and its first row parses with the configured keys."""
     from miles.rollout.data_source import check_first_row
 
@@ -149,7 +158,7 @@ def _tracker_problems(root: Path, tracker: Path) -> list[str]:
     return [f"--load: {tracker} names rollout {int(text)}, but {root / name} is missing or incomplete"]
 
 
-def run_preflight(cfg: Any) -> None:
+def run_preflight(cfg: Config) -> None:
     """Run every check on `cfg`; raise PreflightError listing all problems found."""
     d, m, c = cfg.data, cfg.model, cfg.checkpoint
     checks: list[Callable[[], list[str]]] = [
@@ -166,15 +175,15 @@ def run_preflight(cfg: Any) -> None:
         lambda: load_dir_problems(c.load, c.save),
         lambda: _debug_data_problems(cfg.debug.load_debug_rollout_data, cfg.rollout.num_rollout, c.load),
     ]
-    keys = dict(
+    keys = RowKeys(
         input_key=d.input_key,
         label_key=d.label_key,
         metadata_key=d.metadata_key,
         apply_chat_template=d.apply_chat_template,
     )
-    checks.append(lambda: data_file_problems("--prompt-data", d.prompt_data, keys))
+    checks.append(lambda: data_file_problems("--prompt-data", required(d.prompt_data, "--prompt-data"), keys))
     ev = cfg.eval
-    eval_keys = {
+    eval_keys: RowKeys = {
         **keys,
         "input_key": ev.eval_input_key or d.input_key,
         "label_key": ev.eval_label_key or d.label_key,
@@ -188,11 +197,13 @@ def run_preflight(cfg: Any) -> None:
         raise PreflightError(problems)
 
 
-def _debug_data_problems(path: str | None, num_rollout: int, load: str | None) -> list[str]:
+def _debug_data_problems(path: str | None, num_rollout: int | None, load: str | None) -> list[str]:
     """--load-debug-rollout-data holds a file for every rollout the run trains on (the last one when resuming)."""
     if path is None:
         return []
     from miles.utils.debug_data import missing_rollouts
+
+    num_rollout = required(num_rollout, "--num-rollout")
 
     ids = range(num_rollout - 1, num_rollout) if load else range(num_rollout)
     missing = missing_rollouts(path, ids)
@@ -212,7 +223,7 @@ def _ref_load_problems(path: str) -> list[str]:
     return _hf_problems(path, "--ref-load", need_tokenizer=False)
 
 
-def _hf_problems(path: str, flag: str, need_tokenizer: bool) -> list[str]:
+def _hf_problems(path: str | None, flag: str, need_tokenizer: bool) -> list[str]:
     from miles.utils.hf_files import hf_dir_problems
 
     return hf_dir_problems(path, flag, need_tokenizer)

@@ -12,9 +12,9 @@ import json
 import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 from miles.config.core import Config
 from miles.config.sections import SECTIONS, field_default
@@ -22,7 +22,7 @@ from miles.config.sections import SECTIONS, field_default
 # kinds of field values the configuration supports
 BOOL, INT, FLOAT, STR, DICT = "bool", "int", "float", "str", "dict"
 LIST_STR, LIST_INT = "list[str]", "list[int]"
-_KINDS = {bool: BOOL, int: INT, float: FLOAT, str: STR}
+_KINDS: dict[object, str] = {bool: BOOL, int: INT, float: FLOAT, str: STR}
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class FieldSpec:
         return self.field.metadata["help"]
 
     @property
-    def default(self) -> Any:
+    def default(self) -> object:
         return field_default(self.field)
 
     @property
@@ -54,11 +54,11 @@ class FieldSpec:
             choices = choices()
         return tuple(choices) if choices is not None else None
 
-    def meta(self, key: str, default: Any = None) -> Any:
+    def meta(self, key: str, default: object = None) -> object:
         return self.field.metadata.get(key, default)
 
 
-def _kind_of(tp: Any, where: str) -> tuple[str, bool]:
+def _kind_of(tp: object, where: str) -> tuple[str, bool]:
     """(kind, optional) of a resolved annotation such as `int | None` or `list[str] | None`."""
     optional = False
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
@@ -97,7 +97,7 @@ FIELDS: dict[str, FieldSpec] = _build_registry()
 SECTION_OF: dict[str, str | None] = {name: spec.section for name, spec in FIELDS.items()}
 
 
-def _to_bool(value: Any) -> bool:
+def _to_bool(value: object) -> bool:
     if isinstance(value, bool):
         return value
     if isinstance(value, str):
@@ -109,7 +109,7 @@ def _to_bool(value: Any) -> bool:
     raise ValueError("expected true or false")
 
 
-def _to_int(value: Any) -> int:
+def _to_int(value: object) -> int:
     if isinstance(value, bool):
         raise ValueError("expected an integer, got a boolean")
     if isinstance(value, int):
@@ -124,7 +124,7 @@ def _to_int(value: Any) -> int:
     raise ValueError("expected an integer")
 
 
-def _to_float(value: Any) -> float:
+def _to_float(value: object) -> float:
     if isinstance(value, bool):
         raise ValueError("expected a number, got a boolean")
     if isinstance(value, (int, float)):
@@ -141,7 +141,7 @@ def _to_float(value: Any) -> float:
     return result
 
 
-def _to_str(value: Any) -> str:
+def _to_str(value: object) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -149,7 +149,7 @@ def _to_str(value: Any) -> str:
     raise ValueError(f"expected a string, got {type(value).__name__} (quote it in YAML)")
 
 
-def scalar_to_str(value: Any) -> str:
+def scalar_to_str(value: object) -> str:
     """A scalar as the string a server command line would carry (`true`/`false` for booleans)."""
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -158,7 +158,7 @@ def scalar_to_str(value: Any) -> str:
     raise ValueError(f"expected a scalar (string, number or boolean), got {type(value).__name__}")
 
 
-def to_str_dict(value: Any) -> dict[str, str]:
+def to_str_dict(value: object) -> dict[str, str]:
     """A mapping (or a JSON object string) of scalars as `dict[str, str]`."""
     if isinstance(value, str):
         try:
@@ -180,13 +180,13 @@ def to_str_dict(value: Any) -> dict[str, str]:
     return out
 
 
-def _to_list(value: Any, item: Any) -> list:
+def _to_list(value: object, item: Callable[[object], object]) -> list[object]:
     if isinstance(value, (list, tuple)):
         return [item(v) for v in value]
     return [item(value)]
 
 
-def coerce(spec: FieldSpec, value: Any) -> Any:
+def coerce(spec: FieldSpec, value: object) -> object:
     """Convert a raw value (CLI string, YAML value or typed value) to `spec`'s kind; ValueError if it cannot."""
     if value is None:
         if spec.optional:
@@ -209,12 +209,12 @@ def coerce(spec: FieldSpec, value: Any) -> Any:
     raise AssertionError(f"unhandled kind {spec.kind}")
 
 
-def check_field(spec: FieldSpec, value: Any) -> str | None:
+def check_field(spec: FieldSpec, value: object) -> str | None:
     """The problem with a coerced value against the field's choices and bounds, or None. Float values must be
     finite (NaN is already refused by coercion)."""
     if value is None:
         return None
-    if spec.kind == FLOAT and not math.isfinite(value):
+    if spec.kind == FLOAT and not math.isfinite(cast(float, value)):  # coerced: a float
         return "must be a finite number"  # no float flag means "unlimited": inf lr, timeouts, ... are typos
     choices = spec.choices
     if choices is not None and value not in choices:

@@ -14,13 +14,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, TypedDict
 
 import httpx
 
 from miles.engines.sglang_launch import ADMIN_API_KEY_ENV, API_KEY_ENV
 from miles.utils.net import free_port, node_ip
+from miles.utils.types import JSON
+
+# server flags by name (`mem_fraction_static` or `mem-fraction-static`): a string, a number, or a bool switch
+FlagValues = Mapping[str, object]
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +72,7 @@ def resolve_engine_kind(requested: str) -> str:
     return kind
 
 
-def _flag_args(args: dict[str, Any] | None) -> list[str]:
+def _flag_args(args: FlagValues | None) -> list[str]:
     """{'mem_fraction_static': '0.7', 'enable-x': True} -> ['--mem-fraction-static', '0.7', '--enable-x']."""
     out: list[str] = []
     for name, value in (args or {}).items():
@@ -93,14 +98,22 @@ ADMIN_ENDPOINTS = frozenset(
 )  # fmt: skip
 
 
+class EngineLaunchKwargs(TypedDict):
+    """The per-engine keyword arguments of `EngineProcess` that `engine_launch_kwargs` makes."""
+
+    sglang_args: dict[str, object]
+    local_args: dict[str, object]
+    env: dict[str, str]
+
+
 def engine_launch_kwargs(
     kind: str,
     index: int,
     rollout_seed: int,
     colocate: bool,
-    sglang_args: dict[str, Any] | None = None,
-    local_args: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    sglang_args: FlagValues | None = None,
+    local_args: FlagValues | None = None,
+) -> EngineLaunchKwargs:
     """The per-engine part of an `EngineProcess`'s arguments, as SGLang 0.5.23 needs them:
 
     - `random_seed = rollout_seed + index` (SGLang draws a random seed per launch otherwise); a seed the user set
@@ -109,16 +122,16 @@ def engine_launch_kwargs(
       which `/release_memory_occupation` frees nothing (torch_memory_saver regions are made only then).
     Returns {"sglang_args", "local_args", "env"}.
     """
-    sglang_args, local_args, env = dict(sglang_args or {}), dict(local_args or {}), {}
+    sglang, local, env = dict(sglang_args or {}), dict(local_args or {}), {}
     seed = rollout_seed + index
     if kind == "sglang":
-        sglang_args.setdefault("random_seed", str(seed))
+        sglang.setdefault("random_seed", str(seed))
         if colocate:
-            sglang_args["enable_memory_saver"] = True
+            sglang["enable_memory_saver"] = True
             env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "true"
     else:
-        local_args.setdefault("random-seed", seed)
-    return {"sglang_args": sglang_args, "local_args": local_args, "env": env}
+        local.setdefault("random-seed", seed)
+    return {"sglang_args": sglang, "local_args": local, "env": env}
 
 
 class EngineProcess:
@@ -139,8 +152,8 @@ class EngineProcess:
         host: str = "127.0.0.1",
         port: int | None = None,
         tp_size: int = 1,
-        sglang_args: dict[str, Any] | None = None,
-        local_args: dict[str, Any] | None = None,
+        sglang_args: FlagValues | None = None,
+        local_args: FlagValues | None = None,
         api_key: str | None = None,
         env: dict[str, str] | None = None,
         log_path: str | None = None,
@@ -168,7 +181,7 @@ class EngineProcess:
         self.log_path = log_path
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
-        self._log_file: Any = None
+        self._log_file: IO[bytes] | None = None
         self._client = httpx.Client(timeout=60.0, trust_env=False)
 
     @property
@@ -261,18 +274,18 @@ class EngineProcess:
         key = self.admin_api_key if path in ADMIN_ENDPOINTS and self.admin_api_key else self.api_key
         return {"Authorization": f"Bearer {key}"} if key else {}
 
-    def _check(self, resp: httpx.Response) -> Any:
+    def _check(self, resp: httpx.Response) -> JSON:
         if resp.status_code >= 400:
             raise EngineHTTPError(resp.request.method, str(resp.request.url), resp.status_code, resp.text)
         return resp.json() if resp.content else None
 
-    def post(self, path: str, json: Any = None, timeout: float = 600.0) -> Any:
+    def post(self, path: str, json: object = None, timeout: float = 600.0) -> JSON:
         """POST JSON to the engine; returns the decoded answer, EngineHTTPError on an error status."""
         return self._check(
             self._client.post(self.url + path, json=json, timeout=timeout, headers=self._headers(path))
         )
 
-    def get(self, path: str, timeout: float = 60.0) -> Any:
+    def get(self, path: str, timeout: float = 60.0) -> JSON:
         """GET from the engine; returns the decoded answer, EngineHTTPError on an error status."""
         return self._check(self._client.get(self.url + path, timeout=timeout, headers=self._headers(path)))
 
@@ -334,14 +347,14 @@ ENGINE_ACTOR_RUNTIME_ENV = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DE
 
 
 @functools.cache
-def make_engine_actor_class() -> Any:
+def make_engine_actor_class() -> Any:  # a Ray actor class (ray.remote output): typed by Ray at run time
     """The Ray actor class `RolloutEngineActor` wrapping an `EngineProcess` (imports ray on first call)."""
     import ray
 
     class RolloutEngineActor:
         """Ray actor holding one engine server process; methods mirror `EngineProcess`."""
 
-        def __init__(self, **engine_kwargs: Any):
+        def __init__(self, **engine_kwargs: Any):  # EngineProcess's keyword arguments, checked there
             self.engine = EngineProcess(**engine_kwargs)
 
         def launch(self) -> str:
@@ -356,10 +369,10 @@ def make_engine_actor_class() -> Any:
         def url(self) -> str:
             return self.engine.url
 
-        def post(self, path: str, json: Any = None, timeout: float = 600.0) -> Any:
+        def post(self, path: str, json: object = None, timeout: float = 600.0) -> JSON:
             return self.engine.post(path, json, timeout)
 
-        def get(self, path: str, timeout: float = 60.0) -> Any:
+        def get(self, path: str, timeout: float = 60.0) -> JSON:
             return self.engine.get(path, timeout)
 
         def shutdown(self) -> None:

@@ -7,12 +7,17 @@ and engine URLs. Samples leave it as `Sample` records (Ray pickles them), never 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any
 
 from miles.utils.types import Sample
 
+if TYPE_CHECKING:
+    from miles.rollout.runner import RolloutState
+
 
 class RolloutManager:
-    def __init__(self, config_dict: dict, router_url: str, engine_urls: list[str]) -> None:
+    # config_dict: Config.to_dict(), nested plain values that Config.from_dict checks
+    def __init__(self, config_dict: dict[str, Any], router_url: str, engine_urls: list[str]) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoTokenizer
 
@@ -35,11 +40,11 @@ class RolloutManager:
     def set_start_rollout(self, rollout_id: int) -> None:
         self.runner.set_start_rollout(rollout_id)
 
-    def state_dict(self, after_rollout: int | None = None) -> dict:
+    def state_dict(self, after_rollout: int | None = None) -> RolloutState:
         """The data cursor and partial-rollout buffer (as right after `after_rollout`), for the checkpoint."""
         return self.runner.state_dict(after_rollout)
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: RolloutState) -> None:
         self.runner.load_state_dict(state)
 
     def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:

@@ -10,10 +10,11 @@ import math
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import ray
 
+from miles.config import required
 from miles.ray.colocate import MemoryChoreography, TrainerOnly
 from miles.ray.engine_fleet import EngineFleet
 from miles.ray.placement import cluster_has_gpus, create_placement
@@ -21,39 +22,48 @@ from miles.ray.rollout_manager import RolloutManager
 from miles.ray.train_group import RayTrainGroup
 from miles.ray.utils import PhaseTimeoutError, init_ray, ray_get
 from miles.utils.debug_data import load_rollout, save_rollout
-from miles.utils.progress import progress_bar, progress_enabled, progress_env
+from miles.utils.progress import ProgressBar, progress_bar, progress_enabled, progress_env
 from miles.utils.seqlen_balancing import partition_samples_by_dp
 from miles.utils.timer import Timer
 from miles.utils.tracking import Tracker
-from miles.utils.types import Sample
+from miles.utils.types import ActorHandle, Sample
+
+if TYPE_CHECKING:
+    from miles.config import Config
 
 logger = logging.getLogger(__name__)
 
 
-def worker_counts(cfg: Any) -> tuple[int, int]:
+def worker_counts(cfg: Config) -> tuple[int, int]:
     c = cfg.cluster
     num_actor = c.actor_num_nodes * c.actor_num_gpus_per_node
     num_rollout = c.rollout_num_gpus if c.rollout_num_gpus is not None else num_actor
     return num_actor, num_rollout
 
 
-def needs_reference_model(cfg: Any) -> bool:
+def needs_reference_model(cfg: Config) -> bool:
     return bool(cfg.algo.use_kl_loss or cfg.algo.kl_coef != 0)
 
 
 @dataclass
 class System:
-    cfg: Any
+    cfg: Config
     train_group: RayTrainGroup | None  # None with --debug-rollout-only
-    rollout: Any  # Ray actor handle of RolloutManager; None with --load-debug-rollout-data
-    fleet: Any  # Ray actor handle of EngineFleet; None with --load-debug-rollout-data
+    rollout: ActorHandle  # Ray actor handle of RolloutManager; None with --load-debug-rollout-data
+    fleet: ActorHandle  # Ray actor handle of EngineFleet; None with --load-debug-rollout-data
     choreography: MemoryChoreography | TrainerOnly | None  # None with --debug-rollout-only
     tracker: Tracker
     timer: Timer
     start_rollout_id: int
-    progress: Any  # the driver's bar over rollouts (a no-op unless progress bars are on)
+    progress: ProgressBar  # the driver's bar over rollouts (a no-op unless progress bars are on)
 
     num_engines: int = 1
+
+    @property
+    def trainers(self) -> RayTrainGroup:
+        """The training group (a run with --debug-rollout-only has none and never asks for it)."""
+        assert self.train_group is not None, "--debug-rollout-only starts no trainers"
+        return self.train_group
 
     @property
     def timeout(self) -> float:
@@ -68,7 +78,8 @@ class System:
             return float(r.rollout_timeout)
         if self.cfg.cluster.use_fault_tolerance:
             return None
-        requests = (r.over_sampling_batch_size or r.rollout_batch_size) * r.n_samples_per_prompt
+        batch = r.over_sampling_batch_size or required(r.rollout_batch_size, "--rollout-batch-size")
+        requests = batch * r.n_samples_per_prompt
         waves = math.ceil(requests / (self.cfg.engine.engine_max_running_requests * self.num_engines))
         return 2 * self.timeout * max(1, waves)
 
@@ -106,6 +117,7 @@ class System:
     def _refit_restarted(self, urls: list[str], rollout_id: int) -> None:
         if urls:
             if self.choreography is not None:  # --debug-rollout-only: restarted engines load --hf-checkpoint
+                assert isinstance(self.choreography, MemoryChoreography), "replayed rollouts start no engines"
                 logger.warning("refitting restarted engine(s) %s with weight version %d", urls, rollout_id)
                 self.choreography.refit_restarted(urls, weight_version=str(rollout_id))
             ray_get(
@@ -119,21 +131,21 @@ class System:
         """Checkpoint the trainer with the rollout side's state (data cursor, partial-rollout buffer; none when
         replaying saved rollouts)."""
         if self.rollout is None:
-            self.train_group.save(rollout_id, {})
+            self.trainers.save(rollout_id, {})
             return
         state = ray_get(
             self.rollout.state_dict.remote(rollout_id),
             self.timeout,
             f"save checkpoint {rollout_id}: rollout state",
         )
-        self.train_group.save(rollout_id, {ROLLOUT_STATE_KEY: json.dumps(state)})
+        self.trainers.save(rollout_id, {ROLLOUT_STATE_KEY: json.dumps(state)})
 
     def split_by_dp(self, samples: list[Sample]) -> list[list[Sample]]:
         """Split a rollout across DP ranks, keeping prompt groups whole (balanced by tokens with --balance-data)."""
         parts = partition_samples_by_dp(
             [len(s.tokens) for s in samples],
             [s.group_index for s in samples],
-            self.train_group.dp_size,
+            self.trainers.dp_size,
             balance=self.cfg.train.balance_data,
         )
         return [[samples[i] for i in part] for part in parts]
@@ -154,7 +166,7 @@ class System:
 class RolloutEngineMemory:
     """`EngineMemory` over the EngineFleet actor: each call is a Ray call with a deadline naming the phase."""
 
-    def __init__(self, fleet: Any, timeout: float) -> None:
+    def __init__(self, fleet: ActorHandle, timeout: float) -> None:
         self.fleet, self.timeout = fleet, timeout
 
     def release_memory(self, tags: list[str]) -> None:
@@ -168,13 +180,14 @@ ROLLOUT_STATE_KEY = "rollout_state_json"  # the checkpoint's extra state: the ru
 
 
 def resume_rollout_side(
-    cfg: Any, rollout: Any, train_group: RayTrainGroup, start: int, timeout: float
+    cfg: Config, rollout: ActorHandle, train_group: RayTrainGroup | None, start: int, timeout: float
 ) -> None:
     """Put the data cursor (and partial-rollout buffer) where the resumed checkpoint left it, and say so; a
     checkpoint without one (older runs) gets the cursor derived from the rollout id."""
     if start == 0:
         ray_get(rollout.set_start_rollout.remote(0), timeout, "positioning the data cursor")
         return
+    assert train_group is not None, "only trainers resume a checkpoint (start > 0)"
     extra = train_group.resume_state()
     if ROLLOUT_STATE_KEY in extra:
         state = json.loads(extra[ROLLOUT_STATE_KEY])
@@ -189,7 +202,7 @@ def resume_rollout_side(
     print(f"resumed from {cfg.checkpoint.load} at rollout {start}: {how}", flush=True)
 
 
-def with_run_engine_key(cfg: Any) -> Any:
+def with_run_engine_key(cfg: Config) -> Config:
     """`cfg` with an engine admin key: `--engine-api-key` when set, else a fresh random one for this run.
 
     The engines get it by environment (never on a command line), the trainers and the rollout side through
@@ -201,7 +214,7 @@ def with_run_engine_key(cfg: Any) -> Any:
     return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, engine_api_key=key))
 
 
-def build_system(cfg: Any) -> System:
+def build_system(cfg: Config) -> System:
     """Engines, router, rollout manager and trainers, placed and started; the engines hold the trainer's weights.
 
     Replay debugging leaves a side out: --load-debug-rollout-data starts no engines (and refits nothing),
@@ -218,7 +231,7 @@ def build_system(cfg: Any) -> System:
     timeout = float(cfg.train.train_timeout)
 
     tracker = Tracker(
-        cfg.log.run_dir,
+        required(cfg.log.run_dir, "--run-dir"),  # validation derives it when not given
         use_wandb=cfg.log.use_wandb,
         wandb_project=cfg.log.wandb_project,
         wandb_group=cfg.log.wandb_group,
@@ -243,10 +256,12 @@ def build_system(cfg: Any) -> System:
         start = train_group.init(with_ref=needs_reference_model(cfg))
     if start > 0:
         tracker.resume_at(start)  # steps logged after the checkpoint ran again: keep each step once
-    rollout, choreography, engine_urls = None, None, []
+    rollout, engine_urls = None, []
+    choreography: MemoryChoreography | TrainerOnly | None = None
     if replay:
         choreography = TrainerOnly()
     else:
+        assert fleet is not None  # started above unless replaying
         router_url, engine_urls = ray_get(
             [fleet.get_router_url.remote(), fleet.get_engine_urls.remote()], timeout, "starting the engines"
         )
@@ -268,7 +283,7 @@ def build_system(cfg: Any) -> System:
         use_gpu,
         start,
     )
-    bar = progress_bar(cfg.rollout.num_rollout - start, "rollouts", unit="rollout")
+    bar = progress_bar(required(cfg.rollout.num_rollout, "--num-rollout") - start, "rollouts", unit="rollout")
     return System(
         cfg,
         train_group,

@@ -13,9 +13,12 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
-from miles.utils.types import Sample
+from miles.utils.types import JSON, Sample
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -28,8 +31,8 @@ class PromptRecord:
 
     prompt: str | list[dict[str, str]]  # as in the file: a string, or chat messages
     prompt_ids: list[int]  # [prompt_len]
-    label: Any = None
-    metadata: dict[str, Any] = field(default_factory=dict)
+    label: JSON = None
+    metadata: dict[str, JSON] = field(default_factory=dict)
 
 
 def _decode_line(raw: bytes, where: str, first: bool) -> str:
@@ -42,7 +45,7 @@ def _decode_line(raw: bytes, where: str, first: bool) -> str:
         ) from None
 
 
-def _iter_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+def _iter_jsonl(path: Path) -> Iterator[tuple[str, dict[str, JSON]]]:
     """Yield (location, row) for each non-blank line; location is 'file: line N' (1-based)."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
@@ -59,7 +62,7 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             yield where, row
 
 
-def _iter_parquet(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+def _iter_parquet(path: Path) -> Iterator[tuple[str, dict[str, JSON]]]:
     """Yield (location, row) per Parquet row; location is 'file: row N' (1-based)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -76,7 +79,7 @@ def _iter_parquet(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         ) from e
 
 
-def iter_rows(path: str | os.PathLike[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+def iter_rows(path: str | os.PathLike[str]) -> Iterator[tuple[str, dict[str, JSON]]]:
     """Rows of a JSONL or Parquet file, each with a human-readable location for error messages."""
     p = Path(path)
     if not p.exists():
@@ -93,7 +96,7 @@ def iter_rows(path: str | os.PathLike[str]) -> Iterator[tuple[str, dict[str, Any
     )
 
 
-def _check_messages(where: str, key: str, messages: Any) -> list[dict[str, str]]:
+def _check_messages(where: str, key: str, messages: JSON) -> list[dict[str, str]]:
     if isinstance(messages, str):
         return [{"role": "user", "content": messages}]
     if not isinstance(messages, list) or not messages:
@@ -101,17 +104,17 @@ def _check_messages(where: str, key: str, messages: Any) -> list[dict[str, str]]
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"{where}: key {key!r}: each chat message needs 'role' and 'content', got {m!r}")
-    return messages
+    return cast("list[dict[str, str]]", messages)  # chat messages, as the tokenizer's template reads them
 
 
 def check_row(
     where: str,
-    row: dict[str, Any],
+    row: dict[str, JSON],
     input_key: str,
     label_key: str | None,
     metadata_key: str | None,
     apply_chat_template: bool,
-) -> tuple[str | list[dict[str, str]], Any, dict[str, Any]]:
+) -> tuple[str | list[dict[str, str]], JSON, dict[str, JSON]]:
     """(prompt, label, metadata) of one row, checked without a tokenizer; ValueError naming `where` and the key.
 
     The prompt is returned as chat messages with `apply_chat_template` (a string becomes one user message),
@@ -120,12 +123,15 @@ def check_row(
     for key in required:
         if row.get(key) is None:
             raise ValueError(f"{where}: missing key {key!r} (present: {sorted(row)})")
-    prompt = row[input_key]
+    raw = row[input_key]
+    prompt: str | list[dict[str, str]]
     if apply_chat_template:
-        prompt = _check_messages(where, input_key, prompt)
-    elif not isinstance(prompt, str):
+        prompt = _check_messages(where, input_key, raw)
+    elif isinstance(raw, str):
+        prompt = raw
+    else:
         raise ValueError(
-            f"{where}: key {input_key!r} is a {type(prompt).__name__}, not a string; "
+            f"{where}: key {input_key!r} is a {type(raw).__name__}, not a string; "
             "chat messages need --apply-chat-template"
         )
     metadata = row.get(metadata_key) if metadata_key is not None else None
@@ -171,7 +177,7 @@ class PromptDataset:
         input_key: str,
         label_key: str | None,
         metadata_key: str | None,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         apply_chat_template: bool,
         max_prompt_len: int | None = None,
     ) -> None:
@@ -210,11 +216,11 @@ class PromptDataset:
     @staticmethod
     def _make_record(
         where: str,
-        row: dict[str, Any],
+        row: dict[str, JSON],
         input_key: str,
         label_key: str | None,
         metadata_key: str | None,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         apply_chat_template: bool,
     ) -> PromptRecord:
         prompt, label, metadata = check_row(
@@ -225,7 +231,8 @@ class PromptDataset:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
             ids = tokenizer(prompt)["input_ids"]
-        return PromptRecord(prompt=row[input_key], prompt_ids=list(ids), label=label, metadata=metadata)
+        raw = cast("str | list[dict[str, str]]", row[input_key])  # checked by check_row
+        return PromptRecord(prompt=raw, prompt_ids=list(ids), label=label, metadata=metadata)
 
     def __len__(self) -> int:
         return len(self.records)

@@ -16,10 +16,11 @@ import json
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, TypeVar
 
 import httpx
 
+from miles.config import required
 from miles.rollout.base_types import (
     EvalOutput,
     EvalSet,
@@ -39,10 +40,21 @@ from miles.utils.types import Sample, SampleStatus
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from miles.config.sections import DataConfig, EvalConfig, RolloutConfig
+
 T = TypeVar("T")
+V = TypeVar("V")
 
 
-def sampling_settings(rollout_cfg: Any) -> SamplingSettings:
+class RolloutState(TypedDict):
+    """What a checkpoint keeps of the rollout side (JSON-able)."""
+
+    data_source: dict[str, int]  # the data cursor: {"epoch", "offset"}
+    # the partial-rollout buffer: unfinished groups as `Sample.to_dict()` records (older checkpoints: none)
+    buffer: NotRequired[list[list[dict[str, Any]]]]
+
+
+def sampling_settings(rollout_cfg: RolloutConfig) -> SamplingSettings:
     """Training-rollout sampling from the `rollout` config section."""
     r = rollout_cfg
     return SamplingSettings(
@@ -56,11 +68,11 @@ def sampling_settings(rollout_cfg: Any) -> SamplingSettings:
     )
 
 
-def eval_sampling_settings(rollout_cfg: Any, eval_cfg: Any) -> SamplingSettings:
+def eval_sampling_settings(rollout_cfg: RolloutConfig, eval_cfg: EvalConfig) -> SamplingSettings:
     """Eval sampling: each `--eval-*` setting, falling back to its rollout counterpart."""
     r, ev = rollout_cfg, eval_cfg
 
-    def pick(value: Any, fallback: Any) -> Any:
+    def pick(value: V | None, fallback: V) -> V:
         return fallback if value is None else value
 
     return SamplingSettings(
@@ -74,7 +86,7 @@ def eval_sampling_settings(rollout_cfg: Any, eval_cfg: Any) -> SamplingSettings:
     )
 
 
-def reward_context(rollout_cfg: Any) -> RewardContext:
+def reward_context(rollout_cfg: RolloutConfig) -> RewardContext:
     """The settings reward functions get (`--rm-url` without `--rm-type` means `remote_rm`)."""
     r = rollout_cfg
     return RewardContext(
@@ -88,7 +100,7 @@ def reward_context(rollout_cfg: Any) -> RewardContext:
     )
 
 
-def build_scorer(rollout_cfg: Any) -> RewardScorer:
+def build_scorer(rollout_cfg: RolloutConfig) -> RewardScorer:
     """The reward scorer of the `rollout` config section (loads and checks the reward functions)."""
     r = rollout_cfg
     return RewardScorer(
@@ -116,9 +128,9 @@ class RolloutRunner:
 
     def __init__(
         self,
-        data_cfg: Any,
-        rollout_cfg: Any,
-        eval_cfg: Any,
+        data_cfg: DataConfig,
+        rollout_cfg: RolloutConfig,
+        eval_cfg: EvalConfig,
         tokenizer: PreTrainedTokenizerBase,
         router_url: str,
         engine_urls: list[str],
@@ -138,22 +150,25 @@ class RolloutRunner:
         self.scorer = build_scorer(rollout_cfg)
         r = rollout_cfg
         self.settings = RolloutSettings(
-            rollout_batch_size=r.rollout_batch_size,
+            rollout_batch_size=required(r.rollout_batch_size, "--rollout-batch-size"),
             n_samples_per_prompt=r.n_samples_per_prompt,
-            over_sampling_batch_size=r.over_sampling_batch_size or r.rollout_batch_size,
+            over_sampling_batch_size=r.over_sampling_batch_size
+            or required(r.rollout_batch_size, "--rollout-batch-size"),
             sampling=sampling_settings(r),
             partial_rollout=r.partial_rollout,
             mask_offpolicy_in_partial_rollout=r.mask_offpolicy_in_partial_rollout,
             reward_key=r.reward_key,
         )
         self.data_source = RolloutDataSource(
-            self._dataset(data_cfg.prompt_data, data_cfg.input_key, data_cfg.label_key),
+            self._dataset(
+                required(data_cfg.prompt_data, "--prompt-data"), data_cfg.input_key, data_cfg.label_key
+            ),
             n_samples_per_prompt=r.n_samples_per_prompt,
             shuffle=data_cfg.rollout_shuffle,
             seed=r.rollout_seed,
         )
         self._eval_datasets: dict[str, PromptDataset] = {}
-        self._states_after: dict[int, dict[str, Any]] = {}  # rollout id -> state_dict() right after it
+        self._states_after: dict[int, RolloutState] = {}  # rollout id -> state_dict() right after it
         # one event loop and one engine client (connection pool, TLS context) for the runner's lifetime
         self._loop: asyncio.AbstractEventLoop | None = None
         self._engine_client: EngineClient | None = None
@@ -234,11 +249,11 @@ class RolloutRunner:
     def set_start_rollout(self, rollout_id: int) -> None:
         """Position the data cursor for a run resumed at `rollout_id` (one batch of prompts per rollout; with
         over-sampling or a filter the count of prompts actually drawn is not restored)."""
-        consumed = rollout_id * self.rollout_cfg.rollout_batch_size
+        consumed = rollout_id * required(self.rollout_cfg.rollout_batch_size, "--rollout-batch-size")
         size = len(self.data_source.dataset)
         self.data_source.load_state_dict({"epoch": consumed // size, "offset": consumed % size})
 
-    def state_dict(self, after_rollout: int | None = None) -> dict[str, Any]:
+    def state_dict(self, after_rollout: int | None = None) -> RolloutState:
         """What a checkpoint keeps of the rollout side (JSON-able): the data cursor and the partial-rollout
         buffer (unfinished groups, as `Sample.to_dict()` records); with `after_rollout`, as they were right
         after that rollout (the one-step-off loop saves while the next rollout already draws prompts)."""
@@ -254,7 +269,7 @@ class RolloutRunner:
             "buffer": [[s.to_dict() for s in group] for group in ds.buffer],
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: RolloutState) -> None:
         """Resume from a `state_dict()` (ValueError when it does not fit this dataset)."""
         self.data_source.load_state_dict(state["data_source"])
         self.data_source.buffer = [[Sample.from_dict(d) for d in group] for group in state.get("buffer", [])]

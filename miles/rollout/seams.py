@@ -10,15 +10,18 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.rollout.base_types import EvalFn, GenerateFn, GroupFilterFn, MultiTurnSettings, RolloutFn, ToolFn
 from miles.utils.misc import load_function
 
+if TYPE_CHECKING:
+    from miles.config.sections import EvalConfig, RolloutConfig
+
 DEFAULT_GENERATE = "miles.rollout.generate.generate_single_turn"
 
 
-def _accepts(fn: Callable[..., Any], n: int) -> bool:
+def _accepts(fn: Callable[..., object], n: int) -> bool:
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins without a signature: let the call decide
@@ -30,11 +33,12 @@ def _accepts(fn: Callable[..., Any], n: int) -> bool:
     return True
 
 
-def _is_async(fn: Callable[..., Any]) -> bool:
+def _is_async(fn: Callable[..., object]) -> bool:
     call = type(fn).__call__ if not inspect.isroutine(fn) else None
     return inspect.iscoroutinefunction(fn) or (call is not None and inspect.iscoroutinefunction(call))
 
 
+# returns a function of the protocol `shape` describes (checked by arity here, by type only at its call site)
 def load_checked(path: str, flag: str, shape: str, n_args: int, must_be_async: bool) -> Callable[..., Any]:
     """Import `path` for `flag` and check it can be called with `n_args` positional arguments (and is async
     when `must_be_async`); ValueError naming flag, path and `shape` (the expected signature) otherwise."""
@@ -65,7 +69,7 @@ class Seams:
     multi_turn: MultiTurnSettings | None
 
 
-def load_seams(rollout_cfg: Any, eval_cfg: Any) -> Seams:
+def load_seams(rollout_cfg: RolloutConfig, eval_cfg: EvalConfig) -> Seams:
     """Load and check every rollout function named by the `rollout` and `eval` config sections."""
     r = rollout_cfg
     gen_path = r.custom_generate_function_path or DEFAULT_GENERATE

@@ -37,7 +37,7 @@ from miles.algo import (
     compute_log_probs,
     compute_loss,
 )
-from miles.rollout.rm_hub import get_reward_fn
+from miles.rollout.rm_hub import RewardContext, get_reward_fn
 from miles.tools.tiny_model import build_tiny_model
 from miles.tools.toy_data import DEFAULT_TASK, FORMATS, TASKS, make_rows
 from miles.utils.types import Sample
@@ -162,6 +162,7 @@ def run(
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     reward_fn = get_reward_fn(rm_type)
+    ctx = RewardContext(rm_type=rm_type)  # the built-in local rewards read nothing from it
     rows = make_rows(task, 1000, seed, fmt)
     stats: list[StepStats] = []
     t0 = time.perf_counter()
@@ -175,7 +176,11 @@ def run(
             for r in group:
                 sample = Sample(tokens=p_ids + r, response_length=len(r), label=row["label"])
                 sample.response = tok.decode(r, skip_special_tokens=True)
-                scores.append(float(reward_fn(None, sample)))
+                score = reward_fn(ctx, sample)
+                assert isinstance(score, int | float), (
+                    f"--rm-type {rm_type}: a number was expected, got {score!r}"
+                )
+                scores.append(float(score))
             prompts += [p_ids] * n
             responses += group
             rewards += scores

@@ -101,7 +101,8 @@ def load_run(run_dir: str | os.PathLike) -> Run:
 
 def smooth(values: Sequence[float], window: int) -> list[float]:
     """Trailing mean over the last `window` finite values (NaN stays NaN)."""
-    out, recent = [], []
+    out: list[float] = []
+    recent: list[float] = []
     for v in values:
         if math.isnan(v):
             out.append(math.nan)

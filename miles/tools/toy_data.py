@@ -25,9 +25,10 @@ import argparse
 import json
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 DIGITS = "0123456789"
 
@@ -76,7 +77,12 @@ def get_task(name: str) -> ToyTask:
     return TASKS[name]
 
 
-def make_rows(task: str, n: int, seed: int = 0, fmt: str = "plain") -> list[dict[str, object]]:
+class ToyRow(TypedDict):
+    prompt: str | list[dict[str, str]]  # plain text, or chat messages
+    label: str
+
+
+def make_rows(task: str, n: int, seed: int = 0, fmt: str = "plain") -> list[ToyRow]:
     """`n` rows of `task`, deterministic in `seed`.
 
     `fmt="plain"`: `{"prompt": "echo 3 3 3 3", "label": "3"}`;
@@ -88,10 +94,10 @@ def make_rows(task: str, n: int, seed: int = 0, fmt: str = "plain") -> list[dict
         raise ValueError(f"unknown format {fmt!r}; choose one of {FORMATS}")
     spec = get_task(task)
     rng = random.Random(seed)
-    rows: list[dict[str, object]] = []
+    rows: list[ToyRow] = []
     for _ in range(n):
         text, label = spec.make(rng)
-        prompt: object = text if fmt == "plain" else [{"role": "user", "content": text}]
+        prompt: str | list[dict[str, str]] = text if fmt == "plain" else [{"role": "user", "content": text}]
         rows.append({"prompt": prompt, "label": label})
     return rows
 
@@ -118,7 +124,7 @@ def tokenizer_corpus(task: str) -> list[str]:
     return texts
 
 
-def write_jsonl(rows: list[dict[str, object]], out: str | os.PathLike[str]) -> Path:
+def write_jsonl(rows: Sequence[Mapping[str, object]], out: str | os.PathLike[str]) -> Path:
     """Write rows to `out` as JSONL atomically (temp file + rename); returns the path."""
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)

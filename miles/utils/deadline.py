@@ -12,19 +12,18 @@ import asyncio
 import inspect
 import threading
 from collections.abc import Callable
-from typing import Any
 
 
 class DeadlineExceeded(TimeoutError):
     """A call did not finish within its deadline; the message names the phase, the function and the flag."""
 
 
-def in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+def in_daemon_thread(fn: Callable[..., object], *args: object) -> asyncio.Future[object]:
     """Run the sync call `fn(*args)` in a daemon thread; a future of the running loop gets its result."""
     loop = asyncio.get_running_loop()
-    fut: asyncio.Future = loop.create_future()
+    fut: asyncio.Future[object] = loop.create_future()
 
-    def deliver(result: Any, error: BaseException | None) -> None:
+    def deliver(result: object, error: BaseException | None) -> None:
         if not fut.done():
             fut.set_exception(error) if error is not None else fut.set_result(result)
 
@@ -42,14 +41,14 @@ def in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
     return fut
 
 
-async def _call(fn: Callable[..., Any], *args: Any) -> Any:
+async def _call(fn: Callable[..., object], *args: object) -> object:
     if inspect.iscoroutinefunction(fn):
         return await fn(*args)
     out = await in_daemon_thread(fn, *args)
     return await out if inspect.isawaitable(out) else out
 
 
-async def call_with_deadline(fn: Callable[..., Any], *args: Any, timeout: float, what: str) -> Any:
+async def call_with_deadline(fn: Callable[..., object], *args: object, timeout: float, what: str) -> object:
     """`fn(*args)` (sync, async, or sync returning an awaitable), finished within `timeout` seconds.
 
     Returns its result or raises its exception; past the deadline raises `DeadlineExceeded` with the message

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 
+# the signature of a user function imported by path is unknown until it is checked at its call site: Any is honest
 def load_function(path: str, flag: str) -> Callable[..., Any]:
     """Import `module.path:function` (or dotted `module.path.function`) named by the user flag `flag`.
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterable, Iterator
-from typing import IO, Any, TypeVar
+from typing import IO, Protocol, TypeVar
 
 ENV = "MILES_PROGRESS"
 _T = TypeVar("_T")
@@ -42,6 +42,16 @@ def progress_enabled() -> bool:
     return os.environ.get(ENV) == "1"
 
 
+class ProgressBar(Protocol):
+    """What callers of a bar use (tqdm, tqdm_ray and the no-op bar all have it)."""
+
+    def update(self, n: int = 1) -> None: ...
+
+    def set_description(self, desc: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class _NoBar:
     """The bar when bars are off: accepts every call, draws nothing."""
 
@@ -57,14 +67,14 @@ class _NoBar:
     def __enter__(self) -> _NoBar:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
 class _Bar(_NoBar):
     """A drawn bar (tqdm or tqdm_ray) behind the same small interface."""
 
-    def __init__(self, bar: Any) -> None:
+    def __init__(self, bar: ProgressBar) -> None:
         self._bar = bar
 
     def update(self, n: int = 1) -> None:

@@ -14,8 +14,12 @@ import json
 import logging
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +27,7 @@ METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
 
-def _plain(v: Any) -> Any:
+def _plain(v: object) -> object:
     if hasattr(v, "item"):
         v = v.item()
     if isinstance(v, float) and not math.isfinite(v):
@@ -31,7 +35,7 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def _scalar(v: Any) -> float | None:
+def _scalar(v: object) -> float | None:
     """A value TensorBoard can plot (numbers, incl. the "nan"/"inf" strings metrics.jsonl uses), else None."""
     if isinstance(v, bool):
         return float(v)
@@ -71,7 +75,7 @@ class Tracker:
         wandb_group: str | None = None,
         wandb_key: str | None = None,
         wandb_mode: str | None = None,
-        config: dict[str, Any] | None = None,
+        config: dict[str, Any] | None = None,  # the run's Config.to_dict(), as wandb.init takes it
         use_tensorboard: bool = False,
     ) -> None:
         self.run_dir = Path(run_dir)
@@ -99,7 +103,9 @@ class Tracker:
             self._wandb = wandb.init(
                 project=wandb_project,
                 group=wandb_group,
-                mode=wandb_mode,
+                mode=cast(
+                    "Literal['online', 'offline', 'disabled'] | None", wandb_mode
+                ),  # --wandb-mode choices
                 dir=str(self.run_dir),
                 config=config,
             )
@@ -128,14 +134,14 @@ class Tracker:
             )
         self._purge_step = step if step > 0 else None
 
-    def _tensorboard(self) -> Any:
+    def _tensorboard(self) -> SummaryWriter:
         if self._tb is None:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=self._purge_step)
         return self._tb
 
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
+    def log(self, step: int, metrics: Mapping[str, object]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()

@@ -9,7 +9,14 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
+
+# a value as JSON reads it (dataset rows, labels, metadata, HTTP bodies); narrow it with isinstance before use
+JSON: TypeAlias = "dict[str, JSON] | list[JSON] | str | int | float | bool | None"
+
+# a Ray actor handle (ray.actor.ActorHandle); its `.method.remote(...)` attributes are made at run time, so
+# no checker can see them: Any is the honest type
+ActorHandle: TypeAlias = Any
 
 
 class SampleStatus(str, enum.Enum):
@@ -37,7 +44,7 @@ class Sample:
     tokens: list[int] = field(default_factory=list)  # [prompt_len + response_length]
     response_length: int = 0
     response: str = ""
-    label: Any = None
+    label: JSON = None  # as the dataset row holds it
     reward: float | dict[str, float] | None = None  # as the reward function returned it
     train_reward: float | None = (
         None  # the scalar trained on (--reward-key, post-processing); see scalar_reward
@@ -46,6 +53,8 @@ class Sample:
     rollout_log_probs: list[float] | None = None  # [response_length]
     weight_versions: list[str] = field(default_factory=list)
     status: SampleStatus = SampleStatus.PENDING
+    # the dataset row's metadata plus what rollout functions record (JSON-able); their own keys, read back
+    # by the code that wrote them, so typed per use, not here
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -1,5 +1,6 @@
-"""The typed core passes mypy: configuration, pure algorithms and the drivers (files and settings in
-pyproject.toml's [tool.mypy]). mypy comes with the `test` extra (`pip install -e ".[test]"`)."""
+"""The typed code passes mypy: configuration, algorithms, drivers, the rollout side, utilities, tools and the
+system set-up (files and settings in pyproject.toml's [tool.mypy]). mypy comes with the `test` extra
+(`pip install -e ".[test]"`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_mypy_passes_on_the_typed_core():
+def test_mypy_passes_on_the_typed_code():
     assert importlib.util.find_spec("mypy") is not None, 'mypy is missing: pip install -e ".[test]"'
     proc = subprocess.run(
         [sys.executable, "-m", "mypy", "--no-incremental", "--cache-dir", "/dev/null"],

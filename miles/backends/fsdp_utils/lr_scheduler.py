@@ -16,7 +16,7 @@ with W = warmup iterations and D = decay_iters (default: total_iters). Call `LRS
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 
@@ -72,7 +72,7 @@ class LRScheduler:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, int | float | str]:
         return {
             "num_steps": self.num_steps,
             "lr": self.lr,
@@ -82,7 +82,7 @@ class LRScheduler:
             "decay_iters": self.decay_iters,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, int | float | str]) -> None:
         """Restore the step counter. The schedule itself comes from the constructor (flags may change on
         resume, as with Megatron's override behaviour); only ``num_steps`` is taken from ``state``."""
         if "num_steps" not in state:
@@ -127,6 +127,7 @@ def build_lr_scheduler(
         raise ValueError("invalid learning-rate schedule: " + "; ".join(errors))
 
     if warmup_fraction is not None:
+        assert total_iters is not None  # an error above otherwise
         warmup_iters = int(warmup_fraction * total_iters)
     if decay_iters is None:
         decay_iters = warmup_iters  # constant schedule: unused

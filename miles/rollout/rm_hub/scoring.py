@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import inspect
 import math
-from typing import Any
+from collections.abc import Awaitable
 
 from miles.rollout.rm_hub.context import RewardContext
 from miles.rollout.rm_hub.math_utils import last_boxed_content
@@ -31,7 +31,7 @@ from miles.utils.misc import load_function
 from miles.utils.types import Sample, SampleStatus
 
 
-def _number(value: Any) -> float | None:
+def _number(value: object) -> float | None:
     if isinstance(value, bool | int):
         return float(value)
     if isinstance(value, float) and math.isfinite(value):
@@ -39,7 +39,7 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def check_reward(value: Any, fn_name: str, sample: Sample) -> Reward:
+def check_reward(value: object, fn_name: str, sample: Sample) -> Reward:
     """`value` as a reward: a finite float (bool/int coerced) or a non-empty dict of them; ValueError otherwise."""
     number = _number(value)
     if number is not None:
@@ -54,7 +54,7 @@ def check_reward(value: Any, fn_name: str, sample: Sample) -> Reward:
     )
 
 
-async def _maybe_await(value: Any) -> Any:
+async def _maybe_await(value: Reward | Awaitable[Reward]) -> Reward:
     return await value if inspect.isawaitable(value) else value
 
 
@@ -145,7 +145,7 @@ class RewardScorer:
             f"{what} (phase: {'eval ' if self.ctx.evaluation else ''}reward)"
         )
 
-    async def _one(self, sample: Sample) -> Reward:
+    async def _one(self, sample: Sample) -> object:  # what the function returned, checked by _store
         what = f"sample index {sample.index}"
         if self.custom is not None:
             late = self._late(self.fn_name, what)
@@ -154,6 +154,7 @@ class RewardScorer:
         return await call_with_deadline(fn, self.ctx, view, timeout=self.timeout, what=self._late(name, what))
 
     async def _score_as_group(self, group: list[Sample]) -> int:
+        assert self.custom is not None  # --group-rm scores with --custom-rm-path only
         late = self._late(self.fn_name, f"the group of sample indices {[s.index for s in group]}")
         try:
             rewards = await call_with_deadline(self.custom, self.ctx, group, timeout=self.timeout, what=late)
@@ -167,7 +168,7 @@ class RewardScorer:
             )
         return sum(self._store(s, r) for s, r in zip(group, rewards))
 
-    def _store(self, sample: Sample, result: Any) -> int:
+    def _store(self, sample: Sample, result: object) -> int:
         if isinstance(result, BaseException):
             if not isinstance(result, Exception):  # KeyboardInterrupt, CancelledError, ...
                 raise result
@@ -211,7 +212,7 @@ async def score_samples(
     custom_rm_path: str | None,
     ctx: RewardContext | None = None,
     error_as_zero: bool = False,
-) -> tuple[list[Reward], int]:
+) -> tuple[list[Reward | None], int]:
     """Score `samples` in place (a one-off `RewardScorer`); returns (their rewards, how many failed)."""
     ctx = ctx if ctx is not None else RewardContext(rm_type=rm_type)
     if rm_type is not None and ctx.rm_type != rm_type:

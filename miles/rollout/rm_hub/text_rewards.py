@@ -39,7 +39,7 @@ def _dapo_normalize(answer: str) -> str:
     return s
 
 
-def dapo_score(response: str, label: Any) -> dict[str, float]:
+def dapo_score(response: str, label: object) -> dict[str, float]:
     """DAPO's reward: +1 / -1 for a right / wrong "Answer: X", with the 0/1 accuracy alongside."""
     if label is None:
         raise ValueError("dapo reward needs a label; got None (check --label-key)")
@@ -54,12 +54,12 @@ def dapo_score(response: str, label: Any) -> dict[str, float]:
     return {"score": 1.0 if correct else -1.0, "acc": 1.0 if correct else 0.0}
 
 
-def _f1_tokens(text: str) -> list[str]:
+def _f1_tokens(text: object) -> list[str]:  # labels may be numbers: compared as text
     text = "".join(ch for ch in str(text).lower() if ch not in set(string.punctuation))
     return [w for w in text.split() if w not in ("a", "an", "the")]
 
 
-def f1_score(response: str, label: Any) -> float:
+def f1_score(response: str, label: object) -> float:
     """SQuAD-style token F1 in [0, 1]; the best over the labels when `label` is a list."""
     if label is None:
         raise ValueError("f1 reward needs a label; got None (check --label-key)")
@@ -100,7 +100,7 @@ def _choice_texts(metadata: dict[str, Any]) -> list[str]:
     return [str(c) for c in (choices.values() if isinstance(choices, dict) else choices)]
 
 
-def gpqa_score(response: str, label: Any, metadata: dict[str, Any]) -> float:
+def gpqa_score(response: str, label: object, metadata: dict[str, Any]) -> float:
     """1.0 when the response picks the correct multiple-choice letter, else 0.0."""
     letters = _letters(metadata)
     correct = None

@@ -146,12 +146,14 @@ def run_checks(s, checks: list[str]) -> list:
 
     if not attempt("setup", setup):
         return results
+    assert trainer is not None  # set by a setup that succeeded
+    ready = trainer
     if "train" in checks:
-        attempt("train step", lambda: train.check_train_step(trainer, s))
+        attempt("train step", lambda: train.check_train_step(ready, s))
     if "varlen" in checks:
-        attempt("varlen", lambda: train.check_varlen(trainer, s))
+        attempt("varlen", lambda: train.check_varlen(ready, s))
     if "refit" in checks:
-        attempt("refit", lambda: _refit_and_generate(trainer, s, build_checkpoint))
+        attempt("refit", lambda: _refit_and_generate(ready, s, build_checkpoint))
     return results
 
 

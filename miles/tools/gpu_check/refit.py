@@ -11,21 +11,25 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import httpx
 import torch
 
 from miles.tools.gpu_check.common import POWER, CheckResult, Settings, sync
 
+if TYPE_CHECKING:
+    from miles.backends.fsdp_utils.actor import FSDPTrainer
+    from miles.engines.sglang_engine import EngineProcess
+
 VERSION = "gpu-check-1"
 
 
-def launch_engine(s: Settings, model_dir: str) -> Any:
+def launch_engine(s: Settings, model_dir: str) -> EngineProcess:
     """`python -m miles.engines.local --device ... --dtype ...` on `model_dir`; returns the EngineProcess."""
     from miles.engines.sglang_engine import EngineProcess
 
-    local_args: dict[str, Any] = {"device": str(s.device), "dtype": s.dtype_name, "random-seed": s.seed,
+    local_args: dict[str, object] = {"device": str(s.device), "dtype": s.dtype_name, "random-seed": s.seed,
                                   "max-running-requests": max(1, s.gen_prompts)}  # fmt: skip
     if s.device.type == "cpu":
         local_args["num-threads"] = 1
@@ -68,7 +72,7 @@ def _handle_uuid(s: Settings) -> str | None:
     return uuid if uuid.encode() in payload else None
 
 
-def generate_and_compare(trainer: Any, url: str, s: Settings) -> dict[str, float]:
+def generate_and_compare(trainer: FSDPTrainer, url: str, s: Settings) -> dict[str, float]:
     """Sample `gen_prompts` x `gen_tokens` tokens from the engine (log-probs on), score the same tokens with the
     trainer's packed forward at the same temperature; returns mean and max |Δ log-prob| and the token count."""
     from miles.backends.fsdp_utils.data_packing import pack_sequences
@@ -101,7 +105,7 @@ def generate_and_compare(trainer: Any, url: str, s: Settings) -> dict[str, float
     return {"mean": float(diffs.mean()), "max": float(diffs.max()), "tokens": int(diffs.numel())}
 
 
-def check_refit(trainer: Any, url: str, s: Settings) -> CheckResult:
+def check_refit(trainer: FSDPTrainer, url: str, s: Settings) -> CheckResult:
     """Refit with `ColocatedWeightUpdater` (timed), then every tensor's checksum on both sides."""
     from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater
 
@@ -139,7 +143,7 @@ def check_generation(before: dict[str, float], after: dict[str, float], s: Setti
     tol = s.tolerances
     sensitive = before["mean"] >= POWER * tol.gen_mean
     passed = after["mean"] <= tol.gen_mean and after["max"] <= tol.gen_max and sensitive
-    numbers = {"tokens": after["tokens"], "mean_abs_diff": after["mean"], "max_abs_diff": after["max"],
+    numbers: dict[str, float | int | str | None] = {"tokens": after["tokens"], "mean_abs_diff": after["mean"], "max_abs_diff": after["max"],
                "before_refit_mean_abs_diff": before["mean"], "tolerance_mean": tol.gen_mean,
                "tolerance_max": tol.gen_max}  # fmt: skip
     summary = (

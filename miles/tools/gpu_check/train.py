@@ -6,15 +6,18 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from miles.tools.gpu_check.common import CheckResult, Settings, sync, training_samples
 from miles.utils.net import free_port
 
+if TYPE_CHECKING:
+    from miles.backends.fsdp_utils.actor import FSDPTrainer
 
-def start_trainer(s: Settings, model_dir: str) -> Any:
+
+def start_trainer(s: Settings, model_dir: str) -> FSDPTrainer:
     """miles's FSDP2 trainer on `model_dir`, initialised in this process as rank 0 of 1 (nccl on CUDA, gloo on
     CPU), in the check's dtype, with packed (dynamic) micro-batches of `max_tokens_per_mb` tokens."""
     from miles.backends.fsdp_utils.actor import FSDPTrainer
@@ -39,7 +42,7 @@ def start_trainer(s: Settings, model_dir: str) -> Any:
     return trainer
 
 
-def check_train_step(trainer: Any, s: Settings) -> CheckResult:
+def check_train_step(trainer: FSDPTrainer, s: Settings) -> CheckResult:
     """Two train calls on synthetic samples (the first warms up); the second is timed. Passes when loss and
     gradient norm are finite."""
     from miles.utils import perf
@@ -88,7 +91,7 @@ def check_train_step(trainer: Any, s: Settings) -> CheckResult:
 
 
 @torch.no_grad()
-def check_varlen(trainer: Any, s: Settings) -> CheckResult:
+def check_varlen(trainer: FSDPTrainer, s: Settings) -> CheckResult:
     """The trainer's packed forward (`miles_varlen` attention, the kernel training uses) over several sequences
     against a plain HF forward (`sdpa`) of each sequence alone: max |Δ log-prob| over every predicted token."""
     from miles.algo.logprobs import compute_log_probs
@@ -114,7 +117,7 @@ def check_varlen(trainer: Any, s: Settings) -> CheckResult:
         diff = (lp - compute_log_probs(logits, ids[1:], 1.0)).abs()
         worst, total, count = max(worst, float(diff.max())), total + float(diff.sum()), count + diff.numel()
     tol = s.tolerances.varlen_max
-    numbers = {"sequences": len(rows), "tokens": packed.num_tokens, "max_abs_diff": worst,
+    numbers: dict[str, float | int | str | None] = {"sequences": len(rows), "tokens": packed.num_tokens, "max_abs_diff": worst,
                "mean_abs_diff": total / count, "tolerance": tol, "kernel": kernel}  # fmt: skip
     passed = worst <= tol
     summary = (
