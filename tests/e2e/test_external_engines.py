@@ -1,0 +1,110 @@
+"""End to end on CPU with engines miles does not launch, and with generation through sglang-router.
+
+Two embedded engines are started by the test as separate processes (`python -m miles.engines.local`). A tiny
+disaggregated GRPO run uses them through `--rollout-external-engine-addrs`: it trains, refits them (each reports
+the last weight version, and the trainer's log-probs match the engines' at every step, which engines holding the
+initial weights would not), and leaves them running at exit. A second tiny run, with `--router-policy
+round_robin`, sends its generation through the router (whose pass-through `--router-log-level info` log shows
+every /generate), against the same engines; a run without a router policy sends none there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+NUM_ROLLOUT, BATCH, N = 2, 4, 4
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from miles.engines.sglang_engine import EngineProcess
+    from miles.tools.tiny_model import build_tiny_model
+    from miles.tools.toy_data import make_rows, write_jsonl
+
+    root = tmp_path_factory.mktemp("external")
+    model = str(build_tiny_model(root / "model", task="echo", seed=0))
+    data = str(write_jsonl(make_rows("echo", 64, seed=0), root / "data.jsonl"))
+    engines = [
+        EngineProcess(
+            model,
+            kind="local",
+            local_args={"num-threads": 1, "random-seed": i, "max-running-requests": 64},
+            log_path=str(root / f"engine_{i}.log"),
+            startup_timeout=300,
+        )
+        for i in range(2)
+    ]
+    try:
+        for e in engines:
+            e.launch()
+        yield root, model, data, engines
+    finally:
+        for e in engines:
+            e.shutdown()
+
+
+def _args(model: str, data: str, run_dir: str, engines: list, extra: list[str] = ()) -> list[str]:
+    addrs = [e.url.removeprefix("http://") for e in engines]
+    return [
+        "--hf-checkpoint", model, "--prompt-data", data, "--input-key", "prompt", "--label-key", "label",
+        "--apply-chat-template", "--rm-type", "math", "--num-rollout", str(NUM_ROLLOUT),
+        "--rollout-batch-size", str(BATCH), "--n-samples-per-prompt", str(N), "--rollout-max-response-len", "4",
+        "--global-batch-size", str(BATCH * N), "--lr", "1e-3", "--actor-num-gpus-per-node", "2",
+        "--rollout-external-engine-addrs", *addrs, "--run-dir", run_dir,
+        "--update-weight-buffer-size", "20000", *extra,
+    ]  # fmt: skip
+
+
+def _metrics(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _check_trained_and_refit(run_dir: str, engines: list) -> None:
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(NUM_ROLLOUT))
+    for m in metrics:
+        assert m["train/train_rollout_logprob_abs_diff"] <= 1e-5  # the engines ran the trainer's weights
+        assert m["rollout/raw_reward"] >= 0.0
+    for e in engines:
+        assert e.proc.poll() is None, f"external engine {e.url} was stopped by the run"
+        assert httpx.get(e.url + "/health", timeout=10).status_code == 200
+        # the last refit (after rollout NUM_ROLLOUT - 1) set weight version NUM_ROLLOUT on every engine
+        assert httpx.get(e.url + "/model_info", timeout=10).json()["weight_version"] == str(NUM_ROLLOUT)
+
+
+def _router_generates(run_dir: str) -> int:
+    path = os.path.join(run_dir, "logs", "router.log")
+    if not os.path.exists(path):
+        return 0
+    with open(path, errors="replace") as f:
+        text = re.sub(r"\x1b\[[0-9;]*m", "", f.read())
+    return len(re.findall(r"uri=/generate\b.*started processing request", text))
+
+
+def test_external_engines_are_trained_refit_and_left_running(setup):
+    from miles.train import main
+
+    root, model, data, engines = setup
+    run_dir = str(root / "run_direct")
+    assert main(_args(model, data, run_dir, engines, extra=["--router-log-level", "info"])) == 0
+    _check_trained_and_refit(run_dir, engines)
+    assert _router_generates(run_dir) == 0  # no router policy: generation went straight to the engines
+
+
+def test_router_policy_sends_generation_through_the_router(setup):
+    from miles.train import main
+
+    root, model, data, engines = setup
+    run_dir = str(root / "run_router")
+    extra = ["--router-policy", "round_robin", "--router-log-level", "info"]
+    assert main(_args(model, data, run_dir, engines, extra=extra)) == 0
+    _check_trained_and_refit(run_dir, engines)
+    assert _router_generates(run_dir) >= NUM_ROLLOUT * BATCH * N  # one request per sample, none batched
