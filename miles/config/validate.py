@@ -114,6 +114,9 @@ def _fallbacks(v: Values) -> None:
 
 def _rollout_external(v: Values) -> None:
     if v["rollout_external_engine_addrs"] is not None and not v["rollout_external"]:
+        if v.is_set("rollout_external"):
+            v.fail("rollout_external", "conflicts with --rollout-external-engine-addrs (which implies it)")
+            return
         v.set_derived("rollout_external", True)
 
 

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineFleet:
-    def __init__(self, config_dict: dict, placement: Placement, num_rollout_workers: int) -> None:
+    def __init__(self, config_dict: dict, placement: Placement | None, num_rollout_workers: int) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from miles.config import Config
 
@@ -47,13 +47,14 @@ class EngineFleet:
                 self.engine_urls, settings, self._check_health, self._take_out, self._restart
             )
 
-    def _start_engines(self, placement: Placement, num_rollout_workers: int) -> None:
+    def _start_engines(self, placement: Placement | None, num_rollout_workers: int) -> None:
         cfg = self.config
         log_dir = os.path.abspath(os.path.join(cfg.log.run_dir, "logs"))
         os.makedirs(log_dir, exist_ok=True)
         if cfg.cluster.rollout_external:
             self._use_external_engines()
         else:
+            assert placement is not None, "launched engines need a placement"
             self._launch_engines(placement, num_rollout_workers, log_dir)
         self._start_router(log_dir)
 

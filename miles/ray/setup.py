@@ -235,7 +235,10 @@ def build_system(cfg: Any) -> System:
     init_ray(min_cpus=(max(num_actor, num_rollout) if colocate else num_actor + num_rollout) + 1)
     use_gpu = cluster_has_gpus()
     check_external_refit(cfg, use_gpu, num_actor)
-    placement = create_placement(num_actor, num_rollout, colocate, use_gpu)
+    # nothing to place: a rollout-only run on external engines
+    placement = (
+        create_placement(num_actor, num_rollout, colocate, use_gpu) if num_actor + num_rollout else None
+    )
     timeout = float(cfg.train.train_timeout)
 
     tracker = Tracker(
@@ -260,6 +263,7 @@ def build_system(cfg: Any) -> System:
             **progress_env(progress_enabled()),
             **dict(cfg.cluster.train_env_vars),
         }
+        assert placement is not None  # training workers were placed
         train_group = RayTrainGroup(cfg, placement, num_actor, env_vars)
         start = train_group.init(with_ref=needs_reference_model(cfg))
     if start > 0:
