@@ -5,7 +5,9 @@ disaggregated GRPO run uses them through `--rollout-external-engine-addrs`: it t
 the last weight version, and the trainer's log-probs match the engines' at every step, which engines holding the
 initial weights would not), and leaves them running at exit. A second tiny run, with `--router-policy
 round_robin`, sends its generation through the router (whose pass-through `--router-log-level info` log shows
-every /generate), against the same engines; a run without a router policy sends none there.
+every /generate), against the same engines; a run without a router policy sends none there. A third uses a
+router the test started (`--sglang-router-ip/--sglang-router-port`): generation goes through it, and at exit
+miles has unregistered its engines from it and left it running.
 """
 
 from __future__ import annotations
@@ -80,8 +82,8 @@ def _check_trained_and_refit(run_dir: str, engines: list) -> None:
         assert httpx.get(e.url + "/model_info", timeout=10).json()["weight_version"] == str(NUM_ROLLOUT)
 
 
-def _router_generates(run_dir: str) -> int:
-    path = os.path.join(run_dir, "logs", "router.log")
+def _router_generates(path: str) -> int:
+    """/generate requests in an sglang-router log written at --log-level info."""
     if not os.path.exists(path):
         return 0
     with open(path, errors="replace") as f:
@@ -96,7 +98,9 @@ def test_external_engines_are_trained_refit_and_left_running(setup):
     run_dir = str(root / "run_direct")
     assert main(_args(model, data, run_dir, engines, extra=["--router-log-level", "info"])) == 0
     _check_trained_and_refit(run_dir, engines)
-    assert _router_generates(run_dir) == 0  # no router policy: generation went straight to the engines
+    assert (
+        _router_generates(os.path.join(run_dir, "logs", "router.log")) == 0
+    )  # no router policy: generation went straight to the engines
 
 
 def test_router_policy_sends_generation_through_the_router(setup):
@@ -107,4 +111,22 @@ def test_router_policy_sends_generation_through_the_router(setup):
     extra = ["--router-policy", "round_robin", "--router-log-level", "info"]
     assert main(_args(model, data, run_dir, engines, extra=extra)) == 0
     _check_trained_and_refit(run_dir, engines)
-    assert _router_generates(run_dir) >= NUM_ROLLOUT * BATCH * N  # one request per sample, none batched
+    router_log = os.path.join(run_dir, "logs", "router.log")
+    assert _router_generates(router_log) >= NUM_ROLLOUT * BATCH * N  # one request per sample, none batched
+
+
+def test_a_running_router_is_used_and_left_running(setup):
+    from miles.engines.router import Router
+    from miles.train import main
+
+    root, model, data, engines = setup
+    log = str(root / "own_router.log")
+    with Router([], extra_args=["--log-level", "info"], log_path=log) as router:
+        run_dir = str(root / "run_running_router")
+        extra = ["--sglang-router-ip", router.host, "--sglang-router-port", str(router.port)]
+        assert main(_args(model, data, run_dir, engines, extra=extra)) == 0
+        _check_trained_and_refit(run_dir, engines)
+        assert router.proc is not None and router.proc.poll() is None  # miles did not stop it
+        assert router.list_workers() == []  # the engines miles registered are unregistered at exit
+        assert _router_generates(log) >= NUM_ROLLOUT * BATCH * N
+        assert not os.path.exists(os.path.join(run_dir, "logs", "router.log"))  # miles launched no router
