@@ -130,3 +130,26 @@ def test_a_running_router_is_used_and_left_running(setup):
         assert router.list_workers() == []  # the engines miles registered are unregistered at exit
         assert _router_generates(log) >= NUM_ROLLOUT * BATCH * N
         assert not os.path.exists(os.path.join(run_dir, "logs", "router.log"))  # miles launched no router
+
+
+def test_fault_tolerance_names_a_dead_external_engine_and_does_not_restart_it(setup):
+    """Last in the module: it kills the first engine (SIGKILL in the middle of rollout 1, see tests/e2e/faults.py).
+    The health monitor takes it out of the router and, instead of restarting it, fails the run naming it as
+    external."""
+    from miles.train import main
+
+    root, model, data, engines = setup
+    run_dir = str(root / "run_ft")
+    extra = [
+        "--use-fault-tolerance", "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "3",
+        "--custom-generate-function-path", "tests.e2e.faults:sigkill_engine",
+    ]  # fmt: skip
+    with pytest.raises(Exception) as info:
+        main(_args(model, data, run_dir, engines, extra=extra))
+    message = str(info.value)
+    assert f"engine restart: {engines[0].url} could not be restarted" in message, message[-3000:]
+    assert "is external (--rollout-external-engine-addrs)" in message, message[-3000:]
+    assert engines[0].proc.poll() is not None  # the injected fault killed it; nothing started it again:
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(engines[0].url + "/health", timeout=5)
+    assert engines[1].proc.poll() is None
