@@ -117,6 +117,36 @@ def _masked_inputs(
     return new, old, adv
 
 
+def _clipped_ratio_loss(
+    log_probs: list[Tensor],
+    old_log_probs: list[Tensor],
+    advantages: list[Tensor],
+    loss_masks: list[Tensor],
+    eps_clip: float,
+    eps_clip_high: float,
+    eps_clip_c: float | None,
+    sequence_ratio: bool,
+) -> PolicyLossOutputs:
+    """The clipped-ratio loss both PPO and GSPO are: `compute_policy_loss` on a log-ratio that is per token (PPO)
+    or per sequence (GSPO, see `gspo_policy_loss`)."""
+    _check(log_probs, old_log_probs, advantages, loss_masks)
+    lengths = _ops.lengths_of(loss_masks)
+    new, old, adv = _masked_inputs(log_probs, old_log_probs, advantages, loss_masks)
+    old = old.detach()
+    if sequence_ratio:
+        mask = _ops.cat(loss_masks)
+        seq_log_ratio = _ops.per_sample_masked_mean((new - old).detach(), mask, lengths)
+        ppo_kl = -(new - new.detach() + seq_log_ratio[_ops.sample_ids(lengths, new.device)])
+    else:
+        ppo_kl = old - new
+    loss, clipfrac = compute_policy_loss(ppo_kl, adv, eps_clip, eps_clip_high, eps_clip_c)
+    return PolicyLossOutputs(
+        loss=_ops.split(loss, lengths),
+        clipfrac=_ops.split(clipfrac, lengths),
+        ppo_kl=_ops.split(ppo_kl.detach(), lengths),
+    )
+
+
 @register_policy_loss("ppo")
 def ppo_policy_loss(
     log_probs: list[Tensor],
@@ -129,15 +159,15 @@ def ppo_policy_loss(
     eps_clip_c: float | None = None,
 ) -> PolicyLossOutputs:
     """PPO/GRPO: token-level ratio pi_theta(x_t) / pi_old(x_t), clipped per token (`compute_policy_loss`)."""
-    _check(log_probs, old_log_probs, advantages, loss_masks)
-    lengths = _ops.lengths_of(loss_masks)
-    new, old, adv = _masked_inputs(log_probs, old_log_probs, advantages, loss_masks)
-    ppo_kl = old.detach() - new
-    loss, clipfrac = compute_policy_loss(ppo_kl, adv, eps_clip, eps_clip_high, eps_clip_c)
-    return PolicyLossOutputs(
-        loss=_ops.split(loss, lengths),
-        clipfrac=_ops.split(clipfrac, lengths),
-        ppo_kl=_ops.split(ppo_kl.detach(), lengths),
+    return _clipped_ratio_loss(
+        log_probs,
+        old_log_probs,
+        advantages,
+        loss_masks,
+        eps_clip,
+        eps_clip_high,
+        eps_clip_c,
+        sequence_ratio=False,
     )
 
 
@@ -152,8 +182,9 @@ def gspo_policy_loss(
     eps_clip_high: float,
     eps_clip_c: float | None = None,
 ) -> PolicyLossOutputs:
-    """GSPO (Zheng et al. 2025): one ratio per sequence, s_i = exp(mean_t (log pi_theta - log pi_old)) with the
-    mean over sample i's loss tokens, clipped per sequence (GSPO uses much smaller eps than PPO).
+    """GSPO (Zheng et al. 2025): the PPO loss with one ratio per sequence,
+    s_i = exp(mean_t (log pi_theta - log pi_old)) with the mean over sample i's loss tokens, clipped per sequence
+    (GSPO uses much smaller eps than PPO).
 
     Stop-gradient trick (GSPO-token): each token uses
     ``log s_i,t = log pi_theta(x_t) - sg[log pi_theta(x_t)] + sg[log s_i]``, whose VALUE is log s_i for every
@@ -162,19 +193,15 @@ def gspo_policy_loss(
     -A_i * s_i (for advantages constant over the sequence) while advantages may still vary per token.
     Reported ppo_kl is the per-sequence value -log s_i broadcast to the tokens.
     """
-    _check(log_probs, old_log_probs, advantages, loss_masks)
-    lengths = _ops.lengths_of(loss_masks)
-    new, old, adv = _masked_inputs(log_probs, old_log_probs, advantages, loss_masks)
-    old = old.detach()
-    mask = _ops.cat(loss_masks)
-    seq_log_ratio = _ops.per_sample_masked_mean((new - old).detach(), mask, lengths)
-    token_log_ratio = new - new.detach() + seq_log_ratio[_ops.sample_ids(lengths, new.device)]
-    ppo_kl = -token_log_ratio
-    loss, clipfrac = compute_policy_loss(ppo_kl, adv, eps_clip, eps_clip_high, eps_clip_c)
-    return PolicyLossOutputs(
-        loss=_ops.split(loss, lengths),
-        clipfrac=_ops.split(clipfrac, lengths),
-        ppo_kl=_ops.split(ppo_kl.detach(), lengths),
+    return _clipped_ratio_loss(
+        log_probs,
+        old_log_probs,
+        advantages,
+        loss_masks,
+        eps_clip,
+        eps_clip_high,
+        eps_clip_c,
+        sequence_ratio=True,
     )
 
 

@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import Any, TypeVar, dataclass_transform
 
 from miles.backends import available_backends
+from miles.config import algo_names
 
 # Flags the parser accepts but whose feature is not built yet. `Config.raise_if_unimplemented()` raises
 # NotImplementedError when any of them is set to a non-default value. Remove a name here once it lands.
@@ -348,10 +349,12 @@ class OptimConfig:
 class AlgoConfig:
     """Advantages and the policy loss."""
 
-    advantage_estimator: str = opt(
-        "grpo",
-        "advantage estimator",
-        choices=("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"),
+    advantage_estimator: str = opt("grpo", "advantage estimator", choices=algo_names.ADVANTAGE_ESTIMATORS)
+    policy_loss: str | None = opt(
+        None,
+        "policy-gradient loss: PPO's token-level clipped ratio or GSPO's sequence-level one; "
+        "None: gspo for --advantage-estimator gspo, else ppo",
+        choices=algo_names.POLICY_LOSSES,
     )
     custom_advantage_function_path: str | None = opt(None, "user advantage function, 'module:function'")
     disable_grpo_std_normalization: bool = opt(False, "GRPO: subtract the group mean only (Dr. GRPO)")
@@ -364,7 +367,7 @@ class AlgoConfig:
     opsm_delta: float = opt(1e-4, "OPSM threshold on the sequence KL", gt=0)
     use_kl_loss: bool = opt(False, "add a KL(policy || reference) term to the loss")
     kl_loss_coef: float = opt(0.0, "weight of the KL loss term", ge=0)
-    kl_loss_type: str = opt("k1", "KL estimator for the loss", choices=("k1", "k2", "k3", "low_var_kl"))
+    kl_loss_type: str = opt("k1", "KL estimator for the loss", choices=algo_names.KL_TYPES)
     kl_coef: float = opt(0.0, "KL penalty folded into the reward", ge=0)
     use_unbiased_kl: bool = opt(False, "importance-weight the KL estimate by policy / old policy")
     entropy_coef: float = opt(0.0, "weight of the entropy bonus")
@@ -372,7 +375,7 @@ class AlgoConfig:
     tis_clip: float = opt(2.0, "TIS upper truncation", ge=0)
     tis_clip_low: float = opt(0.0, "TIS lower truncation", ge=0)
     use_mis: bool = opt(False, "masked importance sampling: drop tokens/sequences outside bounds")
-    mis_level: str = opt("token", "MIS granularity", choices=("token", "sequence"))
+    mis_level: str = opt("token", "MIS granularity", choices=algo_names.MIS_LEVELS)
     mis_lower: float = opt(0.5, "MIS lower bound on the ratio", ge=0)
     mis_upper: float = opt(2.0, "MIS upper bound on the ratio", gt=0)
     custom_tis_function_path: str | None = opt(None, "user TIS/MIS weight function, 'module:function'")
@@ -381,7 +384,7 @@ class AlgoConfig:
     loss_reduction: str = opt(
         "sample_mean",
         "loss reduction: per-sample token mean, token mean over the batch, or sum / constant",
-        choices=("sample_mean", "token_mean", "constant_sum"),
+        choices=algo_names.LOSS_REDUCTIONS,
     )
     loss_reduction_constant: float | None = opt(
         None, "constant_sum divisor; None: --rollout-max-response-len", gt=0

@@ -24,7 +24,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from miles.engines.sglang_engine import ADMIN_ENDPOINTS, EngineHTTPError, EngineStartupError, node_ip
+from miles.engines.sglang_engine import ADMIN_ENDPOINTS, EngineHTTPError, EngineStartupError
+from miles.utils.net import node_ip
 
 logger = logging.getLogger(__name__)
 

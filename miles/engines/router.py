@@ -22,7 +22,8 @@ from typing import Any
 
 import httpx
 
-from miles.engines.sglang_engine import EngineStartupError, find_free_port
+from miles.engines.sglang_engine import EngineStartupError
+from miles.utils.net import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class Router:
         cmd += ["--policy", self.policy]
         if self.worker_urls:
             cmd += ["--worker-urls", *self.worker_urls]
-        defaults = ["--prometheus-port", str(find_free_port(self.host)), "--prometheus-host", self.host]
+        defaults = ["--prometheus-port", str(free_port(self.host)), "--prometheus-host", self.host]
         return cmd + merge_args(defaults + ["--log-level", "warn"], self.extra_args)
 
     def launch(self) -> Router:
@@ -149,7 +150,7 @@ class Router:
         if self.proc is not None:
             raise RuntimeError(f"router already launched at {self.url}")
         if self.port is None:
-            self.port = find_free_port(self.host)
+            self.port = free_port(self.host)
         if self.log_path is None:
             fd, self.log_path = tempfile.mkstemp(prefix=f"miles-router-{self.port}-", suffix=".log")
             os.close(fd)

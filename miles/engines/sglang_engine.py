@@ -10,7 +10,6 @@ import functools
 import importlib.util
 import logging
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from typing import Any
 import httpx
 
 from miles.engines.sglang_launch import ADMIN_API_KEY_ENV, API_KEY_ENV
+from miles.utils.net import free_port, node_ip
 
 logger = logging.getLogger(__name__)
 
@@ -39,23 +39,6 @@ class EngineHTTPError(RuntimeError):
         super().__init__(f"{method} {url} -> HTTP {status}: {body[:2000]}")
         self.status = status
         self.body = body
-
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS reports free right now (bind to port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def node_ip() -> str:
-    """This machine's outward-facing IPv4 address (no packet is sent); 127.0.0.1 when there is none."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
 
 
 def resolve_engine_kind(requested: str) -> str:
@@ -227,7 +210,7 @@ class EngineProcess:
         if self.proc is not None:
             raise RuntimeError(f"engine already launched at {self.url}")
         if self.port is None:
-            self.port = find_free_port(self.host if self.host != "0.0.0.0" else "127.0.0.1")
+            self.port = free_port(self.host if self.host != "0.0.0.0" else "127.0.0.1")
         if self.log_path is None:
             fd, self.log_path = tempfile.mkstemp(prefix=f"miles-engine-{self.port}-", suffix=".log")
             os.close(fd)

@@ -12,7 +12,8 @@ from typing import Any
 import ray
 
 from miles.ray.placement import Placement
-from miles.ray.utils import PhaseTimeoutError, get_free_port, get_node_ip, ray_get
+from miles.ray.utils import PhaseTimeoutError, get_node_ip, ray_get
+from miles.utils.net import free_port
 from miles.utils.types import Sample
 
 
@@ -30,7 +31,7 @@ class TrainWorker:
         self.backend = None
 
     def master_address(self) -> tuple[str, int]:
-        return get_node_ip(), get_free_port()
+        return get_node_ip(), free_port("")
 
     def init(self, master_addr: str, master_port: int, role: str, with_ref: bool) -> int:
         os.environ.update(

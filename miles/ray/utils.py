@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -78,7 +77,3 @@ def get_node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
-def get_free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]

@@ -4,7 +4,7 @@ Pure functions (no torch import at module level), so the driver and the trainer 
 
 - `sample_counts(samples)`: samples, generated (response) tokens and trained (prompt + response) tokens;
 - `throughput(metrics, step_seconds)`: those counts divided by the phase times the driver measured;
-- `forward_flops(...)` / `mfu(...)`: model FLOPs of the training passes against the GPU's dense bf16 peak.
+- `forward_flops(...)` / `model_forward_flops(model, seq_lens)` / `mfu(...)`: model FLOPs of the training passes against the GPU's dense bf16 peak.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from miles.utils.types import Sample
 
 # Dense (no sparsity) bf16 tensor-core peak per GPU, TFLOP/s, from the vendors' data sheets. Matched as a
@@ -71,6 +73,15 @@ def forward_flops(seq_lens: Sequence[int], params: int, num_layers: int, attn_wi
     """FLOPs of one forward over sequences of `seq_lens` tokens: 2 * params per token for the matmuls, plus causal
     attention, 2 * num_layers * attn_width * s^2 per sequence (QK^T and AV, 2 s^2 d each, halved by the mask)."""
     return float(sum(2 * params * s + 2 * num_layers * attn_width * s * s for s in seq_lens))
+
+
+def model_forward_flops(model: nn.Module, seq_lens: Sequence[int]) -> float:
+    """`forward_flops` of a HF causal LM (its config and parameters) over sequences of `seq_lens` tokens."""
+    c = model.config
+    embed = model.get_input_embeddings().weight.numel()
+    params = matmul_params(sum(p.numel() for p in model.parameters()), embed, c.tie_word_embeddings)
+    width = c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    return forward_flops(seq_lens, params, c.num_hidden_layers, width)
 
 
 def peak_flops(device_name: str) -> float | None:

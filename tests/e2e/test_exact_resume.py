@@ -2,7 +2,7 @@
 
 One trainer and one embedded engine (colocated on one bundle), a tiny model, N = 4 rollouts of 2 prompts x 4
 samples with shuffled data: the resumed run ends with bit-equal weights (every tensor of the final HF export) and
-the same metrics lines as the straight one (timing, throughput and memory keys aside; the one metric made from
+the same metrics lines as the straight one (timing, throughput and memory keys aside; the metrics made from
 the engine's log-probs within 1e-6, see ENGINE_LOGPROB_KEYS). The first half of the resumed run is itself a
 second run of the same flags, so this also checks run-to-run reproducibility of rewards, losses and trainer
 log-probs (the engine seeds each request from --rollout-seed and the request id).
@@ -23,7 +23,9 @@ VOLATILE = ("timing/", "perf/")  # wall-clock and memory measurements: differ fr
 # batch has: the same request's log-probs differ by ~2e-7 alone vs in a batch of 16), and which requests share a
 # decode step depends on arrival times. So the engine's log-probs, and metrics made from them, may differ in the
 # last bits between runs; the tokens drawn, and so rewards, losses and weights, do not.
-ENGINE_LOGPROB_KEYS = ("train/train_rollout_logprob_abs_diff",)
+# train/ois is the mean of exp(old - rollout log-prob): made from the engine's log-probs too (the run uses no TIS/MIS,
+# so they do not enter the loss)
+ENGINE_LOGPROB_KEYS = ("train/train_rollout_logprob_abs_diff", "train/ois")
 
 
 @pytest.fixture(scope="module")

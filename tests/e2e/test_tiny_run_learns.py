@@ -27,6 +27,11 @@ def test_tiny_cpu_run_learns_the_toy_task(tmp_path):
     assert sum(line.startswith("rollout ") for line in proc.stdout.splitlines()) == 60
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
+    # the first rollouts equal the golden metrics (tests/e2e/golden: how to check a run by hand, how to update)
+    from tests.e2e.golden import differences, read_rows
+
+    golden_diff = differences(read_rows(tmp_path / "run" / "metrics.jsonl"))
+    assert not golden_diff, golden_diff
     rewards = [r["rollout/raw_reward"] for r in rows]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last - first >= 0.3, rewards

@@ -15,7 +15,6 @@ HF_HUB_OFFLINE=1, and an initialised default gloo group (``init_pg=False`` leave
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -27,12 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from miles.utils.net import free_port
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "run_distributed", "save_tiny_qwen3"]
 
 
 def _worker(

@@ -15,6 +15,7 @@ from miles.engines.local.__main__ import parse_args
 from miles.engines.local.testing import build_tiny_model
 from miles.engines.router import Router
 from miles.engines.sglang_engine import EngineProcess, EngineStartupError, resolve_engine_kind
+from miles.utils import net
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -65,7 +66,7 @@ def test_command_lines():
     assert local[1:3] == ["-m", "miles.engines.local"] and local[-2:] == ["--random-seed", "3"]
     assert "k" not in local and "--api-key" not in local  # the key goes by environment
     wildcard = EngineProcess("/m", kind="local", host="0.0.0.0", port=7, api_key="k")
-    assert wildcard.url == f"http://{sglang_engine.node_ip()}:7" and "0.0.0.0" not in wildcard.url
+    assert wildcard.url == f"http://{net.node_ip()}:7" and "0.0.0.0" not in wildcard.url
     with pytest.raises(ValueError, match="tp_size"):
         EngineProcess("/m", kind="local", tp_size=2)
     with pytest.raises(ValueError, match="resolve 'auto'"):
@@ -149,10 +150,10 @@ def test_engine_client_sends_only_to_engines_the_router_lists(keyed_engine, monk
     import time
 
     import miles.rollout.engine_client as ec
-    from miles.engines.sglang_engine import find_free_port
+    from miles.utils.net import free_port
 
     monkeypatch.setattr(ec, "ENGINE_LIST_TTL_S", 0.0)
-    dead = f"http://127.0.0.1:{find_free_port('127.0.0.1')}"
+    dead = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     with Router([keyed_engine.url]) as router:
 
         async def go() -> list[int]:

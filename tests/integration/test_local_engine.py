@@ -376,10 +376,10 @@ def test_update_weights_from_distributed(engine, hf_model):
     import torch.distributed as dist
 
     from miles.backends.fsdp_utils.update_weight_utils import init_weights_update_group
-    from miles.engines.sglang_engine import find_free_port
+    from miles.utils.net import free_port
 
     base = greedy(engine, PROMPTS[2], n=10)["output_ids"]
-    port, group = find_free_port(), "miles_refit_test"
+    port, group = free_port(), "miles_refit_test"
     results: dict[str, object] = {}
     body = {
         "master_address": "127.0.0.1",

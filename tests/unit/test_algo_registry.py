@@ -67,3 +67,26 @@ def test_algo_layer_imports_nothing_forbidden():
     assert files
     for path in files:
         assert not forbidden.search(path.read_text()), f"{path.name} imports a forbidden layer"
+
+
+def test_cli_choices_are_the_registered_variants():
+    """The torch-free names the CLI offers (miles/config/algo_names.py) are exactly what miles.algo registers."""
+    from miles.algo import KL_TYPES, MIS_LEVELS
+    from miles.config import algo_names
+    from miles.config.schema import FIELDS
+    from miles.config.sections import AlgoConfig
+
+    assert sorted(algo_names.ADVANTAGE_ESTIMATORS) == ADVANTAGE_ESTIMATORS.names()
+    assert sorted(algo_names.POLICY_LOSSES) == POLICY_LOSSES.names()
+    assert sorted(algo_names.LOSS_REDUCTIONS) == REDUCTIONS.names()
+    assert sorted(algo_names.KL_TYPES) == sorted(KL_TYPES)
+    assert sorted(algo_names.MIS_LEVELS) == sorted(MIS_LEVELS)
+    for name, names in (
+        ("advantage_estimator", algo_names.ADVANTAGE_ESTIMATORS),
+        ("policy_loss", algo_names.POLICY_LOSSES),
+        ("loss_reduction", algo_names.LOSS_REDUCTIONS),
+        ("kl_loss_type", algo_names.KL_TYPES),
+        ("mis_level", algo_names.MIS_LEVELS),
+    ):
+        assert set(FIELDS[name].choices or ()) == set(names), name
+    assert AlgoConfig.__dataclass_fields__["policy_loss"].default is None  # None: algo_names.default_policy_loss

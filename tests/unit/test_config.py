@@ -116,7 +116,7 @@ def test_section_field_names_are_the_agreed_ones() -> None:
         "train_timeout refit_timeout",
         "optim": "optimizer lr min_lr lr_decay_style lr_decay_iters lr_warmup_iters lr_warmup_fraction "
         "weight_decay adam_beta1 adam_beta2 adam_eps clip_grad",
-        "algo": "advantage_estimator custom_advantage_function_path disable_grpo_std_normalization "
+        "algo": "advantage_estimator policy_loss custom_advantage_function_path disable_grpo_std_normalization "
         "normalize_advantages gamma eps_clip eps_clip_high eps_clip_c use_opsm opsm_delta use_kl_loss "
         "kl_loss_coef kl_loss_type kl_coef use_unbiased_kl entropy_coef use_tis tis_clip tis_clip_low use_mis "
         "mis_level mis_lower mis_upper custom_tis_function_path use_rollout_logprobs calculate_per_token_loss "

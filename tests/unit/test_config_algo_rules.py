@@ -41,3 +41,23 @@ def test_secrets_are_redacted_for_trackers_but_round_trip_otherwise():
     assert cfg.to_dict(redact_secrets=True)["log"]["wandb_key"] == "<redacted>"
     assert "SECRET" not in cfg.to_yaml()
     assert type(cfg).from_dict(cfg.to_dict()).log.wandb_key == "SECRET"
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ([], "ppo"),
+        (["--advantage-estimator", "gspo"], "gspo"),  # the estimator's default
+        (["--policy-loss", "gspo"], "gspo"),  # GSPO's sequence ratio with GRPO advantages
+        (["--advantage-estimator", "gspo", "--policy-loss", "ppo"], "ppo"),
+    ],
+)
+def test_policy_loss_flag_and_its_default_from_the_estimator(extra, expected):
+    from miles.backends.fsdp_utils.rollout_batch import loss_settings
+
+    assert loss_settings(parse_config(BASE + extra)).policy_loss == expected
+
+
+def test_unknown_policy_loss_names_the_flag_and_the_choices():
+    message = _violations(["--policy-loss", "grpo"])
+    assert "--policy-loss" in message and "gspo" in message and "ppo" in message

@@ -17,6 +17,7 @@ One `train(rollout_id, data)` call:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -300,7 +301,7 @@ class FSDPTrainer(TrainBackend):
             ColocatedWeightUpdater,
             DistributedWeightUpdater,
         )
-        from miles.ray.utils import get_free_port, get_node_ip
+        from miles.utils.net import free_port
 
         cfg = self.config
         common = dict(
@@ -313,7 +314,8 @@ class FSDPTrainer(TrainBackend):
         )
         if cfg.cluster.colocate or not self.ps.is_cuda:
             return ColocatedWeightUpdater(engine_urls, **common)
-        endpoint = [(get_node_ip(), get_free_port()) if self.ps.rank == 0 else None]
+        # rank 0 hosts the update group; MASTER_ADDR is its node's address (what the engines can reach)
+        endpoint = [(os.environ["MASTER_ADDR"], free_port("")) if self.ps.rank == 0 else None]
         dist.broadcast_object_list(endpoint, src=0)
         updater = DistributedWeightUpdater(
             engine_urls, master_address=endpoint[0][0], master_port=endpoint[0][1], **common
@@ -339,18 +341,15 @@ def _perf_metrics(
         peaks.append(torch.cuda.max_memory_allocated() / 1024**3)
     peak_t = torch.tensor(peaks, dtype=torch.float64, device=ps.device)
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
-    out = {"perf/train_peak_rss_gb": float(peak_t[0])}
+    # forward-equivalents of this call: forward + backward (3) and each no-grad pass (old, reference log-probs)
+    out = {"perf/train_peak_rss_gb": float(peak_t[0]), "perf/forward_passes": float(3 + no_grad_passes)}
     if not ps.is_cuda:
         return out
     out["perf/train_peak_gpu_mem_gb"] = float(peak_t[1])
     device_peak = perf.peak_flops(torch.cuda.get_device_name())
     if device_peak is None or dtype != torch.bfloat16:
         return out
-    c = model.config
-    embed = model.get_input_embeddings().weight.numel()
-    params = perf.matmul_params(sum(p.numel() for p in model.parameters()), embed, c.tie_word_embeddings)
-    width = c.num_attention_heads * getattr(c, "head_dim", c.hidden_size // c.num_attention_heads)
-    fwd = perf.forward_flops([len(t) for t in batch.tokens], params, c.num_hidden_layers, width)
+    fwd = perf.model_forward_flops(model, [len(t) for t in batch.tokens])
     flops = torch.tensor(fwd * (3 + no_grad_passes), dtype=torch.float64, device=ps.device)
     dist.all_reduce(flops, group=ps.dp_group)  # CP ranks share their samples: count each DP rank once
     out["perf/mfu"] = perf.mfu(float(flops), seconds, ps.world_size, device_peak)

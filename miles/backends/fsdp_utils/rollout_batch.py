@@ -35,6 +35,7 @@ from miles.backends.fsdp_utils.data_packing import (
     pack_sequences,
     plan_micro_batches,
 )
+from miles.config.algo_names import default_policy_loss
 from miles.utils.types import Sample
 
 
@@ -209,7 +210,7 @@ def loss_settings(cfg: Any) -> LossSettings:
     if reduction == "constant_sum" and constant is None:
         constant = float(cfg.rollout.rollout_max_response_len)
     return LossSettings(
-        policy_loss="gspo" if a.advantage_estimator == "gspo" else "ppo",
+        policy_loss=a.policy_loss or default_policy_loss(a.advantage_estimator),
         eps_clip=a.eps_clip,
         eps_clip_high=a.eps_clip_high,
         eps_clip_c=a.eps_clip_c,

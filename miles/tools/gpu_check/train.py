@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 from typing import Any
 
 import torch
 
 from miles.tools.gpu_check.common import CheckResult, Settings, sync, training_samples
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from miles.utils.net import free_port
 
 
 def start_trainer(s: Settings, model_dir: str) -> Any:
@@ -29,7 +23,7 @@ def start_trainer(s: Settings, model_dir: str) -> Any:
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ[key] = value
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     attn = "flash_attention_2" if s.flash else "sdpa"
     pairs = s.num_seqs // 2
     cfg = parse_config([
@@ -43,17 +37,6 @@ def start_trainer(s: Settings, model_dir: str) -> Any:
     trainer = FSDPTrainer(cfg, 0, 1)
     trainer.init("actor", with_ref=False)
     return trainer
-
-
-def _train_flops(model: torch.nn.Module, seq_lens: list[int]) -> float:
-    """Model FLOPs of one `train` call: the no-grad old-log-prob forward plus forward and backward (3x)."""
-    from miles.utils import perf
-
-    c = model.config
-    embed = model.get_input_embeddings().weight.numel()
-    params = perf.matmul_params(sum(p.numel() for p in model.parameters()), embed, c.tie_word_embeddings)
-    width = c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-    return perf.forward_flops(seq_lens, params, c.num_hidden_layers, width) * 4
 
 
 def check_train_step(trainer: Any, s: Settings) -> CheckResult:
@@ -73,7 +56,8 @@ def check_train_step(trainer: Any, s: Settings) -> CheckResult:
     sync(s.device)
     seconds = time.perf_counter() - t0
     loss, grad_norm = float(metrics["train/loss"]), float(metrics["train/grad_norm"])
-    flops = _train_flops(trainer.model, seq_lens)
+    # forward-equivalents the trainer ran (forward + backward = 3, plus the no-grad passes it did not skip)
+    flops = perf.model_forward_flops(trainer.model, seq_lens) * metrics["perf/forward_passes"]
     peak = s.peak_tflops * 1e12 if s.peak_tflops else None
     if peak is None and s.device.type == "cuda":
         peak = perf.peak_flops(torch.cuda.get_device_name(s.device))
