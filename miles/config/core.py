@@ -20,6 +20,7 @@ from miles.config.sections import (
     ModelConfig,
     OptimConfig,
     RolloutConfig,
+    RouterConfig,
     TrainConfig,
     field_default,
     opt,
@@ -69,6 +70,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)

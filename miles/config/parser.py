@@ -3,13 +3,15 @@
 The argparse parser is generated from the field declarations in `miles.config.sections`. Every option takes
 its value as a string (booleans use `--x/--no-x`); typing, choices and bounds are checked after merging so
 that one `ConfigError` lists every problem. `--sglang-NAME VALUE` for any NAME is collected into
-`cfg.engine.sglang_args[NAME]` (dashes -> underscores).
+`cfg.engine.sglang_args[NAME]` (dashes -> underscores); `--router-NAME [VALUE ...]` (any NAME but the declared
+`--router-policy`) into `cfg.router.router_args[NAME]`, checked later with sglang-router's own parser.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import shlex
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ from miles.config.sections import SECTIONS
 from miles.config.validate import CLI, DEFAULT, Values, resolve_and_validate
 
 _SGLANG_PREFIX = "--sglang-"
+_ROUTER_PREFIX = "--router-"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -58,10 +61,11 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
     """
     parser = _Parser(
         prog=prog,
-        usage="%(prog)s [--config RUN.yaml] [--FLAG VALUE ...] [--sglang-NAME VALUE ...]",
+        usage="%(prog)s [--config RUN.yaml] [--FLAG VALUE ...] [--sglang-NAME VALUE ...] [--router-NAME VALUE ...]",
         description="miles: RL post-training with FSDP2 training actors and SGLang-protocol rollout engines.",
         epilog="Any --sglang-NAME VALUE is passed to the SGLang server as --NAME VALUE "
-        "(collected into engine.sglang_args).",
+        "(collected into engine.sglang_args); any --router-NAME VALUE to sglang-router as --NAME VALUE "
+        "(router.router_args; see docs/router.md).",
         allow_abbrev=False,
         argument_default=argparse.SUPPRESS,
     )
@@ -86,11 +90,12 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
 
 @dataclass
 class Layer:
-    """Values from one source, keyed by field name, plus SGLang pass-through args."""
+    """Values from one source, keyed by field name, plus SGLang and sglang-router pass-through args."""
 
     source: str
     values: dict[str, object] = field(default_factory=dict)
     sglang: dict[str, str] = field(default_factory=dict)
+    router: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
 
@@ -139,6 +144,35 @@ def _split_sglang(argv: list[str], known: set[str], layer: Layer) -> list[str]:
     return rest
 
 
+def _split_router(argv: list[str], known: set[str], layer: Layer) -> list[str]:
+    """Move undeclared `--router-NAME [VALUE ...]` out of argv into `layer.router`; return the rest.
+
+    Every token up to the next `--flag` is a value (sglang-router has options taking several); several values
+    are kept as one shell-quoted string. A flag with no value is recorded as "true" (a switch)."""
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        flag, eq, inline = token.partition("=")
+        if not token.startswith(_ROUTER_PREFIX) or flag in known:
+            rest.append(token)
+            i += 1
+            continue
+        values = [inline] if eq else []
+        while not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            values.append(argv[i + 1])
+            i += 1
+        key = flag[len(_ROUTER_PREFIX) :].replace("-", "_")
+        if not key:
+            layer.problems.append(f"{token!r}: expected --router-NAME VALUE")
+        elif key in layer.router:
+            layer.problems.append(f"{flag}: given twice")
+        else:
+            layer.router[key] = values[0] if len(values) == 1 else (shlex.join(values) if values else "true")
+        i += 1
+    return rest
+
+
 def _is_number(token: str) -> bool:
     try:
         float(token)
@@ -168,6 +202,12 @@ def _assign(layer: Layer, name: str, value: object, key: str, allow_config: bool
             layer.sglang.update(to_str_dict(value))
         except ValueError as e:
             layer.problems.append(f"{layer.source}: key {key!r}: {e}")
+    elif name == "router_args":
+        if not isinstance(value, Mapping):
+            layer.problems.append(f"{layer.source}: key {key!r}: expected a mapping of sglang-router options")
+            return
+        for sub_key, sub_value in value.items():
+            _assign_router(layer, "router_" + str(sub_key).replace("-", "_"), sub_value, f"{key}.{sub_key}")
     elif name == "config" and not allow_config:
         layer.problems.append(f"{layer.source}: key {key!r}: --config cannot be set inside a config file")
     elif name in layer.values:
@@ -181,6 +221,19 @@ def _assign_sglang(layer: Layer, name: str, value: object, key: str) -> None:
         layer.sglang[name[len("sglang_") :]] = scalar_to_str(value)
     except ValueError as e:
         layer.problems.append(f"{layer.source}: key {key!r}: {e}")
+
+
+def _assign_router(layer: Layer, name: str, value: object, key: str) -> None:
+    """A YAML/dict value of a pass-through router option: a scalar, or a list for an option taking several."""
+    try:
+        if isinstance(value, (list, tuple)):
+            text = shlex.join(scalar_to_str(v) for v in value)
+        else:
+            text = scalar_to_str(value)
+    except ValueError as e:
+        layer.problems.append(f"{layer.source}: key {key!r}: {e}")
+        return
+    layer.router[name[len("router_") :]] = text
 
 
 def normalize_mapping(data: Mapping[str, object], source: str, allow_config: bool = False) -> Layer:
@@ -203,6 +256,8 @@ def normalize_mapping(data: Mapping[str, object], source: str, allow_config: boo
                     _assign(layer, sub, sub_value, path, allow_config)
                 elif name == "engine" and sub.startswith("sglang_") and sub not in FIELDS:
                     _assign_sglang(layer, sub, sub_value, path)
+                elif name == "router" and sub.startswith("router_") and sub not in FIELDS:
+                    _assign_router(layer, sub, sub_value, path)
                 elif sub in FIELDS:
                     where = SECTION_OF[sub] or "the top level"
                     layer.problems.append(f"{source}: unknown key {path!r} ({sub} belongs in {where})")
@@ -213,6 +268,8 @@ def normalize_mapping(data: Mapping[str, object], source: str, allow_config: boo
             _assign(layer, name, value, str(key), allow_config)
         elif name.startswith("sglang_"):
             _assign_sglang(layer, name, value, str(key))
+        elif name.startswith("router_"):
+            _assign_router(layer, name, value, str(key))
         else:
             layer.problems.append(f"{source}: unknown key {key!r}{_hint(name, known)}")
     return layer
@@ -241,6 +298,7 @@ def assemble(layers: list[Layer]) -> Config:
     values = {name: spec.default for name, spec in FIELDS.items()}
     sources = dict.fromkeys(FIELDS, DEFAULT)
     sglang: dict[str, str] = {}
+    router: dict[str, str] = {}
     problems: list[str] = []
     for layer in layers:
         problems.extend(layer.problems)
@@ -250,7 +308,11 @@ def assemble(layers: list[Layer]) -> Config:
         if layer.sglang:
             sglang.update(layer.sglang)
             sources["sglang_args"] = layer.source
+        if layer.router:
+            router.update(layer.router)
+            sources["router_args"] = layer.source
     values["sglang_args"] = sglang
+    values["router_args"] = router
     v = Values(values, sources)
     v.violations.extend(problems)
     resolve_and_validate(v)
@@ -278,7 +340,7 @@ def parse_config(argv: list[str] | None = None, prog: str = DEFAULT_PROG) -> Con
     parser = build_parser(prog)
     known = _cli_flags()
     cli = Layer(CLI)
-    rest = _split_sglang(argv, set(known), cli)
+    rest = _split_router(_split_sglang(argv, set(known), cli), set(known), cli)
     namespace, extras = parser.parse_known_args(rest)
     cli.values = vars(namespace)
     cli.problems.extend(_unknown_cli(extras, known))

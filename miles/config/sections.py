@@ -109,6 +109,12 @@ class ClusterConfig:
         0.0, "--use-fault-tolerance: seconds after a rollout starts before the first health check", ge=0
     )
     train_env_vars: dict[str, str] = opt({}, "JSON object of extra environment variables for training actors")
+    rollout_external: bool = opt(
+        False, "use engines miles does not launch (--rollout-external-engine-addrs); implied by that flag"
+    )
+    rollout_external_engine_addrs: list[str] | None = opt(
+        None, "HOST:PORT of running engines to generate with and refit (not launched, restarted or stopped)"
+    )
 
     @property
     def actor_world_size(self) -> int:
@@ -273,6 +279,32 @@ class EngineConfig:
     )
 
 
+def _router_policies() -> tuple[str, ...]:
+    from miles.engines.router_args import router_policies
+
+    return router_policies()
+
+
+@section
+class RouterConfig:
+    """sglang-router in front of the engines. Any `--router-NAME VALUE` is passed to it as `--NAME VALUE`."""
+
+    router_policy: str | None = opt(
+        None,
+        "sglang-router policy; when set, generation goes through the router (None: straight to the engines)",
+        choices=_router_policies,
+    )
+    sglang_router_ip: str | None = opt(
+        None, "address of a running sglang-router to use instead of launching one (with --sglang-router-port)"
+    )
+    sglang_router_port: int | None = opt(None, "port of that running sglang-router", ge=1, le=65535)
+    router_args: dict[str, str] = opt(
+        {},
+        "sglang-router options by name, without the router- prefix (collected from --router-* flags)",
+        cli=False,
+    )
+
+
 @section
 class TrainConfig:
     """Training actors."""
@@ -431,6 +463,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "rollout": RolloutConfig,
     "engine": EngineConfig,
+    "router": RouterConfig,
     "train": TrainConfig,
     "optim": OptimConfig,
     "algo": AlgoConfig,

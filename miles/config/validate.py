@@ -112,7 +112,17 @@ def _fallbacks(v: Values) -> None:
             v.set_derived(name, float(value) if name == "loss_reduction_constant" else value)
 
 
+def _rollout_external(v: Values) -> None:
+    if v["rollout_external_engine_addrs"] is not None and not v["rollout_external"]:
+        if v.is_set("rollout_external"):
+            v.fail("rollout_external", "conflicts with --rollout-external-engine-addrs (which implies it)")
+            return
+        v.set_derived("rollout_external", True)
+
+
 def _rollout_gpus(v: Values) -> None:
+    if v["rollout_external"]:
+        return
     if v["rollout_num_gpus"] is None and v["colocate"]:
         v.set_derived("rollout_num_gpus", v["actor_num_nodes"] * v["actor_num_gpus_per_node"])
 
@@ -152,6 +162,7 @@ def _sglang_args(v: Values) -> None:
 
 RESOLVERS: list[Callable[[Values], None]] = [
     _loss_reduction,
+    _rollout_external,
     _fallbacks,
     _rollout_gpus,
     _lr_decay_iters,
@@ -205,6 +216,8 @@ def _parallelism(v: Values) -> None:
 
 
 def _rollout_placement(v: Values) -> None:
+    if v["rollout_external"]:
+        return  # _external_engines checks the engines miles does not launch
     world = v["actor_num_nodes"] * v["actor_num_gpus_per_node"]
     gpus = v["rollout_num_gpus"]
     if gpus is None:
@@ -286,6 +299,80 @@ def _engine(v: Values) -> None:
             "check_weight_update_equal",
             f"compares whole tensors, but engines with --rollout-num-gpus-per-engine="
             f"{v['rollout_num_gpus_per_engine']} hold tensor-parallel shards; use 1 GPU per engine or drop it",
+        )
+
+
+def _external_engines(v: Values) -> None:
+    """--rollout-external-engine-addrs: well-formed HOST:PORT, each once; they take no local placement."""
+    if not v["rollout_external"]:
+        return
+    addrs = v["rollout_external_engine_addrs"]
+    if not addrs:
+        v.missing(
+            "rollout_external_engine_addrs", "with --rollout-external (HOST:PORT of each running engine)"
+        )
+        return
+    from miles.engines.external import engine_url
+
+    try:
+        urls = [engine_url(a) for a in addrs]
+        if len(set(urls)) != len(urls):
+            v.fail("rollout_external_engine_addrs", "names an engine twice")
+    except ValueError as e:
+        v.fail("rollout_external_engine_addrs", str(e))
+    with suppress(_Skip):
+        if v["colocate"]:
+            v.fail(
+                "colocate",
+                "needs engines miles launches on the training devices; external engines "
+                "(--rollout-external-engine-addrs) run on their own: drop --colocate",
+            )
+    with suppress(_Skip):
+        gpus, per_engine = v["rollout_num_gpus"], v["rollout_num_gpus_per_engine"]
+        if gpus is not None and gpus != len(addrs) * per_engine:
+            v.fail(
+                "rollout_num_gpus",
+                f"with external engines is only a check: {len(addrs)} engine(s) * "
+                f"--rollout-num-gpus-per-engine={per_engine} = {len(addrs) * per_engine}; drop it or fix it",
+            )
+    with suppress(_Skip):
+        if v["load_debug_rollout_data"] is not None:
+            v.fail(
+                "rollout_external_engine_addrs", "conflicts with --load-debug-rollout-data (no engines run)"
+            )
+
+
+def _router(v: Values) -> None:
+    """--router-* pass-through flags (checked with sglang-router's own parser) and an external router."""
+    with suppress(_Skip):
+        from miles.engines.router_args import router_arg_problems
+
+        args = v["router_args"]
+        for given, problem in router_arg_problems(args):
+            v.violations.append(f"{given}: {problem}")
+            v.bad.add("router_args")
+    ip, port = v["sglang_router_ip"], v["sglang_router_port"]
+    if (ip is None) != (port is None):
+        missing = "sglang_router_port" if port is None else "sglang_router_ip"
+        v.missing(
+            missing, "to use a running sglang-router (give --sglang-router-ip and --sglang-router-port)"
+        )
+        return
+    if ip is None:
+        return
+    if v["router_args"]:
+        from miles.engines.router_args import flag_of
+
+        flags = ", ".join(flag_of(name) for name in v["router_args"])
+        v.violations.append(
+            f"{flags}: configure a router miles launches; the running router at "
+            "--sglang-router-ip/--sglang-router-port keeps its own options: drop them"
+        )
+        v.bad.add("router_args")
+    if v["router_policy"] is not None:
+        v.fail(
+            "router_policy",
+            "the running router at --sglang-router-ip/--sglang-router-port keeps its own policy: drop it",
         )
 
 
@@ -417,6 +504,8 @@ RULES: list[Callable[[Values], None]] = [
     _eval_data,
     _algo,
     _engine,
+    _external_engines,
+    _router,
     _deadlines,
     _sampling,
     _optim,

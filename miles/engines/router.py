@@ -1,8 +1,13 @@
-"""Start sglang-router (`python -m sglang_router.launch_router`) in front of rollout engine servers.
+"""Start sglang-router (`python -m sglang_router.launch_router`) in front of rollout engine servers, or use a
+running one (`--sglang-router-ip/--sglang-router-port`).
 
-The router is a subprocess bound to 127.0.0.1 on a free port. Workers are registered at launch
+A launched router is a subprocess bound to 127.0.0.1 on a free port. Workers are registered at launch
 (`--worker-urls`) or later with `add_worker`, which uses the router's REST API (`POST /workers`, checked with
-`GET /workers`; sglang-router 0.3.x answers 404 on the older `/add_worker`).
+`GET /workers`; sglang-router 0.3.x answers 404 on the older `/add_worker`). A running router (`Router.running`)
+is never started or stopped: miles registers its engines with it and, at shutdown, unregisters the ones it added.
+
+Where generation goes (`generation_via_router`): through the router when the run asks for a router policy or
+names a running router; otherwise straight to the engines (see `miles.rollout.engine_client`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,29 @@ from miles.utils.net import free_port
 
 logger = logging.getLogger(__name__)
 
-ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
+DEFAULT_POLICY = "round_robin"  # the launched router's policy when --router-policy is not set
+
+
+def generation_via_router(router_policy: str | None, running_router: bool) -> bool:
+    """Whether rollout requests go through sglang-router: when a policy was asked for (`--router-policy`) or
+    a running router was named (`--sglang-router-ip/--sglang-router-port`), else straight to the engines."""
+    return router_policy is not None or running_router
+
+
+def merge_args(defaults: list[str], overrides: list[str]) -> list[str]:
+    """`defaults` without the options that `overrides` sets, then `overrides` (both `--flag [value ...]`)."""
+
+    def split(args: list[str]) -> list[list[str]]:
+        groups: list[list[str]] = []
+        for token in args:
+            if token.startswith("--") or not groups:
+                groups.append([token])
+            else:
+                groups[-1].append(token)
+        return groups
+
+    given = {g[0] for g in split(overrides)}
+    return [t for g in split(defaults) if g[0] not in given for t in g] + list(overrides)
 
 
 def resilience_args(request_timeout: float) -> list[str]:
@@ -49,13 +76,19 @@ class Router:
         worker_urls: list[str] | None = None,
         host: str = "127.0.0.1",
         port: int | None = None,
-        policy: str = "round_robin",
+        policy: str = DEFAULT_POLICY,
         extra_args: list[str] | None = None,
         log_path: str | None = None,
         startup_timeout: float = 60.0,
     ):
-        if policy not in ROUTER_POLICIES:
-            raise ValueError(f"router policy {policy!r} not supported; allowed: {list(ROUTER_POLICIES)}")
+        """`extra_args` (sglang-router's own `--NAME VALUE` options) replace the settings miles would give the
+        same options (`resilience_args`, metrics port, log level)."""
+        from miles.engines.router_args import router_policies
+
+        if policy not in router_policies():
+            raise ValueError(f"router policy {policy!r} not supported; allowed: {list(router_policies())}")
+        self.running = False
+        self._added: list[str] = []  # workers this object registered with a running router
         self.worker_urls = list(worker_urls or [])
         self.host = host
         self.port = port
@@ -66,6 +99,27 @@ class Router:
         self.proc: subprocess.Popen | None = None
         self._log_file: Any = None
         self._client = httpx.Client(timeout=30.0, trust_env=False)
+
+    @classmethod
+    def running_at(cls, host: str, port: int, timeout: float = 60.0) -> Router:
+        """A client for the sglang-router already running at host:port (waits for its /health); miles never
+        starts or stops it."""
+        router = cls(host=host, port=port, startup_timeout=timeout)
+        router.running = True
+        router._wait(
+            lambda: router._client.get(router.url + "/health", timeout=5).status_code == 200,
+            time.monotonic() + timeout,
+            "/health of the running router (--sglang-router-ip/--sglang-router-port)",
+        )
+        return router
+
+    def register(self, urls: list[str], timeout: float = 60.0) -> None:
+        """Register `urls` with a running router (those it lists already are left as they are)."""
+        listed = self.list_workers()
+        for url in urls:
+            if url not in listed:
+                self.add_worker(url, timeout)
+                self._added.append(url)
 
     @property
     def url(self) -> str:
@@ -85,11 +139,11 @@ class Router:
             "--port",
             str(self.port),
         ]
-        cmd += ["--policy", self.policy, "--prometheus-port", str(free_port(self.host))]
-        cmd += ["--prometheus-host", self.host, "--log-level", "warn"]
+        cmd += ["--policy", self.policy]
         if self.worker_urls:
             cmd += ["--worker-urls", *self.worker_urls]
-        return cmd + self.extra_args
+        defaults = ["--prometheus-port", str(free_port(self.host)), "--prometheus-host", self.host]
+        return cmd + merge_args(defaults + ["--log-level", "warn"], self.extra_args)
 
     def launch(self) -> Router:
         """Start the router and wait until it answers /health and lists every initial worker; returns self."""
@@ -171,7 +225,16 @@ class Router:
         self._wait(lambda: url not in self.list_workers(), time.monotonic() + timeout, f"removal of {url}")
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Terminate the router, then kill it if it lingers."""
+        """Terminate the router, then kill it if it lingers; a running router only loses the workers this
+        object registered."""
+        if self.running:
+            added, self._added = self._added, []
+            for url in added:
+                try:
+                    self.remove_worker(url, timeout)
+                except (httpx.HTTPError, ValueError, EngineStartupError) as e:
+                    logger.warning("could not unregister %s from the router %s: %s", url, self.url, e)
+            return
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
             proc.terminate()

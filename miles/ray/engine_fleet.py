@@ -1,10 +1,14 @@
 """EngineFleet: the rollout engines (one Ray actor each), sglang-router in front of them, and engine control.
 
 `EngineFleet` is a plain class (the driver wraps it with `ray.remote`): it launches one engine Ray actor per
-engine on the placement group, puts sglang-router in front of them, and controls them over HTTP (memory
-release/resume, cache flush). Generation does not go through it: the rollout runner's engine client sends
-requests to the engines directly and reads the router's worker list to learn which engines are admitted.
-With `--use-fault-tolerance` it runs a `HealthMonitor` while rollouts run (see `miles.ray.engine_health`).
+engine on the placement group (or, with `--rollout-external-engine-addrs`, one `ExternalEngine` actor per running
+engine, which it neither starts nor stops), puts sglang-router in front of them (or registers them with the
+running one of `--sglang-router-ip/--sglang-router-port`), and controls them over HTTP (memory release/resume,
+cache flush). Generation does not go through it: the rollout runner's engine client sends requests to the
+engines directly, reading the router's worker list to learn which engines are admitted, or through the router
+(see `miles.engines.router.generation_via_router`).
+With `--use-fault-tolerance` it runs a `HealthMonitor` while rollouts run (see `miles.ray.engine_health`); an
+external engine that fails its health check is taken out of the router and fails the run, named as external.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineFleet:
-    def __init__(self, config_dict: dict, placement: Placement, num_rollout_workers: int) -> None:
+    def __init__(self, config_dict: dict, placement: Placement | None, num_rollout_workers: int) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from miles.config import Config
 
@@ -43,8 +47,59 @@ class EngineFleet:
                 self.engine_urls, settings, self._check_health, self._take_out, self._restart
             )
 
-    def _start_engines(self, placement: Placement, num_rollout_workers: int) -> None:
-        from miles.engines.router import Router, resilience_args
+    def _start_engines(self, placement: Placement | None, num_rollout_workers: int) -> None:
+        cfg = self.config
+        log_dir = os.path.abspath(os.path.join(cfg.log.run_dir, "logs"))
+        os.makedirs(log_dir, exist_ok=True)
+        if cfg.cluster.rollout_external:
+            self._use_external_engines()
+        else:
+            assert placement is not None, "launched engines need a placement"
+            self._launch_engines(placement, num_rollout_workers, log_dir)
+        self._start_router(log_dir)
+
+    def _use_external_engines(self) -> None:
+        from miles.engines.external import engine_url, make_external_engine_actor_class
+
+        addrs = self.config.cluster.rollout_external_engine_addrs or []
+        actor_cls = make_external_engine_actor_class()
+        self.engines = [
+            actor_cls.options(num_cpus=0).remote(
+                url=engine_url(a),
+                admin_api_key=self.config.engine.engine_api_key,
+                startup_timeout=self.startup_timeout,
+            )
+            for a in addrs
+        ]
+        self.engine_urls = ray_get(
+            [e.launch.remote() for e in self.engines],
+            self.startup_timeout,
+            f"waiting for {len(addrs)} external engine(s) {list(addrs)}",
+        )
+
+    def _start_router(self, log_dir: str) -> None:
+        from miles.engines.router import DEFAULT_POLICY, Router, merge_args, resilience_args
+        from miles.engines.router_args import router_command_args
+
+        r = self.config.router
+        if r.sglang_router_ip is not None:
+            assert r.sglang_router_port is not None  # validated together
+            self.router = Router.running_at(r.sglang_router_ip, r.sglang_router_port, self.startup_timeout)
+            self.router.register(self.engine_urls, self.startup_timeout)
+        else:
+            self.router = Router(
+                self.engine_urls,
+                policy=r.router_policy or DEFAULT_POLICY,
+                startup_timeout=self.startup_timeout,
+                extra_args=merge_args(
+                    resilience_args(self.timeout), router_command_args(dict(r.router_args))
+                ),
+                log_path=os.path.join(log_dir, "router.log"),
+            ).launch()
+        self.router_url = self.router.url
+        logger.info("engines %s behind router %s", self.engine_urls, self.router_url)
+
+    def _launch_engines(self, placement: Placement, num_rollout_workers: int, log_dir: str) -> None:
         from miles.engines.sglang_engine import (
             ENGINE_ACTOR_RUNTIME_ENV,
             engine_launch_kwargs,
@@ -64,8 +119,6 @@ class EngineFleet:
             "num-threads": 1 if not placement.use_gpu else None,
         }
         self.engines = []
-        log_dir = os.path.abspath(os.path.join(cfg.log.run_dir, "logs"))
-        os.makedirs(log_dir, exist_ok=True)
         for i in range(num_engines):
             launch = engine_launch_kwargs(
                 kind, i, cfg.rollout.rollout_seed, cfg.cluster.colocate, dict(cfg.engine.sglang_args),
@@ -91,14 +144,6 @@ class EngineFleet:
             self.startup_timeout,
             f"starting {num_engines} {kind} engine(s)",
         )
-        self.router = Router(
-            self.engine_urls,
-            startup_timeout=self.startup_timeout,
-            extra_args=resilience_args(self.timeout),
-            log_path=os.path.join(log_dir, "router.log"),
-        ).launch()
-        self.router_url = self.router.url
-        logger.info("engines %s behind router %s", self.engine_urls, self.router_url)
 
     # ----------------------------------------------------------------------------------------------- queries
     def get_engine_urls(self) -> list[str]:

@@ -22,6 +22,7 @@ class RolloutManager:
         from transformers import AutoTokenizer
 
         from miles.config import Config
+        from miles.engines.router import generation_via_router
         from miles.rollout.runner import RolloutRunner
 
         cfg = Config.from_dict(config_dict)
@@ -35,6 +36,9 @@ class RolloutManager:
             api_key=cfg.engine.engine_api_key,
             concurrency=cfg.engine.engine_max_running_requests * len(engine_urls),
             dump_dir=cfg.log.dump_details,
+            via_router=generation_via_router(
+                cfg.router.router_policy, cfg.router.sglang_router_ip is not None
+            ),
         )
 
     def set_start_rollout(self, rollout_id: int) -> None:

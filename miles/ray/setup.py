@@ -35,8 +35,11 @@ logger = logging.getLogger(__name__)
 
 
 def worker_counts(cfg: Config) -> tuple[int, int]:
+    """(training workers, rollout workers to place); external engines take no place."""
     c = cfg.cluster
     num_actor = c.actor_num_nodes * c.actor_num_gpus_per_node
+    if c.rollout_external:
+        return num_actor, 0
     num_rollout = c.rollout_num_gpus if c.rollout_num_gpus is not None else num_actor
     return num_actor, num_rollout
 
@@ -207,11 +210,28 @@ def with_run_engine_key(cfg: Config) -> Config:
 
     The engines get it by environment (never on a command line), the trainers and the rollout side through
     their Ray actor arguments; so without a key from the user, only this run can refit or pause its engines
-    (refit payloads are unpickled from authenticated requests only). The run's saved config redacts it."""
-    if cfg.engine.engine_api_key:
+    (refit payloads are unpickled from authenticated requests only). The run's saved config redacts it.
+    External engines have their own admin key (or none), which only `--engine-api-key` can give."""
+    if cfg.engine.engine_api_key or cfg.cluster.rollout_external:
         return cfg
     key = secrets.token_urlsafe(32)
     return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, engine_api_key=key))
+
+
+def check_external_refit(cfg: Config, use_gpu: bool, num_actor: int) -> None:
+    """Fail before anything starts when the trainer could not refit the external engines (see
+    `miles.engines.external.refit_path_problems`); a rollout-only run refits nothing."""
+    if not cfg.cluster.rollout_external or num_actor == 0:
+        return
+    from miles.engines.external import engine_url, refit_path_problems
+
+    urls = [engine_url(a) for a in cfg.cluster.rollout_external_engine_addrs or []]
+    problems = refit_path_problems(urls, use_gpu, num_actor, cfg.cluster.rollout_num_gpus_per_engine)
+    if problems:
+        raise ValueError(
+            "--rollout-external-engine-addrs: the trainer cannot refit these engines:\n  - "
+            + "\n  - ".join(problems)
+        )
 
 
 def build_system(cfg: Config) -> System:
@@ -227,7 +247,11 @@ def build_system(cfg: Config) -> System:
     colocate = cfg.cluster.colocate
     init_ray(min_cpus=(max(num_actor, num_rollout) if colocate else num_actor + num_rollout) + 1)
     use_gpu = cluster_has_gpus()
-    placement = create_placement(num_actor, num_rollout, colocate, use_gpu)
+    check_external_refit(cfg, use_gpu, num_actor)
+    # nothing to place: a rollout-only run on external engines
+    placement = (
+        create_placement(num_actor, num_rollout, colocate, use_gpu) if num_actor + num_rollout else None
+    )
     timeout = float(cfg.train.train_timeout)
 
     tracker = Tracker(
@@ -252,6 +276,7 @@ def build_system(cfg: Config) -> System:
             **progress_env(progress_enabled()),
             **dict(cfg.cluster.train_env_vars),
         }
+        assert placement is not None  # training workers were placed
         train_group = RayTrainGroup(cfg, placement, num_actor, env_vars)
         start = train_group.init(with_ref=needs_reference_model(cfg))
     if start > 0:

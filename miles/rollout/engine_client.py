@@ -4,10 +4,13 @@ It knows the router URL, the engine URLs (aborts go to every engine), the API ke
 names the phase, the endpoint (engine or router URL) and, for a generate request, the sample index. Use it as an
 async context manager inside the event loop that uses it (the rollout runner keeps one open for its lifetime).
 
-Where generation goes: straight to an engine, never through sglang-router (with one engine the router would only
-forward; and it refuses SGLang's batch form: one rid and one sampling_params per request). With several engines
-each request (a batch counts once) goes to the engine with the fewest generations in flight from this client,
-ties broken round robin.
+Where generation goes: by default straight to an engine, not through sglang-router (with one engine the router
+would only forward; and it refuses SGLang's batch form: one rid and one sampling_params per request). With several
+engines each request (a batch counts once) goes to the engine with the fewest generations in flight from this
+client, ties broken round robin. With `via_router` (the run asked for a router policy or named a running router,
+see `miles.engines.router.generation_via_router`) every generation goes to `{router}/generate` alone (never
+batched) and the router picks the engine; the router's own retries and the client's retry of 502/503/504 within
+the request deadline stand in for the set-aside below, which is the direct path's alone.
 
 Which engines may take a request (fault tolerance without the router hop): the router's worker list stays the
 registry of admitted engines (the health monitor takes a dead engine out of it before restarting it and puts it
@@ -152,9 +155,11 @@ class EngineClient:
         concurrency: int,
         transport: httpx.AsyncBaseTransport | None = None,
         seed: int | None = None,
+        via_router: bool = False,
     ) -> None:
         """`transport` replaces the network (tests pass an `httpx.MockTransport` serving a fake engine); with
-        `seed`, a request with a `rid` gets `sampling_params.sampling_seed = request_seed(seed, rid)`."""
+        `seed`, a request with a `rid` gets `sampling_params.sampling_seed = request_seed(seed, rid)`; with
+        `via_router`, generation goes through the router (see the module docstring)."""
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self.router_url = router_url.rstrip("/")
@@ -167,6 +172,7 @@ class EngineClient:
         self._stopped = False
         self._transport = transport
         self.seed = seed
+        self.via_router = via_router
         if not self.engine_urls:
             raise ValueError("EngineClient needs at least one engine URL")
         self._in_flight = [0] * len(self.engine_urls)  # generations sent to each engine and not yet answered
@@ -295,7 +301,7 @@ class EngineClient:
                 return ABORTED_BEFORE_SENDING
             if rid is not None and self.seed is not None and "sampling_seed" not in sampling_params:
                 sampling_params = {**sampling_params, "sampling_seed": request_seed(self.seed, rid)}
-            key = _BATCH_KEY.get()
+            key = None if self.via_router else _BATCH_KEY.get()  # the router takes no batch form
             item = _Queued(
                 list(input_ids),
                 sampling_params,
@@ -345,7 +351,12 @@ class EngineClient:
                 rids = [r if r is not None else f"{rids[0]}-b{i}" for i, r in enumerate(rids)]
             payload["rid"] = rids[0] if single else rids
         try:
-            url, body = await self._post_to_an_engine(payload, len(items), phase, what)
+            if self.via_router:
+                url = f"{self.router_url}/generate"
+                self.requests_sent += 1
+                body = await self.post(url, payload, phase, what)
+            else:
+                url, body = await self._post_to_an_engine(payload, len(items), phase, what)
             answers = [body] if single else body
             if not isinstance(answers, list) or len(answers) != len(items):
                 raise EngineError(

@@ -138,9 +138,12 @@ class RolloutRunner:
         concurrency: int,
         dump_dir: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        via_router: bool = False,
     ) -> None:
-        """`transport` replaces the network for the engine client (tests: an in-process fake engine)."""
+        """`transport` replaces the network for the engine client (tests: an in-process fake engine);
+        `via_router` sends generation through the router instead of straight to the engines."""
         self.transport = transport
+        self.via_router = via_router
         self.data_cfg, self.rollout_cfg, self.eval_cfg = data_cfg, rollout_cfg, eval_cfg
         self.tokenizer = tokenizer
         self.router_url, self.engine_urls = router_url, list(engine_urls)
@@ -228,6 +231,7 @@ class RolloutRunner:
             concurrency=self.concurrency,
             transport=self.transport,
             seed=self.rollout_cfg.rollout_seed,
+            via_router=self.via_router,
         )
 
     def _context(self, client: EngineClient) -> RolloutContext:

@@ -234,6 +234,10 @@ CATALOG = [
     Bad("config_missing", ("--config=", "none.yaml", "cannot read"), argv=lambda w: w.base + ["--config", str(w.tmp / "none.yaml")]),
     Bad("config_unknown_key", ("run.yaml", "learning_rate"), argv=lambda w: w.base + ["--config", w.write("run.yaml", "learning_rate: 1\n")]),
     Bad("env_vars_json", ("--train-env-vars", "invalid JSON"), argv=lambda w: w.base + ["--train-env-vars", "{x"]),
+    Bad("router_flag_unknown", ("--router-cache-treshold='0.3'", "sglang-router has no such option"), argv=lambda w: w.base + ["--router-cache-treshold", "0.3"]),
+    Bad("router_flag_value", ("--router-cache-threshold='high'", "sglang-router refuses"), argv=lambda w: w.base + ["--router-cache-threshold", "high"]),
+    Bad("router_policy", ("--router-policy='fastest'", "round_robin"), argv=lambda w: w.base + ["--router-policy", "fastest"]),
+    Bad("external_engine_addr", ("--rollout-external-engine-addrs", "'host-a'", "HOST:PORT"), argv=lambda w: w.base + ["--rollout-external-engine-addrs", "host-a"]),
     # ---- flags: pre-flight (imports, unbuilt features) --------------------------------------------------
     Bad("health_check_timeout_zero", ("--rollout-health-check-timeout=0",), argv=lambda w: w.base + ["--use-fault-tolerance", "--rollout-health-check-timeout", "0"]),
     Bad("no_reward", ("no reward function", "--rm-type", "--custom-rm-path"), argv=lambda w: w.without("--rm-type")),

@@ -96,7 +96,7 @@ def test_section_field_names_are_the_agreed_ones() -> None:
     expected = {
         "cluster": "actor_num_nodes actor_num_gpus_per_node rollout_num_gpus rollout_num_gpus_per_engine colocate "
         "use_fault_tolerance rollout_health_check_interval rollout_health_check_timeout "
-        "rollout_health_check_first_wait train_env_vars",
+        "rollout_health_check_first_wait train_env_vars rollout_external rollout_external_engine_addrs",
         "model": "hf_checkpoint attn_implementation gradient_checkpointing train_dtype",
         "checkpoint": "load ref_load save save_interval keep_last save_hf save_hf_interval",
         "data": "prompt_data input_key label_key metadata_key apply_chat_template rollout_shuffle",
@@ -110,6 +110,7 @@ def test_section_field_names_are_the_agreed_ones() -> None:
         "engine": "engine_host engine_api_key engine_max_running_requests check_weight_update_equal "
         "sglang_mem_fraction_static "
         "sglang_decode_log_interval sglang_chunked_prefill_size sglang_attention_backend sglang_args",
+        "router": "router_policy sglang_router_ip sglang_router_port router_args",
         "train": "train_backend global_batch_size micro_batch_size use_dynamic_batch_size max_tokens_per_gpu "
         "balance_data context_parallel_size fsdp_cpu_offload update_weight_buffer_size ref_update_interval "
         "train_timeout refit_timeout",
@@ -138,8 +139,8 @@ def test_parser_is_generated_from_the_declarations() -> None:
     options = {s for action in parser._actions for s in action.option_strings}
     for name, spec in FIELDS.items():
         assert "\n" not in spec.help and spec.help
-        if name == "sglang_args":
-            assert "--sglang-args" not in options  # collected, not a flag
+        if name in ("sglang_args", "router_args"):
+            assert "--" + name.replace("_", "-") not in options  # collected, not a flag
             continue
         assert "--" + name.replace("_", "-") in options
         if spec.kind == "bool":
@@ -322,7 +323,7 @@ def test_round_trips(reference_argv: list[str], tmp_path: Path) -> None:
     cfg = parse_config(reference_argv)
     d = cfg.to_dict()
     assert set(d) == {"seed", "dry_run", "config", "cluster", "model", "checkpoint", "data", "rollout",
-                      "engine", "train", "optim", "algo", "eval", "log", "debug"}  # fmt: skip
+                      "engine", "router", "train", "optim", "algo", "eval", "log", "debug"}  # fmt: skip
     assert Config.from_dict(d) == cfg
     assert Config.from_dict(json.loads(json.dumps(d))) == cfg
     assert pickle.loads(pickle.dumps(cfg)) == cfg
