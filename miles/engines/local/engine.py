@@ -131,6 +131,8 @@ class LocalEngine(WeightControl):
         self.session_open = False  # between /begin_weight_update and /end_weight_update
         self.update_groups: dict[str, Any] = {}
         self._groups_lock = threading.Lock()
+        self._window_plan = None
+        self._window = None
         # `scheduler` is the loop thread around the pure scheduler (`self.scheduler.core`)
         self.scheduler = EngineLoop(
             runner=self.runner,
