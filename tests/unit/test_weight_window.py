@@ -64,8 +64,8 @@ def test_layout_round_trip_and_fused_blocks(engine):
         by_name["model.layers.0.self_attn.q_proj.weight"],
         by_name["model.layers.0.self_attn.k_proj.weight"],
     )
-    assert q.stride == k.stride == (1, q.shape[0] + 2 * k.shape[0])  # columns of one [in, q+k+v] block
-    assert k.offset == q.offset + q.shape[0]
+    assert q.stride == k.stride == (q.shape[1], 1)  # row blocks of one [q+k+v, in] region
+    assert k.offset == q.offset + q.shape[0] * q.shape[1]
     assert layout.aliases["lm_head.weight"] == layout.aliases["model.embed_tokens.weight"]  # tied
     ends = sorted(
         (e.offset, e.offset + max(s * (n - 1) for s, n in zip(e.stride, e.shape)) + 1) for e in layout.entries
@@ -90,6 +90,14 @@ def test_window_refit_is_bit_equal_without_copy_across_steps(engine, tmp_path):
             _op(eng, "update_weights_from_window", path=window.path, layout_digest=layout.digest(),
                 weight_version=f"w{step}")  # fmt: skip
             _op(eng, "end_weight_update")
+            qkv = eng.runner.layers[0].qkv
+            assert (
+                qkv._orientation() == "rows"
+            )  # the window's blocks are used as they are, not laid out again
+            assert (
+                qkv.weight()[0].data_ptr()
+                == eng._window.views["model.layers.0.self_attn.q_proj.weight"].data_ptr()
+            )
             for name, t in state.items():
                 live = eng.weights.get(name)
                 assert torch.equal(live, t), name

@@ -2,8 +2,9 @@
 
 A miles-only refit path (SGLang has no equivalent; the trainer uses it only when every engine answers
 `/weight_window_layout`, i.e. is embedded). The engine describes where each of its parameters lives in a flat
-buffer of its dtype, in its own compute layout: the blocks of a `FusedLinear` (q/k/v, gate/up, ...) are columns of
-one `[in, out]` region (a `[out_i, in]` view with stride `(1, out)`), their biases consecutive pieces of one
+buffer of its dtype, in a layout its compute uses as is: the blocks of a `FusedLinear` (q/k/v, gate/up, ...) are
+consecutive row blocks of one `[out, in]` region (each a plain contiguous weight, so the trainer's write is a
+memcpy; the fused matmul reads the region through a transposed operand), their biases consecutive pieces of one
 vector, every other parameter a contiguous region of its own (regions 64-byte aligned). The trainer creates a file
 of that size in shared memory once, writes every tensor into its view at each refit, and posts one
 `/update_weights_from_window` (inside the weight-update session); the engine maps the file (once; again after a
@@ -119,11 +120,10 @@ def plan_layout(
         if any(n is None or n in placed for n in names):
             continue  # not parameters of this store, or shared with another group: laid out plainly below
         start = _align(size, dtype.itemsize)
-        for name, w, col in zip(names, group.weights, group.offsets, strict=True):
-            assert name is not None
-            entries.append(
-                WindowEntry(name, start + col, (w.shape[0], group.in_features), (1, group.out_features))
-            )
+        for name, w, row in zip(names, group.weights, group.offsets, strict=True):
+            assert name is not None  # row blocks of one [out, in] buffer: the trainer writes plain copies
+            shape = (w.shape[0], group.in_features)
+            entries.append(WindowEntry(name, start + row * group.in_features, shape, (group.in_features, 1)))
             placed.add(name)
         size = start + group.in_features * group.out_features
         if group.biases is not None:
