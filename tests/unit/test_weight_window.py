@@ -86,10 +86,9 @@ def test_window_refit_is_bit_equal_without_copy_across_steps(engine, tmp_path):
             for name, t in state.items():
                 window.views[name].copy_(t)
             _op(eng, "resume_memory_occupation", tags=["weights"])
-            _op(eng, "begin_weight_update")
-            _op(eng, "update_weights_from_window", path=window.path, layout_digest=layout.digest(),
-                weight_version=f"w{step}")  # fmt: skip
-            _op(eng, "end_weight_update")
+            answer = _op(eng, "update_weights_from_window", path=window.path, layout_digest=layout.digest(),
+                         weight_version=f"w{step}")  # fmt: skip
+            assert answer["weight_version"] == f"w{step}" and not eng.session_open
             qkv = eng.runner.layers[0].qkv
             assert (
                 qkv._orientation() == "rows"
@@ -124,20 +123,20 @@ def test_window_refusals(engine, tmp_path):
     layout = WindowLayout.from_json(_op(eng, "weight_window_layout")["layout"])
     window = TrainerWindow(layout)
     try:
-        with pytest.raises(ValueError, match="begin_weight_update"):  # outside a session, as SGLang refuses
-            _op(eng, "update_weights_from_window", path=window.path, layout_digest=layout.digest())
         _op(eng, "begin_weight_update")
-        try:
-            with pytest.raises(ValueError, match="digest"):
-                _op(eng, "update_weights_from_window", path=window.path, layout_digest="0" * 32)
-            with pytest.raises(ValueError, match=WINDOW_PREFIX):
-                _op(eng, "update_weights_from_window", path="/etc/passwd", layout_digest=layout.digest())
-            short = tmp_path / f"{WINDOW_PREFIX}short"
-            short.write_bytes(b"\0" * 8)
-            with pytest.raises(ValueError, match="holds 8 bytes"):
-                _op(eng, "update_weights_from_window", path=str(short), layout_digest=layout.digest())
+        try:  # a session of its own: not inside another one
+            with pytest.raises(ValueError, match="end_weight_update"):
+                _op(eng, "update_weights_from_window", path=window.path, layout_digest=layout.digest())
         finally:
             _op(eng, "end_weight_update")
+        with pytest.raises(ValueError, match="digest"):
+            _op(eng, "update_weights_from_window", path=window.path, layout_digest="0" * 32)
+        with pytest.raises(ValueError, match=WINDOW_PREFIX):
+            _op(eng, "update_weights_from_window", path="/etc/passwd", layout_digest=layout.digest())
+        short = tmp_path / f"{WINDOW_PREFIX}short"
+        short.write_bytes(b"\0" * 8)
+        with pytest.raises(ValueError, match="holds 8 bytes"):
+            _op(eng, "update_weights_from_window", path=str(short), layout_digest=layout.digest())
         state = _trainer_state(path, seed=0)
         with pytest.raises(ValueError, match="lacks engine parameters"):
             window.check_covers([(n, tuple(t.shape)) for n, t in state.items() if "layers.1.mlp" not in n])

@@ -5,7 +5,9 @@ bucket and lets the engine copy it again. Here the trainer owns one file in shar
 the first refit from the engine's own layout (`/weight_window_layout`, see `miles.engines.local.window`) and reused
 at every refit: each leader rank writes every gathered tensor straight into its view (the engine's fused q/k/v and
 gate/up blocks included), then posts one `/update_weights_from_window`, and the engine points its parameters at
-the views without copying. The session, the weight version and the checksums are those of every other refit.
+the views without copying. That one call is the whole refit on the engine: its own weight-update session (no
+begin/end round trips), and its answer names the weight version the engine then serves, which must be ours;
+`check_equal` compares per-tensor checksums as on every other path.
 
 Only the embedded engine speaks this (`miles.backends.fsdp_utils.actor` picks it when every engine answers the
 layout endpoint); SGLang engines keep the handle path and its contract. A restarted engine has no mapping: the next
@@ -24,7 +26,7 @@ import httpx
 import torch
 from torch import nn
 
-from miles.backends.fsdp_utils.engine_client import begin_sessions, end_sessions, post_engine
+from miles.backends.fsdp_utils.engine_client import compare_checksums, engine_checksums, post_engine
 from miles.backends.fsdp_utils.update_weight_utils import (
     ColocatedWeightUpdater,
     _buckets_with_progress,
@@ -134,23 +136,18 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
         n_buckets = len(_plan(_hf_tensors(model, dtype), bucket_bytes))
         url = self._url_if_targeted(engines)
         self._on_all(lambda: url and self._ensure_window(url, model, dtype))
-        self._on_all(lambda: url and begin_sessions([url], self._headers, self.timeout_s, weight_version))
         checksums: dict[str, str] = {}
         error: str | None = None
-        try:
-            # every rank consumes every bucket (the gathers are collective); a failed write is reported after
-            for bucket in _buckets_with_progress(model, bucket_bytes, dtype, n_buckets, weight_version):
-                if url is None or error is not None:
-                    continue
-                try:
-                    self._write(bucket, checksums)
-                except Exception as exc:  # noqa: BLE001 - reported to every rank below
-                    error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-            self._raise_if_any_failed(error)
-            self._on_all(lambda: url and self._load(url, weight_version))
-        finally:
-            self._on_all(lambda: url and end_sessions([url], self._headers, self.timeout_s, weight_version))
-        self._on_all(lambda: url and self._verify(url, weight_version, checksums))
+        # every rank consumes every bucket (the gathers are collective); a failed write is reported after
+        for bucket in _buckets_with_progress(model, bucket_bytes, dtype, n_buckets, weight_version):
+            if url is None or error is not None:
+                continue
+            try:
+                self._write(bucket, checksums)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank below
+                error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        self._raise_if_any_failed(error)
+        self._on_all(lambda: url and self._load(url, weight_version, checksums))
         return n_buckets
 
     @torch.no_grad()
@@ -161,7 +158,9 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
             if self.check_equal:
                 checksums[name] = tensor_checksum(tensor)
 
-    def _load(self, url: str, weight_version: str) -> None:
+    def _load(self, url: str, weight_version: str, checksums: dict[str, str]) -> None:
+        """One call loads the window (its own weight-update session on the engine); the answer names the version
+        the engine now serves, which must be ours; with ``check_equal`` the checksums are compared too."""
         assert self.window is not None
         body = {
             "path": self.window.path,
@@ -169,6 +168,13 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
             "flush_cache": True,
             "weight_version": weight_version,
         }
-        post_engine(
+        answer = post_engine(
             url, "update_weights_from_window", body, self._headers, self.timeout_s, f"refit {weight_version}"
         )
+        if answer.get("weight_version") != weight_version:
+            raise RuntimeError(
+                f"engine {url} serves weight version {answer.get('weight_version')!r} after refit {weight_version}"
+            )
+        if self.check_equal:
+            engine = engine_checksums(url, self._headers, self.timeout_s, weight_version)
+            compare_checksums(url, checksums, engine, weight_version)

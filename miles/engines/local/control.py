@@ -178,10 +178,14 @@ class WeightControl:
         flush_cache: bool = True,
         weight_version: str | None = None,
     ) -> dict[str, Any]:
-        """miles-only: point every parameter at its view of the trainer's window file (no copy)."""
+        """miles-only: a whole refit in one call, its own weight-update session (refused while another is open):
+        point every parameter at its view of the trainer's window file (no copy) and serve `weight_version`."""
         from miles.engines.local.window import MappedWindow
 
-        self._require_session("update_weights_from_window")
+        if self.session_open:
+            raise RefitRefused(
+                "update_weights_from_window is a weight-update session of its own; call end_weight_update() first"
+            )
         layout = self._window_layout()
         if layout_digest != layout.digest():
             raise ValueError(
@@ -192,7 +196,8 @@ class WeightControl:
             self._window = MappedWindow(path, layout)  # first refit, a new window, or a restarted engine
         n = self.weights.point_at(self._window.views)
         self._set_version(weight_version)
-        return {"success": True, "message": f"Success. Updated {n} tensors."}
+        served = self.model_info()["weight_version"]
+        return {"success": True, "message": f"Success. Updated {n} tensors.", "weight_version": served}
 
     def _op_update_weights_from_disk(
         self, model_path: str, load_format: str | None = None, weight_version: str | None = None, **_: Any
