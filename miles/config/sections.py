@@ -318,6 +318,12 @@ class TrainConfig:
     context_parallel_size: int = opt(1, "ranks that split one sequence (context parallelism)", ge=1)
     fsdp_cpu_offload: bool = opt(False, "keep FSDP parameters, gradients and optimizer state on CPU")
     update_weight_buffer_size: int = opt(512 * 1024**2, "bytes per weight-refit bucket", ge=1)
+    update_weight_transfer_mode: str = opt(
+        "auto",
+        "how a refit moves weights: tensor (handles / shared-memory window, same node), broadcast (update "
+        "group: NCCL on GPU, gloo on CPU), auto (tensor when colocated or on CPU, else broadcast)",
+        choices=("auto", "tensor", "broadcast"),
+    )
     ref_update_interval: int | None = opt(
         None, "copy policy weights into the reference every N rollouts", ge=1
     )

@@ -376,6 +376,22 @@ def _router(v: Values) -> None:
         )
 
 
+def _transfer_mode(v: Values) -> None:
+    mode = v["update_weight_transfer_mode"]
+    if mode == "broadcast" and v["colocate"]:
+        v.fail(
+            "update_weight_transfer_mode",
+            "broadcast needs engines on devices of their own, but --colocate puts them on the training devices "
+            "(NCCL cannot join two processes on one GPU); use tensor or auto",
+        )
+    if mode == "tensor" and not v["colocate"] and v["actor_num_nodes"] > 1:
+        v.fail(
+            "update_weight_transfer_mode",
+            f"tensor handles reach only engines on the same node, but the trainers span --actor-num-nodes="
+            f"{v['actor_num_nodes']} and the engines are not colocated; use broadcast or auto",
+        )
+
+
 def _deadlines(v: Values) -> None:
     if v["refit_timeout"] >= v["train_timeout"]:
         v.fail(
@@ -506,6 +522,7 @@ RULES: list[Callable[[Values], None]] = [
     _engine,
     _external_engines,
     _router,
+    _transfer_mode,
     _deadlines,
     _sampling,
     _optim,

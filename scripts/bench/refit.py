@@ -1,11 +1,14 @@
 """Refit bandwidth of the CPU colocated path vs a memcpy of the same bytes, in the same run (issue 10).
 
     python scripts/bench/refit.py [--workload compute] [--trainers 1] [--bucket-mb 512] [--repeats 5]
+                                  [--transport window|handles]
 
 Real processes, miles' own code on both sides: `--trainers` FSDP2 training ranks (gloo, `build_fsdp_model`)
 refit `--trainers` embedded engines (`python -m miles.engines.local`, one intra-op thread each, as miles starts
-them on CPU) through `ColocatedWeightUpdater` -> `/update_weights_from_tensor` (shared-memory tensor handles),
-engine e served by rank e, exactly as `FSDPTrainer.update_weights` does in a colocated run. The model is a
+them on CPU), engine e served by rank e, through the transport `FSDPTrainer.update_weights` picks in a colocated
+CPU run of embedded engines: `--transport window` (default) is `WindowWeightUpdater` (the shared-memory weight
+window, one `/update_weights_from_window` per refit); `--transport handles` is `ColocatedWeightUpdater` ->
+`/update_weights_from_tensor` per bucket (shared-memory tensor handles, what SGLang engines get). The model is a
 workload model of `bench_workloads.py` (default: the 25M-parameter one, ~100 MB in fp32).
 
 Each refit is timed on rank 0 between barriers (all buckets, every engine answered). Bytes = model bytes x
@@ -21,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +49,7 @@ class RefitResult:
     refit_s: list[float]  # per timed refit (after the warm-up one)
     memcpy_s: list[float]  # per timed copy of model_bytes * engines
     memcpy_threads: int
+    transport: str = "handles"
 
 
 @dataclass(frozen=True)
@@ -71,17 +74,11 @@ def summarize(r: RefitResult) -> RefitSummary:
 
 def format_summary(s: RefitSummary, r: RefitResult) -> str:
     return (
-        f"refit: {s.bytes / 1e6:.1f} MB to {r.engines} engine(s) in {r.buckets} bucket(s) of <= "
+        f"refit ({r.transport}): {s.bytes / 1e6:.1f} MB to {r.engines} engine(s) in {r.buckets} bucket(s) of <= "
         f"{r.bucket_bytes / 2**20:.0f} MiB: {s.refit_s.fmt()} s = {s.refit_gbps.fmt()} GB/s\n"
         f"memcpy of the same bytes ({r.memcpy_threads} thread(s)): {s.memcpy_gbps.fmt()} GB/s\n"
         f"refit / memcpy bandwidth: {s.ratio:.4f}"
     )
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -114,7 +111,10 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
     torch.set_num_threads(trainer_threads)
     ps = init_distributed("gloo", timeout_s=600)
     net = build_fsdp_model(model, ps.fsdp_mesh, device=torch.device("cpu"))
-    updater = ColocatedWeightUpdater(urls, ranks_per_engine=1, rank=rank, world_size=world, timeout_s=600)
+    from miles.backends.fsdp_utils.weight_window import WindowWeightUpdater
+
+    kind = WindowWeightUpdater if a["transport"] == "window" else ColocatedWeightUpdater
+    updater = kind(urls, ranks_per_engine=1, rank=rank, world_size=world, timeout_s=600)
     bucket_bytes = int(a["bucket_mb"] * 2**20)
     times = []
     for i in range(a["repeats"] + 1):
@@ -138,7 +138,9 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
                 copies.append(time.perf_counter() - t0)
         plan = plan_weight_buckets(net, bucket_bytes, torch.float32)
         assert len(plan) == n_buckets
-        result = RefitResult(model_bytes, len(urls), n_buckets, bucket_bytes, times, copies, trainer_threads)
+        result = RefitResult(
+            model_bytes, len(urls), n_buckets, bucket_bytes, times, copies, trainer_threads, a["transport"]
+        )
         Path(out).write_text(json.dumps(asdict(result)))
     dist.barrier()
     dist.destroy_process_group()
@@ -154,6 +156,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--bucket-mb", type=float, default=512.0, help="refit bucket size in MiB (miles' default 512)"
     )
     p.add_argument("--repeats", type=int, default=5, help="timed refits (after one warm-up)")
+    p.add_argument(
+        "--transport",
+        default="window",
+        choices=("window", "handles"),
+        help="window: the shared-memory weight window; handles: per-bucket tensor handles",
+    )
     p.add_argument("--work-dir", default=None, help="where the model is written (default: a temp dir)")
     p.add_argument("--out", default=None, help="write the result as JSON here")
     a = p.parse_args(argv)

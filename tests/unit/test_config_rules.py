@@ -125,3 +125,24 @@ def test_refit_deadline_must_expire_before_the_drivers_wait() -> None:
         assert "--refit-timeout" in str(e) and "below --train-timeout (100)" in str(e), str(e)
     else:
         raise AssertionError("--refit-timeout >= --train-timeout was accepted")
+
+
+def test_update_weight_transfer_mode_rules() -> None:
+    """broadcast cannot serve colocated engines; tensor handles cannot leave a node (refused before Ray starts)."""
+    import pytest
+
+    base = ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--num-rollout", "1", "--rollout-batch-size", "2",
+            "--global-batch-size", "2"]  # fmt: skip
+    assert parse_config([*base, "--colocate"]).train.update_weight_transfer_mode == "auto"
+    disagg = [*base, "--rollout-num-gpus", "1"]
+    assert parse_config([*disagg, "--update-weight-transfer-mode", "broadcast"]).train.update_weight_transfer_mode == (
+        "broadcast"
+    )
+    assert parse_config([*base, "--colocate", "--update-weight-transfer-mode", "tensor"])
+    with pytest.raises(ConfigError, match="update-weight-transfer-mode.*--colocate"):
+        parse_config([*base, "--colocate", "--update-weight-transfer-mode", "broadcast"])
+    with pytest.raises(ConfigError, match="update-weight-transfer-mode.*--actor-num-nodes=2"):
+        parse_config([*disagg, "--actor-num-nodes", "2", "--update-weight-transfer-mode", "tensor"])
+    assert parse_config([*disagg, "--actor-num-nodes", "2", "--update-weight-transfer-mode", "broadcast"])
+    with pytest.raises(ConfigError, match="update-weight-transfer-mode"):
+        parse_config([*base, "--colocate", "--update-weight-transfer-mode", "nccl"])

@@ -280,28 +280,43 @@ class FSDPTrainer(TrainBackend):
 
     # ------------------------------------------------------------------------------------------------ refit
     def update_weights(self, engine_urls: list[str], weight_version: str) -> None:
+        """Refit ``engine_urls``: every engine, or (fault tolerance) the engines that were restarted since the
+        last refit, whose transport (update group, window mapping) is new."""
         cfg = self.config
         was_offloaded = self._offloaded
         if was_offloaded:
             self.wake_up()
-        if self._weight_updater is None or self._weight_updater.engine_urls != [
-            u.rstrip("/") for u in engine_urls
-        ]:
-            self._weight_updater = self._make_weight_updater(list(engine_urls))
+        urls = [u.rstrip("/") for u in engine_urls]
+        if self._weight_updater is None:
+            self._weight_updater = self._make_weight_updater(urls)
+        elif urls != self._weight_updater.engine_urls:
+            self._weight_updater.engines_restarted(urls)
         self._weight_updater.update(
-            self.model, cfg.train.update_weight_buffer_size, weight_version, dtype=self.param_dtype
+            self.model,
+            cfg.train.update_weight_buffer_size,
+            weight_version,
+            dtype=self.param_dtype,
+            engines=urls,
         )
         if was_offloaded:
             self.sleep()
 
+    def _transfer_mode(self) -> str:
+        """--update-weight-transfer-mode resolved: auto is tensor when colocated or on CPU (shared memory, which
+        any process on this node can map), broadcast when disaggregated on GPU."""
+        mode = self.config.train.update_weight_transfer_mode
+        if mode == "auto":
+            return "tensor" if self.config.cluster.colocate or not self.ps.is_cuda else "broadcast"
+        return mode
+
     def _make_weight_updater(self, engine_urls: list[str]) -> Any:
-        """Tensor handles (CUDA IPC) when colocated on GPU; shared memory on CPU, which any process on this node
-        can map, so CPU runs use handles in disaggregated placement too. GPU disaggregated: NCCL broadcast."""
+        """The refit transport of --update-weight-transfer-mode: tensor handles (CUDA IPC / shared memory; a
+        shared-memory weight window when colocated on CPU and every engine is embedded) or a broadcast group
+        (NCCL on GPU, gloo on CPU)."""
         from miles.backends.fsdp_utils.update_weight_utils import (
             ColocatedWeightUpdater,
             DistributedWeightUpdater,
         )
-        from miles.utils.net import free_port
 
         cfg = self.config
         common = dict(
@@ -312,16 +327,34 @@ class FSDPTrainer(TrainBackend):
             timeout_s=cfg.train.refit_timeout,  # below the driver's wait: the engine is named
             check_equal=cfg.engine.check_weight_update_equal,
         )
-        if cfg.cluster.colocate or not self.ps.is_cuda:
+        if self._transfer_mode() == "tensor":
+            if cfg.cluster.colocate and not self.ps.is_cuda and self._all_engines_have_windows(engine_urls):
+                from miles.backends.fsdp_utils.weight_window import WindowWeightUpdater
+
+                return WindowWeightUpdater(engine_urls, **common)
             return ColocatedWeightUpdater(engine_urls, **common)
         # rank 0 hosts the update group; MASTER_ADDR is its node's address (what the engines can reach)
-        endpoint = [(os.environ["MASTER_ADDR"], free_port("")) if self.ps.rank == 0 else None]
-        dist.broadcast_object_list(endpoint, src=0)
+        address = [os.environ["MASTER_ADDR"] if self.ps.rank == 0 else None]
+        dist.broadcast_object_list(address, src=0)
         updater = DistributedWeightUpdater(
-            engine_urls, master_address=endpoint[0][0], master_port=endpoint[0][1], **common
+            engine_urls,
+            master_address=address[0],
+            backend="nccl" if self.ps.is_cuda else "gloo",
+            **common,
         )
         updater.connect()
         return updater
+
+    def _all_engines_have_windows(self, engine_urls: list[str]) -> bool:
+        """Rank 0 asks every engine for its window layout; all ranks get the answer (a collective)."""
+        from miles.backends.fsdp_utils.weight_window import engines_have_windows
+
+        answer = [None]
+        if self.ps.rank == 0:
+            headers = {"Authorization": f"Bearer {k}"} if (k := self.config.engine.engine_api_key) else {}
+            answer = [engines_have_windows(engine_urls, headers, self.config.train.refit_timeout)]
+        dist.broadcast_object_list(answer, src=0)
+        return bool(answer[0])
 
 
 def _perf_metrics(

@@ -42,6 +42,7 @@ from miles.backends.fsdp_utils.engine_client import (
     post_engine,
     verify_versions,
 )
+from miles.utils.net import free_port
 from miles.utils.progress import track
 from miles.utils.serialization import serialize, share_named_tensors
 from miles.utils.weight_checksum import tensor_checksum
@@ -106,7 +107,9 @@ def _plan(entries: list[_Entry], bucket_bytes: int) -> list[list[_Entry]]:
 
 def _full_tensor(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """All-gather a DTensor (moving a CPU-offloaded shard to the mesh's device first) and cast floats."""
-    if isinstance(t, DTensor):
+    if isinstance(t, DTensor) and t.device_mesh.size() == 1:
+        t = t.to_local()  # one rank holds the whole tensor: no gather, no copy
+    elif isinstance(t, DTensor):
         mesh_device = t.device_mesh.device_type
         if t.device.type != mesh_device:
             t = t.to(mesh_device)
@@ -183,14 +186,42 @@ class ColocatedWeightUpdater:
         self.engine_index: int | None = e if e < len(engine_urls) else None
         self.is_leader = self.engine_index is not None and rank % ranks_per_engine == 0
 
+    def engines_restarted(self, urls: list[str]) -> None:
+        """Engines that were restarted (new processes): handles travel with every bucket, nothing to redo."""
+        self._targets(urls)
+
+    def _targets(self, engines: list[str] | None) -> set[str]:
+        """The engines a refit goes to (None: all); each must be one of ours."""
+        if engines is None:
+            return set(self.engine_urls)
+        targets = {u.rstrip("/") for u in engines}
+        unknown = sorted(targets - set(self.engine_urls))
+        if unknown:
+            raise ValueError(f"engines {unknown} are not among this updater's {self.engine_urls}")
+        return targets
+
+    def _url_if_targeted(self, engines: list[str] | None) -> str | None:
+        """Our engine's URL when this rank is its leader and it is a target of this refit, else None."""
+        targets = self._targets(engines)
+        if self.engine_index is None or self.engine_urls[self.engine_index] not in targets:
+            return None
+        return self.engine_urls[self.engine_index]
+
     def update(
-        self, model: nn.Module, bucket_bytes: int, weight_version: str, dtype: torch.dtype | None = None
+        self,
+        model: nn.Module,
+        bucket_bytes: int,
+        weight_version: str,
+        dtype: torch.dtype | None = None,
+        engines: list[str] | None = None,
     ) -> int:
-        """Push all weights of ``model`` to the engines inside a weight-update session, then verify them;
-        returns the number of buckets. Collective: every rank raises together on any failure."""
+        """Push all weights of ``model`` to the engines (``engines``: a subset, e.g. restarted ones; None: all)
+        inside a weight-update session, then verify them; returns the number of buckets. Collective: every rank
+        raises together on any failure."""
         n_buckets = len(_plan(_hf_tensors(model, dtype), bucket_bytes))
-        url = self.engine_urls[self.engine_index] if self.is_leader else None
-        self._on_leaders(lambda: begin_sessions([url], self._headers, self.timeout_s, weight_version))
+        targeted = self._url_if_targeted(engines)
+        url = targeted if self.is_leader else None
+        self._on_leaders(lambda: url and begin_sessions([url], self._headers, self.timeout_s, weight_version))
         checksums: dict[str, str] = {}
         try:
             for index, bucket in enumerate(
@@ -199,12 +230,18 @@ class ColocatedWeightUpdater:
                 if self.check_equal and self.is_leader:
                     checksums.update((name, tensor_checksum(t)) for name, t in bucket)
                 self._on_all(
-                    lambda b=bucket, i=index: self._send_bucket(b, i, i == n_buckets - 1, weight_version)
+                    lambda b=bucket, i=index: (
+                        self._send_bucket(b, i, i == n_buckets - 1, weight_version)
+                        if targeted is not None
+                        else None
+                    )
                 )
                 del bucket
         finally:
-            self._on_leaders(lambda: end_sessions([url], self._headers, self.timeout_s, weight_version))
-        self._on_leaders(lambda: self._verify(url, weight_version, checksums))
+            self._on_leaders(
+                lambda: url and end_sessions([url], self._headers, self.timeout_s, weight_version)
+            )
+        self._on_leaders(lambda: url and self._verify(url, weight_version, checksums))
         return n_buckets
 
     def _verify(self, url: str, version: str, checksums: dict[str, str]) -> None:
@@ -340,8 +377,13 @@ class DistributedWeightUpdater:
     (no broadcast starts before every engine opened it). The broadcasts are asynchronous and watched together
     with the engines' answers: an engine that refuses a bucket fails the refit at once, naming the engine,
     instead of leaving the collective to wait for the group's timeout (``timeout_s``).
+    `engines_restarted` + `update(engines=...)`: a restarted engine is a new process outside the group, so the
+    group follows the engines a refit goes to: when they differ from the group's members (or a member was
+    restarted), the members that still hold the group leave it and a new group forms with the targets (on a
+    fresh port; ``master_port`` serves the first group). A refit of the restarted engines alone therefore
+    regroups twice: to them, then back to all engines at the next full refit.
     `disconnect` tears the group down (``/destroy_weights_update_group``).
-    All three are collective over the training ranks (``group``; None: the default group), and all ranks
+    All are collective over the training ranks (``group``; None: the default group), and all ranks
     raise together on failure.
     """
 
@@ -352,7 +394,7 @@ class DistributedWeightUpdater:
         rank: int,
         world_size: int,
         master_address: str,
-        master_port: int,
+        master_port: int | None = None,
         group: dist.ProcessGroup | None = None,
         group_name: str = "miles_weights_update",
         backend: str | None = None,
@@ -372,24 +414,26 @@ class DistributedWeightUpdater:
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
         self.ranks_per_engine = ranks_per_engine
         self.rank, self.world_size = rank, world_size
-        self.master_address, self.master_port = master_address, master_port
+        self.master_address, self._next_port = master_address, master_port
         self.group_name, self.backend, self.timeout_s = group_name, backend, timeout_s
         self.check_equal = check_equal
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(world_size)]
         self._ctrl = dist.new_group(ranks, backend="gloo")  # collective over the default group
         self._group: dist.ProcessGroup | None = None
+        self.members: list[str] = []  # engines in the current group, in rank order
+        self._lost: set[str] = set()  # members restarted since they joined (they no longer hold the group)
         # one thread per engine request, plus one for joining the group while the requests wait for it
         self._pool = ThreadPoolExecutor(max_workers=len(engine_urls) + 1, thread_name_prefix="miles-refit")
 
     @property
     def update_world_size(self) -> int:
-        return 1 + len(self.engine_urls) * self.ranks_per_engine
+        return 1 + len(self.members) * self.ranks_per_engine
 
-    def _post_all(self, endpoint: str, bodies: list[dict], what: str) -> list[Future]:
+    def _post_to(self, urls: list[str], endpoint: str, bodies: list[dict], what: str) -> list[Future]:
         return [
             self._pool.submit(post_engine, url, endpoint, body, self._headers, self.timeout_s, what)
-            for url, body in zip(self.engine_urls, bodies, strict=True)
+            for url, body in zip(urls, bodies, strict=True)
         ]
 
     def _on_rank0(self, fn: Callable[[], None]) -> None:
@@ -401,27 +445,45 @@ class DistributedWeightUpdater:
                 error = f"rank 0: {type(exc).__name__}: {exc}"
         raise_if_any_failed(error, self.world_size, self._ctrl)
 
-    def connect(self) -> None:
-        """Create the update group with every engine. Collective over the training ranks."""
+    def _targets(self, engines: list[str] | None) -> list[str]:
+        if engines is None:
+            return list(self.engine_urls)
+        wanted = {u.rstrip("/") for u in engines}
+        unknown = sorted(wanted - set(self.engine_urls))
+        if unknown:
+            raise ValueError(f"engines {unknown} are not among this updater's {self.engine_urls}")
+        return [u for u in self.engine_urls if u in wanted]
+
+    def engines_restarted(self, urls: list[str]) -> None:
+        """``urls`` were restarted: they left the group with their old process (the next refit regroups)."""
+        self._lost.update(self._targets(urls))
+
+    def connect(self, engines: list[str] | None = None) -> None:
+        """Create the update group with ``engines`` (None: all). Collective over the training ranks."""
         if self._group is not None:
             raise RuntimeError(f"weights-update group {self.group_name!r} is already connected")
+        targets = self._targets(engines)
+        port = self._next_port
+        self._next_port = None
 
         def join() -> None:
+            master_port = port or free_port("")  # rank 0 hosts the store: every interface
+            world_size = 1 + len(targets) * self.ranks_per_engine
             bodies = [
                 {
                     "master_address": self.master_address,
-                    "master_port": self.master_port,
+                    "master_port": master_port,
                     "rank_offset": 1 + e * self.ranks_per_engine,
-                    "world_size": self.update_world_size,
+                    "world_size": world_size,
                     "group_name": self.group_name,
                     "backend": self.backend,
                 }
-                for e in range(len(self.engine_urls))
+                for e in range(len(targets))
             ]
-            pending = self._post_all("init_weights_update_group", bodies, f"group {self.group_name}")
+            pending = self._post_to(targets, "init_weights_update_group", bodies, f"group {self.group_name}")
             joining = self._pool.submit(
-                init_weights_update_group, self.master_address, self.master_port, 0,
-                self.update_world_size, self.group_name, self.backend, self.timeout_s,
+                init_weights_update_group, self.master_address, master_port, 0,
+                world_size, self.group_name, self.backend, self.timeout_s,
             )  # fmt: skip
             _wait_fail_fast(
                 lambda: joining.done(), pending, self.timeout_s, f"joining group {self.group_name}"
@@ -431,16 +493,26 @@ class DistributedWeightUpdater:
                 f.result()
 
         self._on_rank0(join)
+        self.members, self._lost = targets, set()
 
     def update(
-        self, model: nn.Module, bucket_bytes: int, weight_version: str, dtype: torch.dtype | None = None
+        self,
+        model: nn.Module,
+        bucket_bytes: int,
+        weight_version: str,
+        dtype: torch.dtype | None = None,
+        engines: list[str] | None = None,
     ) -> int:
-        """Push all weights of ``model`` inside a weight-update session on every engine, then verify them;
-        returns the number of buckets. Collective over the training ranks."""
-        if self.rank == 0 and self._group is None:
+        """Push all weights of ``model`` inside a weight-update session on every targeted engine (None: all),
+        then verify them; returns the number of buckets. Collective over the training ranks."""
+        if not self.members:
             raise RuntimeError("DistributedWeightUpdater.update called before connect()")
+        targets = self._targets(engines)
+        if targets != self.members or self._lost:
+            self.disconnect()
+            self.connect(targets)
         n_buckets = len(_plan(_hf_tensors(model, dtype), bucket_bytes))
-        urls, headers, timeout = self.engine_urls, self._headers, self.timeout_s
+        urls, headers, timeout = self.members, self._headers, self.timeout_s
         self._on_rank0(lambda: begin_sessions(urls, headers, timeout, weight_version))
         checksums: dict[str, str] = {}
         try:
@@ -459,9 +531,9 @@ class DistributedWeightUpdater:
         return n_buckets
 
     def _verify(self, version: str, checksums: dict[str, str]) -> None:
-        verify_versions(self.engine_urls, version, self._headers, self.timeout_s)
+        verify_versions(self.members, version, self._headers, self.timeout_s)
         if self.check_equal:
-            for url in self.engine_urls:
+            for url in self.members:
                 engine = engine_checksums(url, self._headers, self.timeout_s, version)
                 compare_checksums(url, checksums, engine, version)
 
@@ -476,8 +548,8 @@ class DistributedWeightUpdater:
             "flush_cache": is_last,
             "weight_version": version,
         }
-        pending = self._post_all(
-            "update_weights_from_distributed", [body] * len(self.engine_urls), f"bucket {index}"
+        pending = self._post_to(
+            self.members, "update_weights_from_distributed", [body] * len(self.members), f"bucket {index}"
         )
         works = [
             dist.broadcast(t.contiguous(), group=self._group, group_src=0, async_op=True) for _, t in bucket
@@ -494,15 +566,20 @@ class DistributedWeightUpdater:
             f.result()
 
     def disconnect(self) -> None:
-        """Ask the engines to leave the group and destroy our side. Collective over the training ranks."""
+        """Ask the members that still hold the group to leave it and destroy our side. Collective over the
+        training ranks."""
+        holding = [u for u in self.members if u not in self._lost]
 
         def leave() -> None:
             if self._group is None:
                 return
-            bodies = [{"group_name": self.group_name}] * len(self.engine_urls)
-            for f in self._post_all("destroy_weights_update_group", bodies, f"group {self.group_name}"):
+            bodies = [{"group_name": self.group_name}] * len(holding)
+            for f in self._post_to(
+                holding, "destroy_weights_update_group", bodies, f"group {self.group_name}"
+            ):
                 f.result()
             dist.destroy_process_group(self._group)
             self._group = None
 
         self._on_rank0(leave)
+        self.members, self._lost = [], set()

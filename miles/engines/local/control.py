@@ -57,6 +57,8 @@ class WeightControl:
     dtype: torch.dtype
     model_path: str
     _groups_lock: Any
+    _window_plan: Any  # WindowLayout, planned on first use
+    _window: Any  # MappedWindow of the last window refit
 
     def _set_version(self, weight_version: str | None) -> None:
         raise NotImplementedError
@@ -148,6 +150,54 @@ class WeightControl:
         n = receive_tensors(self.update_groups[group_name], names, dtypes, shapes, self.weights)
         self._set_version(weight_version)
         return {"success": True, "message": f"Succeeded to update parameter online ({n} tensors)."}
+
+    def _window_layout(self) -> Any:
+        from miles.engines.local.window import plan_layout
+
+        if self._window_plan is None:
+            store = self.weights
+            shapes = {n: store.shape_dtype(n)[0] for n in store.names}
+            fused = [
+                g
+                for layer in getattr(self.runner, "layers", [])
+                for g in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+                if g is not None
+            ]
+            aliases = {a: store.resolve(a) for a in store.aliases}
+            self._window_plan = plan_layout(store.params, shapes, aliases, fused, self.dtype)
+        return self._window_plan
+
+    def _op_weight_window_layout(self) -> dict[str, Any]:
+        """miles-only: where each parameter lives in a weight window (see miles.engines.local.window)."""
+        return {"success": True, "message": "Success", "layout": self._window_layout().to_json()}
+
+    def _op_update_weights_from_window(
+        self,
+        path: str,
+        layout_digest: str,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> dict[str, Any]:
+        """miles-only: a whole refit in one call, its own weight-update session (refused while another is open):
+        point every parameter at its view of the trainer's window file (no copy) and serve `weight_version`."""
+        from miles.engines.local.window import MappedWindow
+
+        if self.session_open:
+            raise RefitRefused(
+                "update_weights_from_window is a weight-update session of its own; call end_weight_update() first"
+            )
+        layout = self._window_layout()
+        if layout_digest != layout.digest():
+            raise ValueError(
+                f"window layout digest {layout_digest!r} differs from this engine's {layout.digest()!r} "
+                "(the trainer wrote another model's or dtype's layout; ask /weight_window_layout again)"
+            )
+        if self._window is None or self._window.path != path:
+            self._window = MappedWindow(path, layout)  # first refit, a new window, or a restarted engine
+        n = self.weights.point_at(self._window.views)
+        self._set_version(weight_version)
+        served = self.model_info()["weight_version"]
+        return {"success": True, "message": f"Success. Updated {n} tensors.", "weight_version": served}
 
     def _op_update_weights_from_disk(
         self, model_path: str, load_format: str | None = None, weight_version: str | None = None, **_: Any

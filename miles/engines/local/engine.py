@@ -132,6 +132,8 @@ class LocalEngine(WeightControl):
         self.session_open = False  # between /begin_weight_update and /end_weight_update
         self.update_groups: dict[str, Any] = {}
         self._groups_lock = threading.Lock()
+        self._window_plan = None
+        self._window = None
         # `scheduler` is the loop thread around the pure scheduler (`self.scheduler.core`)
         self.scheduler = EngineLoop(
             runner=self.runner,
@@ -249,6 +251,8 @@ class LocalEngine(WeightControl):
             "update_weights_from_tensor": self._op_update_weights_from_tensor,
             "update_weights_from_distributed": self._op_update_weights_from_distributed,
             "update_weights_from_disk": self._op_update_weights_from_disk,
+            "weight_window_layout": self._op_weight_window_layout,  # miles-only: miles.engines.local.window
+            "update_weights_from_window": self._op_update_weights_from_window,
             "release_memory_occupation": self._op_release_memory_occupation,
             "resume_memory_occupation": self._op_resume_memory_occupation,
             "get_weights_by_name": self._op_get_weights_by_name,

@@ -2,7 +2,8 @@
 
 `FusedLinear` keeps the weights of its `nn.Linear`s as column blocks of one `[in, out]` buffer (transposed
 storage) and points each module's parameter at its block (a `[out_i, in]` view, stride `(1, out)`); biases are
-consecutive pieces of one vector. `x @ buffer` then computes every projection in one matmul without transposing
+consecutive pieces of one vector. Row blocks of one `[out, in]` buffer (each weight a plain contiguous block, as a
+shared-memory weight window lays them out, see `window.py`) are used as they are, through a transposed operand. `x @ buffer` then computes every projection in one matmul without transposing
 the weight (MKL's fastest path on CPU for decode-sized batches), and the HF modules, which compute the same
 `x @ weight.T`, give bitwise the same results. Weight loads copy into the parameters in place, so they update
 the buffer; nothing is kept apart from the parameters, so releasing them frees the memory. When a parameter got
@@ -49,34 +50,53 @@ class FusedLinear:
                 for b, start in zip(self.biases, self.offsets):
                     b.data = fused[start : start + b.shape[0]]
 
-    def _laid_out(self) -> bool:
-        """Whether the parameters still are the blocks of one buffer (and the biases of one vector)."""
+    def _orientation(self) -> str | None:
+        """How the parameters are laid out now: "cols" (column blocks of one `[in, out]` buffer, what `layout`
+        makes), "rows" (row blocks of one `[out, in]` buffer, what a weight window holds: each block is a plain
+        contiguous weight), or None (neither: lay out again)."""
         first = self.weights[0]
         if first.numel() == 0:
-            return False
+            return None
         base, size = first.data_ptr(), first.element_size()
-        for w, start in zip(self.weights, self.offsets):
-            if w.data_ptr() != base + start * size or w.stride() != (1, self.out_features):
-                return False
+        if all(
+            w.data_ptr() == base + start * size and w.stride() == (1, self.out_features)
+            for w, start in zip(self.weights, self.offsets)
+        ):
+            orientation = "cols"
+        elif all(
+            w.data_ptr() == base + start * self.in_features * size and w.stride() == (self.in_features, 1)
+            for w, start in zip(self.weights, self.offsets)
+        ):
+            orientation = "rows"
+        else:
+            return None
         storage = first.untyped_storage()
         end = base + self.in_features * self.out_features * size
         if not storage.data_ptr() <= base or end > storage.data_ptr() + storage.nbytes():
-            return False
+            return None
         if self.biases is not None:
             b0 = self.biases[0]
             if any(b.data_ptr() != b0.data_ptr() + s * size for b, s in zip(self.biases, self.offsets)):
-                return False
+                return None
             bstore = b0.untyped_storage()
             start, end = bstore.data_ptr(), bstore.data_ptr() + bstore.nbytes()
             if not start <= b0.data_ptr() or b0.data_ptr() + self.out_features * size > end:
-                return False
-        return True
+                return None
+        return orientation
+
+    def _laid_out(self) -> bool:
+        """Whether the parameters still are the blocks of one buffer (and the biases of one vector)."""
+        return self._orientation() is not None
 
     def weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The `[in, out]` buffer and the bias `[out]` (None without bias), as views of the parameters."""
-        if not self._laid_out():
+        """The `[in, out]` matrix (strided over the column or row buffer) and the bias `[out]` (None without
+        bias), as views of the parameters."""
+        orientation = self._orientation()
+        if orientation is None:
             self.layout()
-        w = self.weights[0].as_strided((self.in_features, self.out_features), (self.out_features, 1))
+            orientation = "cols"
+        stride = (self.out_features, 1) if orientation == "cols" else (1, self.in_features)
+        w = self.weights[0].as_strided((self.in_features, self.out_features), stride)
         b = None if self.biases is None else self.biases[0].as_strided((self.out_features,), (1,))
         return w, b
 

@@ -72,6 +72,13 @@ _ADMIN_POSTS: list[tuple[str, str, set[str]]] = [
     ("/destroy_weights_update_group", "destroy_weights_update_group", {"group_name"}),
     ("/get_weights_by_name", "get_weights_by_name", {"name", "truncate_size"}),
     ("/weights_checker", "weights_checker", {"action", "allow_quant_error", "skip_tensor_list", "selector"}),
+    # miles-only (no SGLang counterpart): the shared-memory weight window, see miles.engines.local.window
+    ("/weight_window_layout", "weight_window_layout", set()),
+    (
+        "/update_weights_from_window",
+        "update_weights_from_window",
+        {"path", "layout_digest", "flush_cache", "weight_version"},
+    ),
 ]
 _GROUP_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
 # SGLang marks these ADMIN_OPTIONAL (sglang/srt/entrypoints/http_server.py); every other route is NORMAL.

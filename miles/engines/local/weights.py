@@ -40,6 +40,16 @@ class WeightStore:
         """Canonical parameter names (one per distinct tensor)."""
         return list(self._params)
 
+    @property
+    def params(self) -> dict[str, nn.Parameter]:
+        """Canonical name -> Parameter."""
+        return dict(self._params)
+
+    @property
+    def aliases(self) -> list[str]:
+        """Every accepted name (canonical names and tied aliases)."""
+        return list(self._canonical)
+
     def resolve(self, name: str) -> str:
         """Canonical name of `name`; ValueError when the model has no such parameter."""
         try:
@@ -99,6 +109,27 @@ class WeightStore:
         canon = self.validate(name, tensor)
         self._params[canon].data.copy_(tensor)
         self.pending.discard(canon)
+
+    def point_at(self, views: dict[str, torch.Tensor]) -> int:
+        """Make every parameter a view of the given tensors (canonical name -> tensor of its shape and dtype),
+        without copying; all are checked before any is changed, and all must be given."""
+        if self.released:
+            raise ValueError(
+                "cannot load weights while they are released; call /resume_memory_occupation first"
+            )
+        missing = sorted(set(self._params) - set(views))
+        if missing:
+            raise ValueError(f"weight window lacks {len(missing)} parameters, e.g. {missing[:4]}")
+        for name, view in views.items():
+            shape, dtype = self._meta[self.resolve(name)]
+            if tuple(view.shape) != shape or view.dtype != dtype:
+                raise ValueError(
+                    f"{name!r}: window view {tuple(view.shape)} {view.dtype}, model has {shape} {dtype}"
+                )
+        for name, view in views.items():
+            self._params[name].data = view
+        self.pending.clear()
+        return len(views)
 
     def release(self) -> None:
         """Free the storage of every parameter (each becomes an empty tensor); buffers are kept."""

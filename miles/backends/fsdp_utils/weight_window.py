@@ -1,0 +1,180 @@
+"""Refit embedded engines through a shared-memory weight window (CPU colocated): one write, one HTTP call.
+
+The per-bucket tensor-handle path copies every tensor into fresh shared memory, pickles handles, posts each
+bucket and lets the engine copy it again. Here the trainer owns one file in shared memory per engine, created at
+the first refit from the engine's own layout (`/weight_window_layout`, see `miles.engines.local.window`) and reused
+at every refit: each leader rank writes every gathered tensor straight into its view (the engine's fused q/k/v and
+gate/up blocks included), then posts one `/update_weights_from_window`, and the engine points its parameters at
+the views without copying. That one call is the whole refit on the engine: its own weight-update session (no
+begin/end round trips), and its answer names the weight version the engine then serves, which must be ours;
+`check_equal` compares per-tensor checksums as on every other path.
+
+Only the embedded engine speaks this (`miles.backends.fsdp_utils.actor` picks it when every engine answers the
+layout endpoint); SGLang engines keep the handle path and its contract. A restarted engine has no mapping: the next
+`update_weights_from_window` names the same file, and the engine maps it again. The file lives until the trainer
+process exits (it is unlinked then).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+import weakref
+
+import httpx
+import torch
+from torch import nn
+
+from miles.backends.fsdp_utils.engine_client import compare_checksums, engine_checksums, post_engine
+from miles.backends.fsdp_utils.update_weight_utils import (
+    ColocatedWeightUpdater,
+    _buckets_with_progress,
+    _hf_tensors,
+    _plan,
+)
+from miles.engines.local.window import WINDOW_PREFIX, WindowLayout
+from miles.utils.weight_checksum import tensor_checksum
+
+LAYOUT_ENDPOINT = "weight_window_layout"
+
+
+def engines_have_windows(urls: list[str], headers: dict[str, str], timeout_s: float) -> bool:
+    """Whether every engine serves the window endpoints (the embedded engine does, SGLang answers 404)."""
+    from miles.backends.fsdp_utils.engine_client import http_client
+
+    for url in urls:
+        try:
+            resp = http_client().post(f"{url}/{LAYOUT_ENDPOINT}", json={}, headers=headers, timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            raise RuntimeError(f"engine {url}, {LAYOUT_ENDPOINT}, phase request: {exc}") from exc
+        if resp.status_code != 200:
+            return False
+    return True
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class TrainerWindow:
+    """The trainer's side of one engine's window: the file, its layout, and a view per accepted name."""
+
+    def __init__(self, layout: WindowLayout, directory: str | None = None):
+        self.layout = layout
+        self.path = os.path.join(directory or _shm_dir(), f"{WINDOW_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+        flat = torch.from_file(self.path, shared=True, size=layout.numel, dtype=layout.dtype)
+        self._finalizer = weakref.finalize(self, _unlink, self.path)
+        canonical = layout.views(flat)
+        self.views = {alias: canonical[name] for alias, name in layout.aliases.items()}
+        self.canonical_names = set(canonical)
+
+    def check_covers(self, named: list[tuple[str, tuple[int, ...]]]) -> None:
+        """Every engine parameter must be written by exactly these (name, shape) pairs; ValueError otherwise."""
+        unknown = [n for n, _ in named if n not in self.views]
+        if unknown:
+            raise ValueError(f"the engine has no parameters {unknown[:4]} (of {len(unknown)} unknown names)")
+        bad = [(n, s, tuple(self.views[n].shape)) for n, s in named if tuple(s) != tuple(self.views[n].shape)]
+        if bad:
+            raise ValueError(f"shapes differ between trainer and engine (name, trainer, engine): {bad[:4]}")
+        written = {self.layout.aliases[n] for n, _ in named}
+        missing = sorted(self.canonical_names - written)
+        if missing:
+            raise ValueError(
+                f"the trainer's model lacks engine parameters {missing[:4]} (refit would miss them)"
+            )
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class WindowWeightUpdater(ColocatedWeightUpdater):
+    """Colocated refit of embedded engines through a weight window per engine (see the module docstring).
+
+    Same engine/rank assignment as `ColocatedWeightUpdater` (engine ``e`` is served by rank ``e``; the embedded
+    engine has no tensor parallelism, so ``ranks_per_engine`` must be 1). Collective over the training ranks.
+    """
+
+    def __init__(self, engine_urls: list[str], ranks_per_engine: int, **kwargs: object) -> None:
+        if ranks_per_engine != 1:
+            raise ValueError(
+                f"weight windows serve embedded engines, which have one rank each, not {ranks_per_engine} "
+                "(--rollout-num-gpus-per-engine)"
+            )
+        super().__init__(engine_urls, ranks_per_engine, **kwargs)  # type: ignore[arg-type]
+        self.window: TrainerWindow | None = None
+
+    def _ensure_window(self, url: str, model: nn.Module, dtype: torch.dtype | None) -> None:
+        if self.window is not None:
+            return
+        answer = post_engine(url, LAYOUT_ENDPOINT, {}, self._headers, self.timeout_s, "window layout")
+        window = TrainerWindow(WindowLayout.from_json(answer["layout"]))
+        try:
+            window.check_covers([(e.name, tuple(e.tensor.shape)) for e in _hf_tensors(model, dtype)])
+        except ValueError as exc:
+            window.close()
+            raise ValueError(f"engine {url}: weight window: {exc}") from None
+        self.window = window
+
+    def update(
+        self,
+        model: nn.Module,
+        bucket_bytes: int,
+        weight_version: str,
+        dtype: torch.dtype | None = None,
+        engines: list[str] | None = None,
+    ) -> int:
+        """Write every tensor into the targeted engines' windows and load them with one call per engine, inside
+        a weight-update session; verify versions (and checksums with ``check_equal``). Returns the buckets."""
+        n_buckets = len(_plan(_hf_tensors(model, dtype), bucket_bytes))
+        url = self._url_if_targeted(engines)
+        self._on_all(lambda: url and self._ensure_window(url, model, dtype))
+        checksums: dict[str, str] = {}
+        error: str | None = None
+        # every rank consumes every bucket (the gathers are collective); a failed write is reported after
+        for bucket in _buckets_with_progress(model, bucket_bytes, dtype, n_buckets, weight_version):
+            if url is None or error is not None:
+                continue
+            try:
+                self._write(bucket, checksums)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank below
+                error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        self._raise_if_any_failed(error)
+        self._on_all(lambda: url and self._load(url, weight_version, checksums))
+        return n_buckets
+
+    @torch.no_grad()
+    def _write(self, bucket: list[tuple[str, torch.Tensor]], checksums: dict[str, str]) -> None:
+        assert self.window is not None
+        for name, tensor in bucket:
+            self.window.views[name].copy_(tensor)
+            if self.check_equal:
+                checksums[name] = tensor_checksum(tensor)
+
+    def _load(self, url: str, weight_version: str, checksums: dict[str, str]) -> None:
+        """One call loads the window (its own weight-update session on the engine); the answer names the version
+        the engine now serves, which must be ours; with ``check_equal`` the checksums are compared too."""
+        assert self.window is not None
+        body = {
+            "path": self.window.path,
+            "layout_digest": self.window.layout.digest(),
+            "flush_cache": True,
+            "weight_version": weight_version,
+        }
+        answer = post_engine(
+            url, "update_weights_from_window", body, self._headers, self.timeout_s, f"refit {weight_version}"
+        )
+        if answer.get("weight_version") != weight_version:
+            raise RuntimeError(
+                f"engine {url} serves weight version {answer.get('weight_version')!r} after refit {weight_version}"
+            )
+        if self.check_equal:
+            engine = engine_checksums(url, self._headers, self.timeout_s, weight_version)
+            compare_checksums(url, checksums, engine, weight_version)

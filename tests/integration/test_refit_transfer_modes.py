@@ -1,0 +1,136 @@
+"""Both refit transports of `--update-weight-transfer-mode` into real embedded engines, through `FSDPTrainer`:
+
+- tensor, colocated on CPU: the shared-memory weight window (`WindowWeightUpdater`);
+- broadcast, disaggregated: the update group over gloo, the engines receiving into their fused layout.
+
+Each runs three refits from a 2-rank FSDP2 trainer into two engines with a training step before each: a full one,
+one of a restarted engine alone (killed and started again on its port, as the health monitor does: its transport
+is new), then a full one again; after each, every engine tensor equals the trainer's bit for bit (fp32) and the
+engines serve the new version. Colocated refits go through the release/resume cycle of a colocated run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import pytest
+import torch
+
+from miles.utils.types import Sample, SampleStatus
+from tests.integration._util import run_distributed
+
+
+def _samples(seed: int, rank: int) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(4):
+        tokens = torch.randint(3, 40, (9,), generator=g).tolist()
+        out.append(
+            Sample(
+                index=i,
+                group_index=i // 2,
+                tokens=tokens,
+                response_length=4,
+                loss_mask=[1] * 4,
+                rollout_log_probs=None,
+                reward=float((i + seed) % 2),
+                status=SampleStatus.COMPLETED,
+            )
+        )
+    return out[2 * rank : 2 * rank + 2]
+
+
+def _assert_engine_equals(url: str, state: dict[str, torch.Tensor], version: str) -> None:
+    assert httpx.get(f"{url}/model_info", timeout=30).json()["weight_version"] == version, url
+    for name, tensor in state.items():
+        got = httpx.post(
+            f"{url}/get_weights_by_name", json={"name": name, "truncate_size": tensor.numel()}, timeout=60
+        ).json()
+        assert torch.equal(torch.tensor(got, dtype=torch.float32), tensor.flatten().float()), (url, name)
+
+
+def _post(url: str, path: str, body: dict) -> None:
+    resp = httpx.post(f"{url}/{path}", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+
+
+def _body(rank: int, world: int, model_dir: str, urls: list[str], pids: list[int], mode: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from miles.backends.fsdp_utils.actor import FSDPTrainer
+    from miles.config import parse_config
+    from miles.engines.sglang_engine import EngineProcess
+
+    colocated = mode == "tensor"
+    placement = ["--colocate"] if colocated else ["--rollout-num-gpus", "2"]
+    cfg = parse_config([
+        "--hf-checkpoint", model_dir, "--prompt-data", "unused.jsonl", "--num-rollout", "3",
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
+        "--actor-num-gpus-per-node", str(world), *placement, "--lr", "1e-2",
+        "--update-weight-transfer-mode", mode, "--check-weight-update-equal",
+        "--update-weight-buffer-size", "4096",  # many buckets
+    ])  # fmt: skip
+    trainer = FSDPTrainer(cfg, rank, world)
+    trainer.init("actor", with_ref=False)
+
+    def full_state() -> dict[str, torch.Tensor]:
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {k: v.clone() for k, v in get_model_state_dict(trainer.model, options=opts).items()}
+
+    def refit(targets: list[str], version: str) -> None:
+        if colocated and rank == 0:  # a colocated step: the engines gave their weights back for training
+            for url in targets:
+                _post(url, "release_memory_occupation", {"tags": ["weights"]})
+                _post(url, "resume_memory_occupation", {"tags": ["weights"]})
+        dist.barrier()
+        trainer.update_weights(targets, weight_version=version)
+        state = full_state()
+        if rank == 0:
+            for url in targets:
+                _assert_engine_equals(url, state, version)
+
+    restarted = None
+    try:
+        trainer.train(0, _samples(0, rank))
+        refit(urls, "v1")
+        updater = trainer._weight_updater
+        kind = type(updater).__name__
+        assert kind == ("WindowWeightUpdater" if colocated else "DistributedWeightUpdater"), kind
+        if rank == 0:  # engine 1 dies and comes back on its port, as the health monitor restarts it
+            os.kill(pids[1], signal.SIGKILL)
+            port = int(urls[1].rsplit(":", 1)[1])
+            restarted = EngineProcess(model_dir, kind="local", port=port, startup_timeout=120).launch()
+        dist.barrier()
+        trainer.train(1, _samples(1, rank))
+        refit([urls[1]], "v2")  # the restarted engine alone
+        assert trainer._weight_updater is updater
+        trainer.train(2, _samples(2, rank))
+        refit(urls, "v3")
+    finally:
+        if restarted is not None:
+            restarted.shutdown()
+
+
+@pytest.fixture
+def engines(tmp_path):
+    from miles.engines.sglang_engine import EngineProcess
+    from miles.tools.tiny_model import build_tiny_model
+
+    model_dir = str(build_tiny_model(tmp_path / "model", seed=0))
+    procs = [EngineProcess(model_dir, kind="local", startup_timeout=120).launch() for _ in range(2)]
+    try:
+        yield model_dir, procs
+    finally:
+        for p in procs:
+            p.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["tensor", "broadcast"])
+def test_refit_transfer_modes_bit_equal_across_steps_and_a_restart(engines, mode):
+    model_dir, procs = engines
+    run_distributed(
+        _body, 2, model_dir, [p.url for p in procs], [p.proc.pid for p in procs], mode, init_pg=False
+    )
