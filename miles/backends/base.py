@@ -24,8 +24,10 @@ class TrainBackend(abc.ABC):
         """Process group, mesh, model (+ reference), optimizer, scheduler, resume. Returns the first rollout id."""
 
     @abc.abstractmethod
-    def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
-        """Wake up if offloaded; pack; log-probs; loss; backward; optimizer steps. Returns reduced metrics.
+    def train(self, rollout_id: int, samples: list[Sample], values: Any = None) -> Any:
+        """Wake up if offloaded; pack; log-probs; loss; backward; optimizer steps. Returns reduced metrics
+        (the critic role: ``{"metrics": ..., "values": B x [L_i]}``; the actor takes those `values` back for
+        --advantage-estimator ppo).
 
         `samples` is this DP rank's share of the rollout, whole prompt groups: `Sample` records with token ids,
         the per-token loss mask (only mask-1 tokens are trained on), rollout log-probs and the trained reward

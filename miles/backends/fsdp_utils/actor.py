@@ -42,7 +42,7 @@ class FSDPTrainer(TrainBackend):
 
         cfg = self.config
         if role != "actor":
-            raise NotImplementedError(f"FSDPTrainer role {role!r}: only 'actor' is built (no critic yet)")
+            raise ValueError(f"FSDPTrainer is the 'actor' role, got {role!r} (the critic is FSDPCritic)")
         torch.manual_seed(cfg.seed)
         self.ps = ps = init_distributed(None, cfg.train.train_timeout, cfg.train.context_parallel_size)
         _set_cpu_threads(ps)
@@ -105,7 +105,10 @@ class FSDPTrainer(TrainBackend):
         return start
 
     # ------------------------------------------------------------------------------------------------ train
-    def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
+    def train(
+        self, rollout_id: int, samples: list[Sample], values: list[list[float]] | None = None
+    ) -> dict[str, float]:
+        """`values`: the critic's values of these samples (--advantage-estimator ppo), from `FSDPCritic.train`."""
         if self._offloaded:
             self.wake_up()
         t0 = time.perf_counter()
@@ -113,6 +116,9 @@ class FSDPTrainer(TrainBackend):
         if ps.is_cuda:
             torch.cuda.reset_peak_memory_stats()
         batch = rb.RankBatch.from_samples(samples, ps.device)
+        rb.attach_values(batch, values)
+        if cfg.algo.advantage_estimator == "ppo" and batch.values is None:
+            raise ValueError("--advantage-estimator ppo: the actor was given no critic values")
         steps = rb.plan_steps(batch, cfg, ps, self.steps_per_rollout)
         reuse = self.reuse_training_forward and rb.old_log_probs_from_training_forward(
             len(steps), cfg, self.ref_model is not None
