@@ -53,17 +53,21 @@ class FSDPTrainer(TrainBackend):
             reduce_dtype=torch.float32,
             attn_implementation="sdpa",  # packed forwards switch to miles_varlen; the kernel is chosen above
         )
+        self.lora = cfg.lora.lora_rank > 0
         self.model = build_fsdp_model(
             cfg.model.hf_checkpoint,
             ps.fsdp_mesh,
             cpu_offload=cfg.train.fsdp_cpu_offload,
             gradient_checkpointing=cfg.model.gradient_checkpointing,
             device=ps.device,
+            transform=_lora_transform(cfg.lora) if self.lora else None,
             **model_kwargs,
         )
         self.model.train()
         self.ref_model = None
-        if with_ref:
+        # with LoRA the reference is the frozen base: the policy with its adapters switched off
+        self.ref_is_base = with_ref and self.lora
+        if with_ref and not self.lora:
             self.ref_model = _build_reference(cfg, ps.fsdp_mesh, model_kwargs)
         o = cfg.optim
         self.optimizer = build_optimizer(
@@ -120,14 +124,20 @@ class FSDPTrainer(TrainBackend):
         if cfg.algo.advantage_estimator == "ppo" and batch.values is None:
             raise ValueError("--advantage-estimator ppo: the actor was given no critic values")
         steps = rb.plan_steps(batch, cfg, ps, self.steps_per_rollout)
+        has_ref = self.ref_model is not None or self.ref_is_base
         reuse = self.reuse_training_forward and rb.old_log_probs_from_training_forward(
-            len(steps), cfg, self.ref_model is not None
+            len(steps), cfg, has_ref
         )
         with torch.no_grad():
             if not reuse:
                 batch.old_log_probs = self._log_probs(self.model, batch, steps)
             if self.ref_model is not None:
                 batch.ref_log_probs = self._log_probs(self.ref_model, batch, steps)
+            elif self.ref_is_base:
+                from miles.backends.fsdp_utils.lora import adapters_disabled
+
+                with adapters_disabled(self.model):
+                    batch.ref_log_probs = self._log_probs(self.model, batch, steps)
         if cfg.algo.use_rollout_logprobs:
             batch.require_rollout_log_probs()
         rb.compute_advantages_for(batch, cfg, ps.dp_group)
@@ -149,7 +159,7 @@ class FSDPTrainer(TrainBackend):
         if self.ref_model is not None and interval and (rollout_id + 1) % interval == 0:
             self._update_reference_model()
         out["timing/train_logprob_prep"] = t_prep
-        passes = (not reuse) + (self.ref_model is not None)  # no-grad forwards: old, reference log-probs
+        passes = (not reuse) + has_ref  # no-grad forwards: old, reference log-probs
         out.update(_perf_metrics(self.model, batch, passes, time.perf_counter() - t0, ps, self.param_dtype))
         return out
 
@@ -263,7 +273,7 @@ class FSDPTrainer(TrainBackend):
         if not cfg.checkpoint.save_hf:
             raise ValueError("save_hf() called without --save-hf")
         export_sharded_model(
-            self.model,
+            self._refit_source(),
             hf_export_dir(cfg.checkpoint.save_hf, rollout_id),
             cfg.model.hf_checkpoint,
             self.param_dtype,
@@ -294,10 +304,18 @@ class FSDPTrainer(TrainBackend):
         ]:
             self._weight_updater = self._make_weight_updater(list(engine_urls))
         self._weight_updater.update(
-            self.model, cfg.train.update_weight_buffer_size, weight_version, dtype=self.param_dtype
+            self._refit_source(), cfg.train.update_weight_buffer_size, weight_version, dtype=self.param_dtype
         )
         if was_offloaded:
             self.sleep()
+
+    def _refit_source(self) -> Any:
+        """What refits and HF exports read: the model, or with LoRA its merged view (base names, W + s*B@A)."""
+        if not self.lora:
+            return self.model
+        from miles.backends.fsdp_utils.lora import MergedView
+
+        return MergedView(self.model)
 
     def _make_weight_updater(self, engine_urls: list[str]) -> Any:
         """Tensor handles (CUDA IPC) when colocated on GPU; shared memory on CPU, which any process on this node
@@ -361,6 +379,18 @@ def _perf_metrics(
     dist.all_reduce(flops, group=ps.dp_group)  # CP ranks share their samples: count each DP rank once
     out["perf/mfu"] = perf.mfu(float(flops), seconds, ps.world_size, device_peak)
     return out
+
+
+def _lora_transform(lora: Any) -> Any:
+    from miles.backends.fsdp_utils.lora import apply_lora
+
+    def transform(model: torch.nn.Module) -> None:
+        n = apply_lora(
+            model, lora.lora_rank, lora.lora_alpha, list(lora.lora_target_modules), lora.lora_dropout
+        )
+        logger.info("LoRA rank %d on %d linear layers (%s)", lora.lora_rank, n, lora.lora_target_modules)
+
+    return transform
 
 
 def _select_attention_kernel(attn_implementation: str, is_cuda: bool) -> None:
