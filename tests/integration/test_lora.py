@@ -193,3 +193,11 @@ def test_lora_checkpoint_resumes(tmp_path):
         r = json.load(f)
     for key in ("train/loss", "train/pg_loss", "train/grad_norm"):
         assert r["got"][key] == r["want"][key], key
+    # the checkpoint holds the adapters (and their optimizer state), not the frozen base weights
+    import torch.distributed.checkpoint as dcp
+
+    keys = set(
+        dcp.FileSystemReader(str(tmp_path / "ckpt" / "iter_0000000")).read_metadata().state_dict_metadata
+    )
+    model_keys = {k for k in keys if k.startswith("model.")}
+    assert model_keys and all(k.endswith(("lora_A", "lora_B")) for k in model_keys), sorted(model_keys)[:5]
