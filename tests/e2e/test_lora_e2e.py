@@ -23,12 +23,14 @@ def tiny(tmp_path_factory):
     return root, str(model), str(data)
 
 
-def _argv(model: str, data: str, run_dir: str, num_rollout: int, extra: list[str]) -> list[str]:
+def _argv(
+    model: str, data: str, run_dir: str, num_rollout: int, extra: list[str], prompts: int = 16
+) -> list[str]:
     return [
         "--hf-checkpoint", model, "--prompt-data", data, "--input-key", "prompt", "--label-key", "label",
         "--apply-chat-template", "--rollout-shuffle", "--rm-type", "math",
-        "--num-rollout", str(num_rollout), "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
-        "--rollout-max-response-len", "2", "--global-batch-size", "128", "--micro-batch-size", "32",
+        "--num-rollout", str(num_rollout), "--rollout-batch-size", str(prompts), "--n-samples-per-prompt", "8",
+        "--rollout-max-response-len", "2", "--global-batch-size", str(8 * prompts), "--micro-batch-size", "32",
         "--lora-rank", "8", "--lora-alpha", "16", "--lora-target-modules", "all-linear",
         "--optimizer", "adam", "--lr", "2e-2", "--check-weight-update-equal",
         "--actor-num-gpus-per-node", "1", "--colocate", "--update-weight-buffer-size", "1048576",
@@ -63,8 +65,8 @@ def test_lora_resumes(tiny):
     root, model, data = tiny
     run_dir = str(root / "resume")
     ckpt = os.path.join(run_dir, "ckpt")
-    assert main(_argv(model, data, run_dir, 2, ["--save", ckpt, "--save-interval", "1"])) == 0
-    assert main(_argv(model, data, run_dir, 3, ["--load", ckpt])) == 0
+    assert main(_argv(model, data, run_dir, 2, ["--save", ckpt, "--save-interval", "1"], 4)) == 0
+    assert main(_argv(model, data, run_dir, 3, ["--load", ckpt], 4)) == 0
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[2]["train/train_rollout_logprob_abs_diff"] <= 1e-5  # resumed adapters, refit merged

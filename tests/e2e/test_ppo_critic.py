@@ -22,12 +22,14 @@ def tiny(tmp_path_factory):
     return root, str(model), str(data)
 
 
-def _argv(model: str, data: str, run_dir: str, num_rollout: int, extra: list[str]) -> list[str]:
+def _argv(
+    model: str, data: str, run_dir: str, num_rollout: int, extra: list[str], prompts: int = 16
+) -> list[str]:
     return [
         "--hf-checkpoint", model, "--prompt-data", data, "--input-key", "prompt", "--label-key", "label",
         "--apply-chat-template", "--rollout-shuffle", "--rm-type", "math",
-        "--num-rollout", str(num_rollout), "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
-        "--rollout-max-response-len", "2", "--global-batch-size", "128", "--micro-batch-size", "32",
+        "--num-rollout", str(num_rollout), "--rollout-batch-size", str(prompts), "--n-samples-per-prompt", "8",
+        "--rollout-max-response-len", "2", "--global-batch-size", str(8 * prompts), "--micro-batch-size", "32",
         "--advantage-estimator", "ppo", "--critic-lr", "5e-3", "--optimizer", "adam", "--lr", "5e-3",
         "--actor-num-gpus-per-node", "1", "--colocate", "--update-weight-buffer-size", "1048576",
         "--run-dir", run_dir, "--seed", "1", *extra,
@@ -68,14 +70,16 @@ def test_ppo_resumes_actor_and_critic(tiny):
     run_dir = str(root / "resume")
     ckpt = os.path.join(run_dir, "ckpt")
     critic_only = ["--num-critic-only-steps", "1"]
-    assert main(_argv(model, data, run_dir, 2, ["--save", ckpt, "--save-interval", "1", *critic_only])) == 0
+    assert (
+        main(_argv(model, data, run_dir, 2, ["--save", ckpt, "--save-interval", "1", *critic_only], 4)) == 0
+    )
     first = _rows(run_dir)
     assert (
         "train/loss" not in first[0] and "critic/value_loss" in first[0]
     )  # rollout 0 trains the critic only
     assert "train/loss" in first[1]
     assert open(os.path.join(ckpt, "critic", "latest_checkpointed_iteration.txt")).read().strip() == "1"
-    assert main(_argv(model, data, run_dir, 3, ["--load", ckpt, "--save", ckpt, *critic_only])) == 0
+    assert main(_argv(model, data, run_dir, 3, ["--load", ckpt, "--save", ckpt, *critic_only], 4)) == 0
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert "critic/value_loss" in rows[2] and "train/loss" in rows[2]
