@@ -37,12 +37,30 @@ def run_loop(cfg: Config, system: System) -> None:
         metrics.update(sample_counts(samples))
         if actor is not None and choreo is not None:  # None with --debug-rollout-only: generate and log only
             with timer.phase("train"):
-                choreo.before_train()
-                metrics.update(actor.train(rollout_id, system.split_by_dp(samples)))
+                metrics.update(train_rollout(cfg, system, rollout_id, samples))
             maybe_save(cfg, system, rollout_id)
             with timer.phase("refit"):
                 choreo.refit(weight_version=str(rollout_id + 1))
         finish_step(cfg, system, rollout_id, metrics)
+
+
+def train_rollout(cfg: Config, system: System, rollout_id: int, samples: list) -> dict[str, float]:
+    """Onload, then train: the critic first (--advantage-estimator ppo: its values feed the actor's GAE), then
+    the actor, unless this rollout is one of the --num-critic-only-steps."""
+    per_dp = system.split_by_dp(samples)
+    choreo, critic = system.choreography, system.critic_group
+    assert choreo is not None and system.train_group is not None
+    choreo.before_train()
+    metrics: dict[str, float] = {}
+    values = None
+    if critic is not None:
+        critic_metrics, values = critic.train_critic(rollout_id, per_dp)
+        metrics.update(critic_metrics)
+        choreo.critic_done()
+        if rollout_id < cfg.critic.num_critic_only_steps:
+            return metrics
+    metrics.update(system.train_group.train(rollout_id, per_dp, values))
+    return metrics
 
 
 def maybe_save(cfg: Config, system: System, rollout_id: int) -> None:

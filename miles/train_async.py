@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-from miles.train import eval_before_train, finish_step, maybe_save, num_rollouts, run_driver
+from miles.train import eval_before_train, finish_step, maybe_save, num_rollouts, run_driver, train_rollout
 from miles.utils.perf import sample_counts
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def run_async_loop(cfg: Config, system: System) -> None:
         in_flight = launch(rollout_id + 1)  # generated with the current (pre-update) weights
         metrics.update(sample_counts(samples))
         with timer.phase("train"):
-            metrics.update(actor.train(rollout_id, system.split_by_dp(samples)))
+            metrics.update(train_rollout(cfg, system, rollout_id, samples))
         maybe_save(cfg, system, rollout_id)
         with timer.phase("refit"):
             if in_flight is not None:  # never change weights under a running generation

@@ -42,7 +42,9 @@ class AdvantageInputs:
     ref_log_probs: list[Tensor] | None = None  # B x [L_i]: reference-model log-probs; for the KL penalty
     kl_coef: float = 0.0  # weight of the per-token KL penalty in the reward (reinforce_plus_plus*)
     kl_type: str = "k1"  # KL estimator for that penalty, see miles.algo.kl
-    gamma: float = 1.0  # discount per loss token (reinforce_plus_plus*)
+    gamma: float = 1.0  # discount per loss token (reinforce_plus_plus*, ppo)
+    lambd: float = 1.0  # GAE lambda (ppo)
+    values: list[Tensor] | None = None  # B x [L_i]: critic values V(s_t) at each response token (ppo)
     std_normalize: bool = True  # grpo/gspo: divide by the group std (False: Dr.GRPO, mean-centring only)
     eps: float = 1e-6  # added to the group std before dividing
 
@@ -57,7 +59,7 @@ class AdvantageInputs:
             raise ValueError(f"group_ids must be an integer tensor, got dtype {self.group_ids.dtype}")
         if len(self.loss_masks) != self.rewards.numel():
             raise ValueError(f"{len(self.loss_masks)} loss_masks for {self.rewards.numel()} rewards")
-        for name in ("log_probs", "ref_log_probs"):
+        for name in ("log_probs", "ref_log_probs", "values"):
             values = getattr(self, name)
             if values is not None:
                 _ops.check_aligned(name, values, self.loss_masks)
@@ -65,6 +67,8 @@ class AdvantageInputs:
             raise ValueError(f"kl_type={self.kl_type!r}; choose one of {list(KL_TYPES)}")
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"gamma={self.gamma} must be in [0, 1]")
+        if not 0.0 <= self.lambd <= 1.0:
+            raise ValueError(f"lambd={self.lambd} must be in [0, 1]")
         if self.eps < 0:
             raise ValueError(f"eps={self.eps} must be >= 0")
 
@@ -287,6 +291,58 @@ def reinforce_plus_plus_baseline_advantages(inputs: AdvantageInputs) -> Advantag
     exactly 0). Whitened afterwards by the backend."""
     stats = _group_stats(inputs.rewards, inputs.group_ids)
     return _reinforce_returns(inputs, (inputs.rewards.double() - stats.mean).float())
+
+
+def gae(
+    token_rewards: Tensor, values: Tensor, loss_mask: Tensor, gamma: float, lambd: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over the loss tokens of ONE sample: (advantages, returns), [L] float32.
+
+    Only mask-1 positions are steps of the episode (multi-turn: tool/observation tokens with mask 0 are not
+    actions, so they neither get a value target nor consume a discount step). With k_1 < ... < k_n the loss
+    positions, V_{n+1} = 0 (the episode ends after the last loss token):
+        delta_j = r_{k_j} + gamma * V_{k_{j+1}} - V_{k_j}
+        A_{k_j} = delta_j + gamma * lambd * A_{k_{j+1}},    returns = A + V.
+    Mask-0 positions get 0 in both outputs. Computed in float64, backwards over the compressed positions."""
+    positions = torch.nonzero(loss_mask.bool()).flatten()
+    adv = torch.zeros(loss_mask.shape, dtype=torch.float64, device=loss_mask.device)
+    ret = torch.zeros_like(adv)
+    if positions.numel() == 0:
+        return adv.float(), ret.float()
+    v = values.detach().double().index_select(0, positions)
+    r = token_rewards.detach().double().index_select(0, positions)
+    next_v = torch.cat([v[1:], v.new_zeros(1)])
+    deltas = (r + gamma * next_v - v).tolist()
+    out = [0.0] * len(deltas)
+    running, factor = 0.0, gamma * lambd
+    for j in range(len(deltas) - 1, -1, -1):
+        running = deltas[j] + factor * running
+        out[j] = running
+    a = torch.tensor(out, dtype=torch.float64, device=loss_mask.device)
+    adv[positions] = a
+    ret[positions] = a + v
+    return adv.float(), ret.float()
+
+
+@register_advantage("ppo", whiten=True)
+def ppo_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
+    """PPO with a learned critic: GAE (`gae`) with `gamma` and `lambd` over the critic `values`. The token reward
+    is -kl_coef * kl_t on every loss token plus the scalar reward on the LAST loss token (as reinforce_plus_plus).
+    `returns` (A + V) are the critic's regression targets; advantages are whitened over the DP batch afterwards
+    by the backend (`whiten=True`). Raises ValueError without `values`."""
+    if inputs.values is None:
+        raise ValueError("advantage estimator 'ppo' needs critic values (AdvantageInputs.values is None)")
+    kls = _token_kl(inputs)
+    advantages, returns = [], []
+    for reward, kl, mask, values in zip(inputs.rewards.tolist(), kls, inputs.loss_masks, inputs.values):
+        token_rewards = -inputs.kl_coef * _ops.masked(kl, mask.float())
+        positions = torch.nonzero(mask.bool()).flatten()
+        if positions.numel() > 0:
+            token_rewards[positions[-1]] += reward
+        a, r = gae(token_rewards, values, mask, inputs.gamma, inputs.lambd)
+        advantages.append(a)
+        returns.append(r)
+    return AdvantageOutputs(advantages=advantages, returns=returns)
 
 
 # -------------------------------------------------------------------------------------- batch whitening

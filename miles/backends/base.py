@@ -8,6 +8,7 @@ backend can be built and tested without Ray. Everything not listed below is priv
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from miles.utils.types import JSON, Sample
@@ -27,8 +28,10 @@ class TrainBackend(abc.ABC):
         """Process group, mesh, model (+ reference), optimizer, scheduler, resume. Returns the first rollout id."""
 
     @abc.abstractmethod
-    def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
-        """Wake up if offloaded; pack; log-probs; loss; backward; optimizer steps. Returns reduced metrics.
+    def train(self, rollout_id: int, samples: list[Sample], values: object = None) -> Mapping[str, object]:
+        """Wake up if offloaded; pack; log-probs; loss; backward; optimizer steps. Returns reduced metrics
+        (the critic role: ``{"metrics": ..., "values": B x [L_i]}``; the actor takes those `values` back for
+        --advantage-estimator ppo).
 
         `samples` is this DP rank's share of the rollout, whole prompt groups: `Sample` records with token ids,
         the per-token loss mask (only mask-1 tokens are trained on), rollout log-probs and the trained reward

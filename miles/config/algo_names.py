@@ -10,6 +10,7 @@ from __future__ import annotations
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = (
     "grpo",
     "gspo",
+    "ppo",
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
     "rloo",

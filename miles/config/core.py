@@ -12,11 +12,13 @@ from miles.config.sections import (
     AlgoConfig,
     CheckpointConfig,
     ClusterConfig,
+    CriticConfig,
     DataConfig,
     DebugConfig,
     EngineConfig,
     EvalConfig,
     LogConfig,
+    LoraConfig,
     ModelConfig,
     OptimConfig,
     RolloutConfig,
@@ -74,6 +76,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)

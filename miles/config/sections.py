@@ -365,7 +365,8 @@ class AlgoConfig:
     custom_advantage_function_path: str | None = opt(None, "user advantage function, 'module:function'")
     disable_grpo_std_normalization: bool = opt(False, "GRPO: subtract the group mean only (Dr. GRPO)")
     normalize_advantages: bool = opt(False, "whiten advantages over the batch's response tokens")
-    gamma: float = opt(1.0, "discount factor (REINFORCE++)", ge=0, le=1)
+    gamma: float = opt(1.0, "discount factor (REINFORCE++, PPO's GAE)", ge=0, le=1)
+    lambd: float = opt(1.0, "GAE lambda (--advantage-estimator ppo)", ge=0, le=1)
     eps_clip: float = opt(0.2, "PPO clip range, lower side", gt=0)
     eps_clip_high: float | None = opt(None, "PPO clip range, upper side; None: --eps-clip", gt=0)
     eps_clip_c: float | None = opt(None, "dual-clip constant for negative advantages (> 1); None: off", gt=1)
@@ -396,6 +397,32 @@ class AlgoConfig:
         None, "constant_sum divisor; None: --rollout-max-response-len", gt=0
     )
     custom_loss_function_path: str | None = opt(None, "user policy-loss function, 'module:function'")
+
+
+@section
+class CriticConfig:
+    """The value model of --advantage-estimator ppo (a second FSDP2 train group, role critic)."""
+
+    critic_load: str | None = opt(
+        None, "critic init: a HF dir, or a DCP checkpoint (--save dir / iter_N); None: --hf-checkpoint"
+    )
+    critic_lr: float | None = opt(None, "critic peak learning rate; None: --lr", ge=0)
+    critic_lr_warmup_iters: int = opt(0, "critic optimizer steps of linear warmup", ge=0)
+    num_critic_only_steps: int = opt(0, "first N rollouts train the critic only (actor frozen)", ge=0)
+    value_clip: float | None = opt(0.2, "clip the value change around the old value; None: off", gt=0)
+
+
+@section
+class LoraConfig:
+    """LoRA adapters on the policy: only adapters train; refits send merged weights; the reference is the base."""
+
+    lora_rank: int = opt(0, "LoRA rank; 0: full fine-tuning", ge=0)
+    lora_alpha: float = opt(16.0, "LoRA alpha (the update is scaled by alpha / rank)", gt=0)
+    lora_target_modules: list[str] = opt(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "names of the nn.Linear modules that get adapters ('all-linear': every Linear but the LM head)",
+    )
+    lora_dropout: float = opt(0.0, "dropout on the adapter input", ge=0, lt=1)
 
 
 @section
@@ -473,6 +500,8 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "optim": OptimConfig,
     "algo": AlgoConfig,
+    "critic": CriticConfig,
+    "lora": LoraConfig,
     "eval": EvalConfig,
     "log": LogConfig,
     "debug": DebugConfig,

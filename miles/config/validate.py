@@ -293,6 +293,40 @@ def _algo(v: Values) -> None:
             v.fail("advantage_estimator", "rloo needs --n-samples-per-prompt >= 2 (leave-one-out baseline)")
 
 
+def _critic(v: Values) -> None:
+    with suppress(_Skip):
+        if v["advantage_estimator"] != "ppo":
+            for name in ("critic_load", "critic_lr", "num_critic_only_steps", "critic_lr_warmup_iters"):
+                if v.is_set(name) and v[name] not in (None, 0):
+                    v.fail(name, "only applies to --advantage-estimator ppo (the critic)")
+            return
+        if v["custom_advantage_function_path"]:
+            v.fail("custom_advantage_function_path", "--advantage-estimator ppo computes GAE from the critic")
+        if v["num_rollout"] is not None and v["num_critic_only_steps"] >= v["num_rollout"]:
+            v.fail(
+                "num_critic_only_steps",
+                f"must be < --num-rollout={v['num_rollout']} (the actor never trains)",
+            )
+        if v["train_backend"] != "fsdp":
+            v.fail("advantage_estimator", "ppo needs a critic; only --train-backend fsdp has one")
+
+
+def _lora(v: Values) -> None:
+    with suppress(_Skip):
+        if v["lora_rank"] == 0:
+            return
+        if not v["lora_target_modules"]:
+            v.fail("lora_target_modules", "must name at least one module with --lora-rank > 0")
+        if v["ref_update_interval"] is not None:
+            v.fail("ref_update_interval", "with --lora-rank the reference is the frozen base model")
+        if v["ref_load"] is not None:
+            v.fail(
+                "ref_load",
+                "with --lora-rank the reference is the frozen base (adapters off); a different reference "
+                "would need a second copy of the weights",
+            )
+
+
 def _engine(v: Values) -> None:
     if v["check_weight_update_equal"] and v["rollout_num_gpus_per_engine"] > 1:
         v.fail(
@@ -519,6 +553,8 @@ RULES: list[Callable[[Values], None]] = [
     _requires,
     _eval_data,
     _algo,
+    _critic,
+    _lora,
     _engine,
     _external_engines,
     _router,

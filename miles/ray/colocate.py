@@ -38,19 +38,32 @@ class MemoryChoreography:
     """Release before training, refit, resume after; tracks which tags the engines hold released."""
 
     def __init__(
-        self, colocate: bool, trainer: Trainer, engines: EngineMemory, engine_urls: list[str]
+        self,
+        colocate: bool,
+        trainer: Trainer,
+        engines: EngineMemory,
+        engine_urls: list[str],
+        critic: Trainer | None = None,
     ) -> None:
         self.colocate = colocate
         self.trainer = trainer
+        self.critic = critic  # --advantage-estimator ppo: trains before the actor, never awake with it
         self.engines = engines
         self.engine_urls = list(engine_urls)
         self.released: set[str] = set()  # fresh engines hold everything
 
     def before_train(self) -> None:
-        """Colocated: the engines give the devices back (all tags), then the trainer onloads."""
+        """Colocated: the engines give the devices back (all tags), then the critic (when there is one, it
+        trains first) or the trainer onloads."""
         if self.colocate:
             self.engines.release_memory(list(MEMORY_TAGS))
             self.released = set(MEMORY_TAGS)
+            (self.critic or self.trainer).wake_up()
+
+    def critic_done(self) -> None:
+        """Colocated: the critic has trained; it offloads and the actor onloads (one of them awake at a time)."""
+        if self.colocate and self.critic is not None:
+            self.critic.sleep()
             self.trainer.wake_up()
 
     def refit_restarted(self, engine_urls: list[str], weight_version: str) -> None:
@@ -78,6 +91,9 @@ class TrainerOnly:
     refit (the trainer wakes itself to train)."""
 
     def before_train(self) -> None:
+        pass
+
+    def critic_done(self) -> None:
         pass
 
     def refit(self, weight_version: str) -> None:

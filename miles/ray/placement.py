@@ -19,6 +19,10 @@ from miles.ray.utils import ray_get
 # Fractions of a shared bundle in colocated mode: both fit in one bundle at once.
 COLOCATED_ACTOR_SHARE = 0.4
 COLOCATED_ENGINE_SHARE = 0.2
+# The critic (--advantage-estimator ppo) shares the training bundles: colocated it takes what is left of a
+# bundle; disaggregated, actor and critic split the training bundles in half.
+COLOCATED_CRITIC_SHARE = 0.4
+DISAGGREGATED_TRAIN_SHARE_WITH_CRITIC = 0.5
 
 
 @dataclass(frozen=True)
@@ -30,9 +34,19 @@ class Placement:
         int
     ]  # bundle index of rollout worker j (one engine spans num_gpus_per_engine of them)
     colocate: bool
+    has_critic: bool = False  # a critic train group shares the training bundles
 
     def actor_options(self, rank: int) -> dict:
-        share = COLOCATED_ACTOR_SHARE if self.colocate else 1.0
+        return self.worker_options("actor", rank)
+
+    def worker_options(self, role: str, rank: int) -> dict:
+        """Ray options of training rank `rank` of train group `role` ("actor" or "critic")."""
+        if role not in ("actor", "critic") or (role == "critic" and not self.has_critic):
+            raise ValueError(f"no {role!r} train group in this placement (has_critic={self.has_critic})")
+        if self.colocate:
+            share = COLOCATED_ACTOR_SHARE if role == "actor" else COLOCATED_CRITIC_SHARE
+        else:
+            share = DISAGGREGATED_TRAIN_SHARE_WITH_CRITIC if self.has_critic else 1.0
         return self._options(self.actor_bundles[rank], share)
 
     def engine_options(self, engine_index: int, gpus_per_engine: int) -> dict:
@@ -53,7 +67,12 @@ def cluster_has_gpus() -> bool:
 
 
 def create_placement(
-    num_actor_workers: int, num_rollout_workers: int, colocate: bool, use_gpu: bool, timeout_s: float = 300.0
+    num_actor_workers: int,
+    num_rollout_workers: int,
+    colocate: bool,
+    use_gpu: bool,
+    timeout_s: float = 300.0,
+    has_critic: bool = False,
 ) -> Placement:
     """Reserve bundles for `num_actor_workers` training ranks and `num_rollout_workers` engine workers (either may
     be 0 for replay debugging: a trainer without engines, or engines without a trainer)."""
@@ -77,4 +96,4 @@ def create_placement(
         engine_bundles = list(range(num_rollout_workers))
     else:
         engine_bundles = list(range(num_actor_workers, num_actor_workers + num_rollout_workers))
-    return Placement(pg, use_gpu, actor_bundles, engine_bundles, colocate)
+    return Placement(pg, use_gpu, actor_bundles, engine_bundles, colocate, has_critic)

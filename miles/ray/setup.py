@@ -61,6 +61,7 @@ class System:
     progress: ProgressBar  # the driver's bar over rollouts (a no-op unless progress bars are on)
 
     num_engines: int = 1
+    critic_group: RayTrainGroup | None = None  # --advantage-estimator ppo: the value model's train group
 
     @property
     def trainers(self) -> RayTrainGroup:
@@ -133,6 +134,10 @@ class System:
     def save(self, rollout_id: int) -> None:
         """Checkpoint the trainer with the rollout side's state (data cursor, partial-rollout buffer; none when
         replaying saved rollouts)."""
+        if (
+            self.critic_group is not None
+        ):  # before the actor: a resumable actor checkpoint implies a critic one
+            self.critic_group.save(rollout_id)
         if self.rollout is None:
             self.trainers.save(rollout_id, {})
             return
@@ -248,9 +253,12 @@ def build_system(cfg: Config) -> System:
     init_ray(min_cpus=(max(num_actor, num_rollout) if colocate else num_actor + num_rollout) + 1)
     use_gpu = cluster_has_gpus()
     check_external_refit(cfg, use_gpu, num_actor)
+    has_critic = cfg.algo.advantage_estimator == "ppo" and not rollout_only
     # nothing to place: a rollout-only run on external engines
     placement = (
-        create_placement(num_actor, num_rollout, colocate, use_gpu) if num_actor + num_rollout else None
+        create_placement(num_actor, num_rollout, colocate, use_gpu, has_critic=has_critic)
+        if num_actor + num_rollout
+        else None
     )
     timeout = float(cfg.train.train_timeout)
 
@@ -269,7 +277,7 @@ def build_system(cfg: Config) -> System:
         if replay
         else ray.remote(EngineFleet).options(num_cpus=0).remote(cfg.to_dict(), placement, num_rollout)
     )
-    train_group, start = None, 0
+    train_group, critic_group, start = None, None, 0
     if not rollout_only:
         env_vars = {
             "HF_HUB_OFFLINE": "1",
@@ -279,6 +287,15 @@ def build_system(cfg: Config) -> System:
         assert placement is not None  # training workers were placed
         train_group = RayTrainGroup(cfg, placement, num_actor, env_vars)
         start = train_group.init(with_ref=needs_reference_model(cfg))
+        if has_critic:
+            critic_group = RayTrainGroup(cfg, placement, num_actor, env_vars, role="critic")
+            critic_start = critic_group.init(with_ref=False)
+            if critic_start != start:
+                raise RuntimeError(
+                    f"--load: the actor resumes at rollout {start} but the critic at {critic_start}"
+                )
+            if colocate:
+                critic_group.sleep()  # the actor refits the engines next; the critic wakes to train
     if start > 0:
         tracker.resume_at(start)  # steps logged after the checkpoint ran again: keep each step once
     rollout, engine_urls = None, []
@@ -296,7 +313,7 @@ def build_system(cfg: Config) -> System:
         resume_rollout_side(cfg, rollout, train_group, start, timeout)
     if train_group is not None and fleet is not None:
         choreography = MemoryChoreography(
-            colocate, train_group, RolloutEngineMemory(fleet, timeout), engine_urls
+            colocate, train_group, RolloutEngineMemory(fleet, timeout), engine_urls, critic=critic_group
         )
         # engines start from the trainer's (possibly resumed) weights; fresh engines released nothing to resume
         choreography.refit(weight_version=str(start))
@@ -320,4 +337,5 @@ def build_system(cfg: Config) -> System:
         start,
         bar,
         num_engines=len(engine_urls),
+        critic_group=critic_group,
     )

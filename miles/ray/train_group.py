@@ -45,12 +45,14 @@ class TrainWorker:
         )
         from miles.backends import get_backend_class
 
-        cls = get_backend_class(self.config.train.train_backend)
+        cls = get_backend_class(self.config.train.train_backend, role)
         self.backend = cls(self.config, self.rank, self.world_size)
         return self.backend.init(role, with_ref)
 
-    def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
-        return self.backend.train(rollout_id, samples)
+    def train(self, rollout_id: int, samples: list[Sample], values: Any = None) -> Any:
+        if values is None:
+            return self.backend.train(rollout_id, samples)
+        return self.backend.train(rollout_id, samples, values)
 
     def save(self, rollout_id: int, extra_state: dict[str, Any] | None = None) -> None:
         self.backend.save(rollout_id, extra_state)
@@ -74,15 +76,23 @@ class TrainWorker:
 class RayTrainGroup:
     """Creates `num_workers` training actors on the placement and fans calls out to all of them."""
 
-    def __init__(self, config: Any, placement: Placement, num_workers: int, env_vars: dict[str, str]) -> None:
+    def __init__(
+        self,
+        config: Any,
+        placement: Placement,
+        num_workers: int,
+        env_vars: dict[str, str],
+        role: str = "actor",
+    ) -> None:
         self.config = config
+        self.role = role
         self.timeout = float(config.train.train_timeout)
         self.num_workers = num_workers
         self.cp_size = int(config.train.context_parallel_size)
         remote_cls = ray.remote(TrainWorker)
         config_dict = config.to_dict()
         self.workers = [
-            remote_cls.options(**placement.actor_options(rank)).remote(
+            remote_cls.options(**placement.worker_options(role, rank)).remote(
                 config_dict, rank, num_workers, env_vars
             )
             for rank in range(num_workers)
@@ -120,21 +130,42 @@ class RayTrainGroup:
         addr, port = ray_get(
             self.workers[0].master_address.remote(), self.timeout, "train init: master address"
         )
-        starts = self._all("train init", "init", addr, port, "actor", with_ref)
+        starts = self._all(f"{self.role} init", "init", addr, port, self.role, with_ref)
         if len(set(starts)) != 1:
             raise RuntimeError(f"training ranks disagree on the resume rollout id: {starts}")
         return starts[0]
 
-    def train(self, rollout_id: int, per_dp_rank: list[list[Sample]]) -> dict[str, float]:
-        """Train on one rollout; `per_dp_rank[d]` goes to every CP rank of data-parallel rank d."""
+    def train(
+        self, rollout_id: int, per_dp_rank: list[list[Sample]], values: list[Any] | None = None
+    ) -> dict[str, float]:
+        """Train on one rollout; `per_dp_rank[d]` goes to every CP rank of data-parallel rank d (with `values[d]`,
+        the critic's values of those samples, for --advantage-estimator ppo)."""
+        if len(per_dp_rank) != self.dp_size:
+            raise ValueError(f"expected data for {self.dp_size} DP ranks, got {len(per_dp_rank)}")
+        refs = [ray.put(d) for d in per_dp_rank]
+        vrefs = [None] * self.dp_size if values is None else [ray.put(v) for v in values]
+        results = self._gather(
+            [
+                w.train.remote(rollout_id, refs[rank // self.cp_size], vrefs[rank // self.cp_size])
+                for rank, w in enumerate(self.workers)
+            ],
+            f"{self.role} train rollout {rollout_id}",
+        )
+        return results[0]
+
+    def train_critic(
+        self, rollout_id: int, per_dp_rank: list[list[Sample]]
+    ) -> tuple[dict[str, float], list[Any]]:
+        """The critic role's train: (metrics, values per DP rank), values[d] in the order of per_dp_rank[d]."""
         if len(per_dp_rank) != self.dp_size:
             raise ValueError(f"expected data for {self.dp_size} DP ranks, got {len(per_dp_rank)}")
         refs = [ray.put(d) for d in per_dp_rank]
         results = self._gather(
             [w.train.remote(rollout_id, refs[rank // self.cp_size]) for rank, w in enumerate(self.workers)],
-            f"train rollout {rollout_id}",
+            f"critic train rollout {rollout_id}",
         )
-        return results[0]
+        values = [results[d * self.cp_size]["values"] for d in range(self.dp_size)]
+        return results[0]["metrics"], values
 
     def save(self, rollout_id: int, extra_state: dict[str, Any] | None = None) -> None:
         """Checkpoint on every rank; `extra_state` (plain data, e.g. the data cursor) is stored with it."""

@@ -111,7 +111,9 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m miles.tools.config_docs", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(DEFAULT_OUT), help="the page to write (default: docs/configuration.md)")
+    p.add_argument(
+        "--out", default=str(DEFAULT_OUT), help="the page to write (default: docs/configuration.md)"
+    )
     p.add_argument("--check", action="store_true", help="only compare; exit 1 when the page is out of date")
     args = p.parse_args(argv)
     text = render()

@@ -24,7 +24,9 @@ def load_function(path: str, flag: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - report any import-time failure with the flag name
-        raise ValueError(f"{flag}={path!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
+        raise ValueError(
+            f"{flag}={path!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}"
+        ) from e
     try:
         fn = getattr(module, attr)
     except AttributeError as e:

@@ -41,7 +41,18 @@ def test_async_disaggregated_cp2_dynamic(tmp_path):
 def test_async_driver_refuses_colocate(capsys):
     from miles.train_async import main
 
-    argv = ["--hf-checkpoint", "/m", "--prompt-data", "/d.jsonl", "--num-rollout", "1", "--rollout-batch-size", "2",
-            "--global-batch-size", "2", "--colocate"]
+    argv = [
+        "--hf-checkpoint",
+        "/m",
+        "--prompt-data",
+        "/d.jsonl",
+        "--num-rollout",
+        "1",
+        "--rollout-batch-size",
+        "2",
+        "--global-batch-size",
+        "2",
+        "--colocate",
+    ]
     assert main(argv) == 2
     assert "--colocate" in capsys.readouterr().err

@@ -23,13 +23,43 @@ def tiny(tmp_path_factory):
 
 def _args(model: str, data: str, run_dir: str, num_rollout: int, extra: list[str] = ()) -> list[str]:
     return [
-        "--hf-checkpoint", model, "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label",
-        "--apply-chat-template", "--rollout-shuffle", "--rm-type", "math",
-        "--num-rollout", str(num_rollout), "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
-        "--rollout-max-response-len", "4", "--rollout-temperature", "1.0", "--global-batch-size", "16",
-        "--lr", "1e-3", "--actor-num-gpus-per-node", "2", "--colocate",
-        "--run-dir", run_dir, "--save", os.path.join(run_dir, "ckpt"), "--save-interval", "2",
-        "--update-weight-buffer-size", "20000",  # several buckets even for the tiny model
+        "--hf-checkpoint",
+        model,
+        "--prompt-data",
+        str(data),
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--apply-chat-template",
+        "--rollout-shuffle",
+        "--rm-type",
+        "math",
+        "--num-rollout",
+        str(num_rollout),
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--rollout-max-response-len",
+        "4",
+        "--rollout-temperature",
+        "1.0",
+        "--global-batch-size",
+        "16",
+        "--lr",
+        "1e-3",
+        "--actor-num-gpus-per-node",
+        "2",
+        "--colocate",
+        "--run-dir",
+        run_dir,
+        "--save",
+        os.path.join(run_dir, "ckpt"),
+        "--save-interval",
+        "2",
+        "--update-weight-buffer-size",
+        "20000",  # several buckets even for the tiny model
         *extra,
     ]
 
@@ -52,13 +82,28 @@ def test_colocated_grpo_steps_and_resume(tiny):
     assert os.path.getsize(os.path.join(run_dir, "report.png")) > 10_000
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(run_dir, "tensorboard")))
     assert sorted(os.listdir(hf)) == ["iter_0000001", "iter_0000002"]  # --save-hf follows --save-interval
-    for key in ("perf/generated_tokens_per_s", "perf/trained_tokens_per_s", "perf/samples_per_s",
-                "perf/train_peak_rss_gb", "perf/driver_peak_rss_gb"):
+    for key in (
+        "perf/generated_tokens_per_s",
+        "perf/trained_tokens_per_s",
+        "perf/samples_per_s",
+        "perf/train_peak_rss_gb",
+        "perf/driver_peak_rss_gb",
+    ):
         assert all(r[key] > 0 for r in rows), key
     for r in rows:
-        for key in ("rollout/raw_reward", "train/loss", "train/pg_loss", "train/pg_clipfrac", "train/ppo_kl",
-                    "train/grad_norm", "train/train_rollout_logprob_abs_diff", "timing/rollout", "timing/train",
-                    "timing/refit", "rollout/dropped_prompts"):
+        for key in (
+            "rollout/raw_reward",
+            "train/loss",
+            "train/pg_loss",
+            "train/pg_clipfrac",
+            "train/ppo_kl",
+            "train/grad_norm",
+            "train/train_rollout_logprob_abs_diff",
+            "timing/rollout",
+            "timing/train",
+            "timing/refit",
+            "rollout/dropped_prompts",
+        ):
             assert key in r, key
         assert r["rollout/dropped_prompts"] == 0.0  # no --rollout-max-prompt-len
         assert 0.0 <= r["rollout/raw_reward"] <= 1.0

@@ -226,9 +226,9 @@ def test_inputs_validation():
         )
     with pytest.raises(ValueError, match="kl_type='k9'"):
         AdvantageInputs(torch.ones(1), torch.zeros(1, dtype=torch.long), [torch.ones(2)], kl_type="k9")
-    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
+    with pytest.raises(ValueError, match="unknown advantage estimator 'gae'"):
         compute_advantages(
-            "ppo", AdvantageInputs(torch.ones(1), torch.zeros(1, dtype=torch.long), [torch.ones(2)])
+            "gae", AdvantageInputs(torch.ones(1), torch.zeros(1, dtype=torch.long), [torch.ones(2)])
         )
     assert AdvantageInputs(
         torch.ones(2), torch.zeros(2, dtype=torch.long), [torch.ones(3), torch.ones(1)]

@@ -118,10 +118,12 @@ def test_section_field_names_are_the_agreed_ones() -> None:
         "optim": "optimizer lr min_lr lr_decay_style lr_decay_iters lr_warmup_iters lr_warmup_fraction "
         "weight_decay adam_beta1 adam_beta2 adam_eps clip_grad",
         "algo": "advantage_estimator policy_loss custom_advantage_function_path disable_grpo_std_normalization "
-        "normalize_advantages gamma eps_clip eps_clip_high eps_clip_c use_opsm opsm_delta use_kl_loss "
+        "normalize_advantages gamma lambd eps_clip eps_clip_high eps_clip_c use_opsm opsm_delta use_kl_loss "
         "kl_loss_coef kl_loss_type kl_coef use_unbiased_kl entropy_coef use_tis tis_clip tis_clip_low use_mis "
         "mis_level mis_lower mis_upper custom_tis_function_path use_rollout_logprobs calculate_per_token_loss "
         "loss_reduction loss_reduction_constant custom_loss_function_path",
+        "critic": "critic_load critic_lr critic_lr_warmup_iters num_critic_only_steps value_clip",
+        "lora": "lora_rank lora_alpha lora_target_modules lora_dropout",
         "eval": "eval_prompt_data eval_interval n_samples_per_eval_prompt eval_max_response_len eval_temperature "
         "eval_top_p eval_top_k eval_input_key eval_label_key skip_eval_before_train eval_function_path",
         "log": "use_wandb use_tensorboard progress wandb_project wandb_group wandb_key wandb_mode run_dir "
@@ -324,7 +326,7 @@ def test_round_trips(reference_argv: list[str], tmp_path: Path) -> None:
     cfg = parse_config(reference_argv)
     d = cfg.to_dict()
     assert set(d) == {"seed", "dry_run", "config", "cluster", "model", "checkpoint", "data", "rollout",
-                      "engine", "router", "train", "optim", "algo", "eval", "log", "debug"}  # fmt: skip
+                      "engine", "router", "train", "optim", "algo", "critic", "lora", "eval", "log", "debug"}  # fmt: skip
     assert Config.from_dict(d) == cfg
     assert Config.from_dict(json.loads(json.dumps(d))) == cfg
     assert pickle.loads(pickle.dumps(cfg)) == cfg

@@ -6,8 +6,23 @@ import pytest
 
 from miles.config import ConfigError, parse_config
 
-BASE = ["--hf-checkpoint", "/m", "--prompt-data", "/d.jsonl", "--num-rollout", "2", "--rollout-batch-size", "4",
-        "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--actor-num-gpus-per-node", "2", "--colocate"]
+BASE = [
+    "--hf-checkpoint",
+    "/m",
+    "--prompt-data",
+    "/d.jsonl",
+    "--num-rollout",
+    "2",
+    "--rollout-batch-size",
+    "4",
+    "--n-samples-per-prompt",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--actor-num-gpus-per-node",
+    "2",
+    "--colocate",
+]
 
 
 def _violations(extra: list[str]) -> str:
@@ -33,7 +48,9 @@ def test_prompt_groups_must_split_evenly_over_dp():
     message = _violations(["--rollout-batch-size", "3", "--global-batch-size", "6"])
     assert "--rollout-batch-size=3" in message and "data-parallel size 2" in message
     # cp=2 on 2 workers leaves dp=1: any batch size works
-    parse_config(BASE + ["--rollout-batch-size", "3", "--global-batch-size", "6", "--context-parallel-size", "2"])
+    parse_config(
+        BASE + ["--rollout-batch-size", "3", "--global-batch-size", "6", "--context-parallel-size", "2"]
+    )
 
 
 def test_secrets_are_redacted_for_trackers_but_round_trip_otherwise():
@@ -61,3 +78,25 @@ def test_policy_loss_flag_and_its_default_from_the_estimator(extra, expected):
 def test_unknown_policy_loss_names_the_flag_and_the_choices():
     message = _violations(["--policy-loss", "grpo"])
     assert "--policy-loss" in message and "gspo" in message and "ppo" in message
+
+
+def test_critic_flags_belong_to_ppo():
+    assert "--critic-lr" in _violations(["--critic-lr", "1e-5"])
+    assert "--num-critic-only-steps" in _violations(["--num-critic-only-steps", "1"])
+    cfg = parse_config(BASE + ["--advantage-estimator", "ppo", "--critic-lr", "1e-5", "--lambd", "0.95",
+                               "--num-critic-only-steps", "1", "--value-clip", "0.5"])  # fmt: skip
+    assert (cfg.critic.critic_lr, cfg.algo.lambd, cfg.critic.value_clip) == (1e-5, 0.95, 0.5)
+    # every rollout critic-only: the actor would never train
+    assert "--num-critic-only-steps" in _violations(
+        ["--advantage-estimator", "ppo", "--num-critic-only-steps", "2"]
+    )
+    assert "--lambd" in _violations(["--advantage-estimator", "ppo", "--lambd", "1.5"])
+
+
+def test_lora_reference_is_the_base():
+    cfg = parse_config(BASE + ["--lora-rank", "8", "--lora-target-modules", "q_proj", "v_proj"])
+    assert cfg.lora.lora_rank == 8 and list(cfg.lora.lora_target_modules) == ["q_proj", "v_proj"]
+    assert "--ref-load" in _violations(["--lora-rank", "8", "--ref-load", "/r"])
+    assert "--ref-update-interval" in _violations(["--lora-rank", "8", "--ref-update-interval", "2"])
+    assert "--lora-dropout" in _violations(["--lora-rank", "8", "--lora-dropout", "1.0"])
+    parse_config(BASE + ["--ref-load", "/r"])  # without LoRA a separate reference is fine

@@ -21,7 +21,7 @@ class FakeTrainGroup:
     def __init__(self, log: Log) -> None:
         self.log = log
 
-    def train(self, rollout_id: int, per_rank: list[list[Sample]]) -> dict[str, float]:
+    def train(self, rollout_id: int, per_rank: list[list[Sample]], values=None) -> dict[str, float]:
         self.log("train", rollout_id, [len(p) for p in per_rank])
         return {"train/loss": 0.5}
 
@@ -66,6 +66,7 @@ class FakeSystem:
     def __init__(self, cfg, log: Log, train_group, choreography, start: int = 0) -> None:
         self.cfg, self.log = cfg, log
         self.train_group, self.choreography = train_group, choreography
+        self.critic_group = None
         self.timer, self.start_rollout_id = Timer(), start
         self.tracker = type("T", (), {"log": lambda _, step, m: FakeTracker(log).log_metrics(step, m)})()
         self.progress = type("P", (), {"update": lambda _: None})()

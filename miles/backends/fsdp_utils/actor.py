@@ -43,7 +43,7 @@ class FSDPTrainer(TrainBackend):
 
         cfg = self.config
         if role != "actor":
-            raise NotImplementedError(f"FSDPTrainer role {role!r}: only 'actor' is built (no critic yet)")
+            raise ValueError(f"FSDPTrainer is the 'actor' role, got {role!r} (the critic is FSDPCritic)")
         torch.manual_seed(cfg.seed)
         self.ps = ps = init_distributed(None, cfg.train.train_timeout, cfg.train.context_parallel_size)
         _set_cpu_threads(ps)
@@ -54,17 +54,21 @@ class FSDPTrainer(TrainBackend):
             reduce_dtype=torch.float32,
             attn_implementation="sdpa",  # packed forwards switch to miles_varlen; the kernel is chosen above
         )
+        self.lora = cfg.lora.lora_rank > 0
         self.model = build_fsdp_model(
             cfg.model.hf_checkpoint,
             ps.fsdp_mesh,
             cpu_offload=cfg.train.fsdp_cpu_offload,
             gradient_checkpointing=cfg.model.gradient_checkpointing,
             device=ps.device,
+            transform=_lora_transform(cfg.lora) if self.lora else None,
             **model_kwargs,
         )
         self.model.train()
         self.ref_model = None
-        if with_ref:
+        # with LoRA the reference is the frozen base: the policy with its adapters switched off
+        self.ref_is_base = with_ref and self.lora
+        if with_ref and not self.lora:
             self.ref_model = _build_reference(cfg, ps.fsdp_mesh, model_kwargs)
         o = cfg.optim
         self.optimizer = build_optimizer(
@@ -106,7 +110,10 @@ class FSDPTrainer(TrainBackend):
         return start
 
     # ------------------------------------------------------------------------------------------------ train
-    def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
+    def train(
+        self, rollout_id: int, samples: list[Sample], values: list[list[float]] | None = None
+    ) -> dict[str, float]:
+        """`values`: the critic's values of these samples (--advantage-estimator ppo), from `FSDPCritic.train`."""
         if self._offloaded:
             self.wake_up()
         t0 = time.perf_counter()
@@ -114,15 +121,24 @@ class FSDPTrainer(TrainBackend):
         if ps.is_cuda:
             torch.cuda.reset_peak_memory_stats()
         batch = rb.RankBatch.from_samples(samples, ps.device)
+        rb.attach_values(batch, values)
+        if cfg.algo.advantage_estimator == "ppo" and batch.values is None:
+            raise ValueError("--advantage-estimator ppo: the actor was given no critic values")
         steps = rb.plan_steps(batch, cfg, ps, self.steps_per_rollout)
+        has_ref = self.ref_model is not None or self.ref_is_base
         reuse = self.reuse_training_forward and rb.old_log_probs_from_training_forward(
-            len(steps), cfg, self.ref_model is not None
+            len(steps), cfg, has_ref
         )
         with torch.no_grad():
             if not reuse:
                 batch.old_log_probs = self._log_probs(self.model, batch, steps)
             if self.ref_model is not None:
                 batch.ref_log_probs = self._log_probs(self.ref_model, batch, steps)
+            elif self.ref_is_base:
+                from miles.backends.fsdp_utils.lora import adapters_disabled
+
+                with adapters_disabled(self.model):
+                    batch.ref_log_probs = self._log_probs(self.model, batch, steps)
         if cfg.algo.use_rollout_logprobs:
             batch.require_rollout_log_probs()
         rb.compute_advantages_for(batch, cfg, ps.dp_group)
@@ -144,7 +160,7 @@ class FSDPTrainer(TrainBackend):
         if self.ref_model is not None and interval and (rollout_id + 1) % interval == 0:
             self._update_reference_model()
         out["timing/train_logprob_prep"] = t_prep
-        passes = (not reuse) + (self.ref_model is not None)  # no-grad forwards: old, reference log-probs
+        passes = (not reuse) + has_ref  # no-grad forwards: old, reference log-probs
         out.update(_perf_metrics(self.model, batch, passes, time.perf_counter() - t0, ps, self.param_dtype))
         return out
 
@@ -258,7 +274,7 @@ class FSDPTrainer(TrainBackend):
         if not cfg.checkpoint.save_hf:
             raise ValueError("save_hf() called without --save-hf")
         export_sharded_model(
-            self.model,
+            self._refit_source(),
             hf_export_dir(cfg.checkpoint.save_hf, rollout_id),
             cfg.model.hf_checkpoint,
             self.param_dtype,
@@ -292,7 +308,7 @@ class FSDPTrainer(TrainBackend):
         elif urls != self._weight_updater.engine_urls:
             self._weight_updater.engines_restarted(urls)
         self._weight_updater.update(
-            self.model,
+            self._refit_source(),
             cfg.train.update_weight_buffer_size,
             weight_version,
             dtype=self.param_dtype,
@@ -308,6 +324,14 @@ class FSDPTrainer(TrainBackend):
         if mode == "auto":
             return "tensor" if self.config.cluster.colocate or not self.ps.is_cuda else "broadcast"
         return mode
+
+    def _refit_source(self) -> Any:
+        """What refits and HF exports read: the model, or with LoRA its merged view (base names, W + s*B@A)."""
+        if not self.lora:
+            return self.model
+        from miles.backends.fsdp_utils.lora import MergedView
+
+        return MergedView(self.model)
 
     def _make_weight_updater(self, engine_urls: list[str]) -> Any:
         """The refit transport of --update-weight-transfer-mode: tensor handles (CUDA IPC / shared memory; a
@@ -387,6 +411,18 @@ def _perf_metrics(
     dist.all_reduce(flops, group=ps.dp_group)  # CP ranks share their samples: count each DP rank once
     out["perf/mfu"] = perf.mfu(float(flops), seconds, ps.world_size, device_peak)
     return out
+
+
+def _lora_transform(lora: Any) -> Any:
+    from miles.backends.fsdp_utils.lora import apply_lora
+
+    def transform(model: torch.nn.Module) -> None:
+        n = apply_lora(
+            model, lora.lora_rank, lora.lora_alpha, list(lora.lora_target_modules), lora.lora_dropout
+        )
+        logger.info("LoRA rank %d on %d linear layers (%s)", lora.lora_rank, n, lora.lora_target_modules)
+
+    return transform
 
 
 def _select_attention_kernel(attn_implementation: str, is_cuda: bool) -> None:

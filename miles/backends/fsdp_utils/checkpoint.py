@@ -41,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -94,11 +95,19 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _frozen_names(model: nn.Module) -> set[str]:
+    """Parameters that never train (the base of a LoRA model): checkpoints leave them out, since they are
+    reloaded from --hf-checkpoint at init and never change."""
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
 def _train_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    frozen = _frozen_names(model)
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
+        model_sd = get_model_state_dict(model)
+        return {"model": {k: v for k, v in model_sd.items() if k not in frozen}}
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optimizer": optim_sd}
+    return {"model": {k: v for k, v in model_sd.items() if k not in frozen}, "optimizer": optim_sd}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -362,10 +371,17 @@ def load_checkpoint(
         dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - e.g. another model's checkpoint
         raise ValueError(f"cannot load checkpoint {path} into this model: {_describe(e)}") from e
+    options = StateDictOptions(strict=not _frozen_names(model))  # a LoRA checkpoint holds no base weights
     if optimizer is None:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=options)
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=options,
+        )
     if lr_scheduler is not None:
         if meta["lr_scheduler"] is None:
             raise ValueError(f"{path} holds no LR scheduler state, but a scheduler was given to restore")

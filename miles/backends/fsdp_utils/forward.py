@@ -9,7 +9,7 @@ from miles.backends.fsdp_utils.attention import enable_varlen_attention
 from miles.backends.fsdp_utils.context_parallel import CPContext, all_gather_autograd, shard_for_cp
 from miles.backends.fsdp_utils.data_packing import PackedBatch, unpack_sequences
 
-__all__ = ["forward_packed"]
+__all__ = ["forward_packed", "forward_values"]
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -85,3 +85,43 @@ def forward_packed(
     lp_list = unpack_sequences(log_probs, packed)
     ent_list = unpack_sequences(entropy, packed) if entropy is not None else None
     return lp_list, ent_list
+
+
+def forward_values(
+    model: torch.nn.Module, packed: PackedBatch, cp: CPContext | None = None
+) -> list[torch.Tensor]:
+    """Critic values of every response token of every sequence in `packed`: the value head's output (a [.., 1]
+    "LM head", see miles.backends.fsdp_utils.critic) at the row positions whose logits `forward_packed` scores,
+    i.e. V(s_t) is read where the policy's distribution over response token t is read. Same packing, CP split
+    and attention as `forward_packed`; differentiable. Returns [response_length_i] float32 per sequence."""
+    if packed.num_sequences == 0:
+        raise ValueError("forward_values got an empty pack (no sequences)")
+    enable_varlen_attention(model)
+    device = _model_device(model)
+    tokens = packed.tokens.to(device)
+    positions = packed.logit_positions().to(device)
+    if cp is None or cp.size == 1:
+        cu = packed.cu_seqlens.to(device)
+        max_len = packed.max_seqlen
+        out = model(
+            input_ids=tokens[None],
+            position_ids=packed.position_ids.to(device)[None],
+            use_cache=False,
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=max_len,
+            max_length_k=max_len,
+            logits_to_keep=positions,
+        )
+        values = out.logits[0, :, 0].float()  # [R]
+    else:
+        shard = shard_for_cp(tokens, packed.position_ids.to(device), packed.cu_seqlens.to(device), cp)
+        out = model(
+            input_ids=shard.local_tokens[None],
+            position_ids=shard.local_position_ids[None],
+            use_cache=False,
+            miles_cp=shard,
+        )
+        local = out.logits[0, :, 0].float()  # [C]
+        values = all_gather_autograd(local, cp).index_select(0, positions)
+    return unpack_sequences(values, packed)

@@ -9,7 +9,7 @@ state dict, so they are broadcast from rank 0 separately.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -136,11 +136,14 @@ def build_fsdp_model(
     device: torch.device | str = "cpu",
     reshard_after_forward: bool = True,
     flag: str = "--hf-checkpoint",
+    transform: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Load ``path`` on global rank 0 only, shard it with `apply_fsdp2` and broadcast the weights to all ranks.
 
     The master weights are fp32 (``param_dtype`` is the compute dtype). ``device`` is where the shards live
-    (CPU when ``cpu_offload``). Collective: every rank of ``mesh`` must call it.
+    (CPU when ``cpu_offload``). ``transform`` edits the module tree on every rank before sharding (a value
+    head, LoRA adapters); parameters it creates take rank 0's values. Collective: every rank of ``mesh`` must
+    call it.
     """
     if mesh.ndim != 1 or mesh.size() != dist.get_world_size():
         # set_model_state_dict(broadcast_from_rank0=True) broadcasts from global rank 0 over the default group
@@ -151,6 +154,8 @@ def build_fsdp_model(
     model = load_hf_model(
         path, attn_implementation, torch.float32, gradient_checkpointing, on_meta=not is_src, flag=flag
     )
+    if transform is not None:
+        transform(model)
     full_sd = model.state_dict() if is_src else {}
     shard_device = torch.device("cpu") if cpu_offload else torch.device(device)
     if is_src:
@@ -210,3 +215,18 @@ def build_optimizer(
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"--optimizer={name!r} is not supported; allowed: {_OPTIMIZERS}")
+
+
+def attach_value_head(model: nn.Module) -> None:
+    """Turn a causal LM into a critic: the LM head becomes ``Linear(hidden, 1)`` (zero-initialised, so every
+    value starts at 0), untied from the input embeddings. The model's "logits" are then values [.., 1]."""
+    hidden = model.get_input_embeddings().weight.shape[1]
+    device = model.get_input_embeddings().weight.device
+    model.config.tie_word_embeddings = False
+    head = nn.Linear(hidden, 1, bias=True, device=device, dtype=torch.float32)
+    if device.type != "meta":
+        nn.init.zeros_(head.weight)
+        nn.init.zeros_(head.bias)
+    model.set_output_embeddings(head)
+    if hasattr(model, "_tied_weights_keys"):
+        model._tied_weights_keys = {} if isinstance(model._tied_weights_keys, dict) else []

@@ -51,6 +51,7 @@ class RankBatch:
     rollout_log_probs: list[torch.Tensor] | None  # B x [L_i], None when the engine gave none
     old_log_probs: list[torch.Tensor] | None = None
     ref_log_probs: list[torch.Tensor] | None = None
+    values: list[torch.Tensor] | None = None  # B x [L_i]: the critic's old values (--advantage-estimator ppo)
     advantages: list[torch.Tensor] | None = None
     returns: list[torch.Tensor] | None = None
 
@@ -187,6 +188,8 @@ def compute_advantages_for(batch: RankBatch, cfg: Any, dp_group: Any) -> None:
         kl_coef=a.kl_coef if batch.ref_log_probs is not None else 0.0,
         kl_type=a.kl_loss_type,
         gamma=a.gamma,
+        lambd=a.lambd,
+        values=batch.values,
         std_normalize=not a.disable_grpo_std_normalization,
     )
     if a.custom_advantage_function_path:
@@ -283,3 +286,18 @@ def batch_metrics(batch: RankBatch, dp_group: Any) -> dict[str, float]:
         "train/advantage_mean": mean,
         "train/advantage_std": max(float(t[1]) / n - mean * mean, 0.0) ** 0.5,
     }
+
+
+def attach_values(batch: RankBatch, values: list[list[float]] | None) -> None:
+    """The critic's values for this rank's samples (same order), checked against the loss masks."""
+    if values is None:
+        return
+    if len(values) != len(batch):
+        raise ValueError(f"critic sent values for {len(values)} samples, this rank has {len(batch)}")
+    device = batch.rewards.device
+    batch.values = [torch.tensor(v, dtype=torch.float32, device=device) for v in values]
+    for i, (v, m) in enumerate(zip(batch.values, batch.loss_masks)):
+        if v.shape != m.shape:
+            raise ValueError(
+                f"critic values of sample {i} have shape {tuple(v.shape)}, its loss mask {tuple(m.shape)}"
+            )

@@ -1,0 +1,188 @@
+"""LoRA adapters on the FSDP2 policy (--lora-rank): our own small module, not peft.
+
+`LoRALinear` IS an ``nn.Linear`` (so the frozen base keeps its HF name ``...q_proj.weight``) with two extra
+parameters ``lora_A`` [r, in] and ``lora_B`` [out, r] (B zero-initialised: the adapted model starts equal to the
+base). ``y = x W^T + b + scaling * dropout(x) A^T B^T`` with ``scaling = alpha / r``. `apply_lora` swaps the
+targeted Linears before FSDP2 sharding (every rank builds the same tree; rank 0's initial values are broadcast
+with the rest of the weights), freezing everything but the adapters, so the optimizer holds adapter state only.
+
+The base weights are never modified:
+- the reference model is the base itself: `adapters_disabled(model)` switches the adapters off for the
+  reference pass (no second copy of the weights);
+- refits (and --save-hf) read `MergedView(model)`, whose state dict yields, under the base names, lazily merged
+  tensors ``W + scaling * B @ A`` computed OUT OF PLACE into a new tensor when the weight updater materialises
+  them (bucket by bucket, in the same order on every rank: the all-gathers are collective). lora_A / lora_B are
+  not sent: engines need no LoRA support.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+ALL_LINEAR = "all-linear"
+
+
+class LoRALinear(nn.Linear):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        rank: int,
+        alpha: float,
+        dropout: float,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        if rank < 1:
+            raise ValueError(f"--lora-rank={rank}: must be >= 1 for an adapter")
+        self.rank = rank
+        self.scaling = alpha / rank
+        self.lora_A = nn.Parameter(torch.empty(rank, in_features, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(out_features, rank, device=device, dtype=dtype))
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.adapter_enabled = True
+        if self.lora_A.device.type != "meta":
+            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+
+    @classmethod
+    def wrap(cls, base: nn.Linear, rank: int, alpha: float, dropout: float) -> LoRALinear:
+        """A LoRALinear holding `base`'s own weight/bias parameters (shared, not copied), frozen."""
+        w = base.weight
+        layer = cls(
+            base.in_features,
+            base.out_features,
+            base.bias is not None,
+            rank,
+            alpha,
+            dropout,
+            w.device,
+            w.dtype,
+        )
+        layer.weight = base.weight
+        layer.bias = base.bias
+        layer.weight.requires_grad_(False)
+        if layer.bias is not None:
+            layer.bias.requires_grad_(False)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = nn.functional.linear(x, self.weight, self.bias)
+        if not self.adapter_enabled:
+            return out
+        a = self.lora_A.to(x.dtype)
+        b = self.lora_B.to(x.dtype)
+        return out + nn.functional.linear(nn.functional.linear(self.lora_dropout(x), a), b) * self.scaling
+
+
+def _targeted(name: str, module: nn.Module, targets: list[str], lm_head: nn.Module | None) -> bool:
+    if not isinstance(module, nn.Linear) or isinstance(module, LoRALinear) or module is lm_head:
+        return False
+    if ALL_LINEAR in targets:
+        return True
+    return name.rsplit(".", 1)[-1] in targets
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: float, targets: list[str], dropout: float) -> int:
+    """Swap every targeted nn.Linear of `model` for a `LoRALinear` and freeze all non-adapter parameters.
+    Returns the number of adapted layers; ValueError (naming --lora-target-modules) when none matched."""
+    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    found = [(n, m) for n, m in model.named_modules() if _targeted(n, m, targets, lm_head)]
+    if not found:
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(f"--lora-target-modules={targets}: no nn.Linear matched; this model has {names}")
+    for name, module in found:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, LoRALinear.wrap(module, rank, alpha, dropout))
+    for pname, p in model.named_parameters():
+        p.requires_grad_(pname.endswith(("lora_A", "lora_B")))
+    return len(found)
+
+
+def lora_layers(model: nn.Module) -> list[LoRALinear]:
+    return [m for m in model.modules() if isinstance(m, LoRALinear)]
+
+
+def adapter_parameter_names(model: nn.Module) -> list[str]:
+    return [n for n, _ in model.named_parameters() if n.endswith(("lora_A", "lora_B"))]
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model (the LoRA run's reference): every adapter off inside the block."""
+    layers = lora_layers(model)
+    for layer in layers:
+        layer.adapter_enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapter_enabled = True
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """All-gather a DTensor (collective) to a plain tensor; plain tensors pass through."""
+    if hasattr(t, "full_tensor"):
+        mesh_device = t.device_mesh.device_type
+        if t.device.type != mesh_device:
+            t = t.to(mesh_device)
+        t = t.full_tensor()
+    return t.detach()
+
+
+def merged_weight(layer: LoRALinear) -> torch.Tensor:
+    """``W + scaling * B @ A`` as a NEW full fp32-accumulated tensor in W's dtype (W itself is never written).
+    Collective when the layer is sharded (three all-gathers in a fixed order)."""
+    w = _full(layer.weight)
+    a = _full(layer.lora_A)
+    b = _full(layer.lora_B)
+    delta = torch.matmul(b.float(), a.float()) * layer.scaling
+    return torch.add(w.float(), delta).to(w.dtype)
+
+
+class _LazyMerged:
+    """Stands in for a merged weight in a state dict until the weight updater materialises it: exposes the
+    metadata the bucket plan reads (dtype, numel, is_floating_point) and computes the merged tensor on
+    `detach()`, which is how the updater (`update_weight_utils._full_tensor`) turns a non-DTensor into data."""
+
+    def __init__(self, layer: LoRALinear) -> None:
+        self.layer = layer
+        self.dtype = layer.weight.dtype
+        self.shape = torch.Size((layer.out_features, layer.in_features))
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def is_floating_point(self) -> bool:
+        return True
+
+    def detach(self) -> torch.Tensor:
+        return merged_weight(self.layer)
+
+
+class MergedView:
+    """What refits and --save-hf read instead of the LoRA model: its state dict under the base (HF) names, with
+    every adapted weight merged (lazily, see `_LazyMerged`) and the adapter parameters left out."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self, keep_vars: bool = False) -> dict[str, Any]:
+        merged = {}
+        for name, module in self.model.named_modules():
+            if isinstance(module, LoRALinear):
+                merged[f"{name}.weight" if name else "weight"] = _LazyMerged(module)
+        out: dict[str, Any] = {}
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            if name.endswith(("lora_A", "lora_B")):
+                continue
+            out[name] = merged.get(name, t)
+        return out
