@@ -89,7 +89,7 @@ def child(a: argparse.Namespace) -> None:
 
     argv = ["--hf-checkpoint", a.model_dir, "--prompt-data", "unused.jsonl", "--num-rollout", str(a.steps),
             "--rollout-batch-size", str(a.samples // 4), "--n-samples-per-prompt", "4",
-            "--global-batch-size", str(a.samples), "--micro-batch-size", "4", "--lr", "1e-4",
+            "--global-batch-size", str(a.samples), "--micro-batch-size", "4", "--lr", "1e-4", "--colocate",
             "--run-dir", tempfile.mkdtemp(prefix="lora-bench-")]  # fmt: skip
     if a.child == "lora":
         argv += ["--lora-rank", str(a.lora_rank), "--lora-alpha", str(2 * a.lora_rank)]
