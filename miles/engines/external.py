@@ -24,7 +24,12 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from miles.engines.sglang_engine import ADMIN_ENDPOINTS, EngineHTTPError, EngineStartupError
+from miles.engines.sglang_engine import (
+    ADMIN_ENDPOINTS,
+    EngineActorMethods,
+    EngineHTTPError,
+    EngineStartupError,
+)
 from miles.utils.net import node_ip
 
 logger = logging.getLogger(__name__)
@@ -163,32 +168,8 @@ def make_external_engine_actor_class() -> Any:
     """The Ray actor class wrapping an `ExternalEngine`, with the methods of `RolloutEngineActor`."""
     import ray
 
-    class ExternalEngineActor:
+    class ExternalEngineActor(EngineActorMethods):
         def __init__(self, **kwargs: Any) -> None:
-            self.engine = ExternalEngine(**kwargs)
-
-        def launch(self) -> str:
-            return self.engine.launch().url
-
-        def url(self) -> str:
-            return self.engine.url
-
-        def post(self, path: str, json: Any = None, timeout: float = 600.0) -> Any:
-            return self.engine.post(path, json, timeout)
-
-        def get(self, path: str, timeout: float = 60.0) -> Any:
-            return self.engine.get(path, timeout)
-
-        def shutdown(self) -> None:
-            self.engine.shutdown()
-
-        def kill(self) -> None:
-            self.engine.kill()
-
-        def restart(self) -> str:
-            return self.engine.restart().url
-
-        def pid(self) -> int | None:
-            return self.engine.pid
+            self.engine = ExternalEngine(**kwargs)  # type: ignore[assignment]  # same methods as EngineProcess
 
     return ray.remote(ExternalEngineActor)

@@ -346,12 +346,43 @@ class EngineProcess:
 ENGINE_ACTOR_RUNTIME_ENV = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
 
 
+class EngineActorMethods:
+    """What an engine's Ray actor answers, delegated to the engine object it holds (`EngineProcess`, or
+    `miles.engines.external.ExternalEngine`): the methods the fleet and the health monitor call."""
+
+    engine: EngineProcess
+
+    def launch(self) -> str:
+        return self.engine.launch().url
+
+    def url(self) -> str:
+        return self.engine.url
+
+    def post(self, path: str, json: object = None, timeout: float = 600.0) -> JSON:
+        return self.engine.post(path, json, timeout)
+
+    def get(self, path: str, timeout: float = 60.0) -> JSON:
+        return self.engine.get(path, timeout)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def kill(self) -> None:
+        self.engine.kill()
+
+    def restart(self) -> str:
+        return self.engine.restart().url
+
+    def pid(self) -> int | None:
+        return self.engine.pid
+
+
 @functools.cache
 def make_engine_actor_class() -> Any:  # a Ray actor class (ray.remote output): typed by Ray at run time
     """The Ray actor class `RolloutEngineActor` wrapping an `EngineProcess` (imports ray on first call)."""
     import ray
 
-    class RolloutEngineActor:
+    class RolloutEngineActor(EngineActorMethods):
         """Ray actor holding one engine server process; methods mirror `EngineProcess`."""
 
         def __init__(self, **engine_kwargs: Any):  # EngineProcess's keyword arguments, checked there
@@ -365,26 +396,5 @@ def make_engine_actor_class() -> Any:  # a Ray actor class (ray.remote output): 
                 # start at the one Ray assigned to this actor's bundle.
                 self.engine.sglang_args.setdefault("base_gpu_id", str(int(min(float(g) for g in gpu_ids))))
             return self.engine.launch().url
-
-        def url(self) -> str:
-            return self.engine.url
-
-        def post(self, path: str, json: object = None, timeout: float = 600.0) -> JSON:
-            return self.engine.post(path, json, timeout)
-
-        def get(self, path: str, timeout: float = 60.0) -> JSON:
-            return self.engine.get(path, timeout)
-
-        def shutdown(self) -> None:
-            self.engine.shutdown()
-
-        def kill(self) -> None:
-            self.engine.kill()
-
-        def restart(self) -> str:
-            return self.engine.restart().url
-
-        def pid(self) -> int | None:
-            return self.engine.pid
 
     return ray.remote(RolloutEngineActor)
