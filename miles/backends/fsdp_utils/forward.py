@@ -6,7 +6,7 @@ import torch
 
 from miles.algo.logprobs import log_probs_and_entropy
 from miles.backends.fsdp_utils.attention import enable_varlen_attention
-from miles.backends.fsdp_utils.context_parallel import CPContext, all_gather_autograd, shard_for_cp
+from miles.backends.fsdp_utils.context_parallel import CPContext, CPShard, all_gather_autograd, shard_for_cp
 from miles.backends.fsdp_utils.data_packing import PackedBatch, unpack_sequences
 
 __all__ = ["forward_packed", "forward_values"]
@@ -41,42 +41,13 @@ def forward_packed(
     Returns (log_probs, entropy): lists over the pack's sequences (order of `packed.sample_indices`) of
     [response_length_i] float32 tensors; entropy is None unless `with_entropy`.
     """
-    if packed.num_sequences == 0:
-        raise ValueError("forward_packed got an empty pack (no sequences)")
-    enable_varlen_attention(model)
-    device = _model_device(model)
-    tokens = packed.tokens.to(device)
-    positions = packed.logit_positions().to(device)  # [R] rows whose logits predict response tokens
-
-    if cp is None or cp.size == 1:
-        cu = packed.cu_seqlens.to(device)
-        max_len = packed.max_seqlen
-        out = model(
-            input_ids=tokens[None],
-            position_ids=packed.position_ids.to(device)[None],
-            use_cache=False,
-            cu_seq_lens_q=cu,
-            cu_seq_lens_k=cu,
-            max_length_q=max_len,
-            max_length_k=max_len,
-            logits_to_keep=positions,  # the LM head runs on the R scored rows only, not on the whole row
-        )
-        logits = out.logits[0]  # [R, V]
+    out, tokens, positions, shard = _run_packed(model, packed, cp, "forward_packed")
+    if shard is None:  # out: [R, V] at the scored rows
         log_probs, entropy = log_probs_and_entropy(
-            logits, tokens.index_select(0, positions + 1), temperature, with_entropy
+            out, tokens.index_select(0, positions + 1), temperature, with_entropy
         )
-    else:
-        shard = shard_for_cp(tokens, packed.position_ids.to(device), packed.cu_seqlens.to(device), cp)
-        out = model(
-            input_ids=shard.local_tokens[None],
-            position_ids=shard.local_position_ids[None],
-            use_cache=False,
-            miles_cp=shard,
-        )
-        local_logits = out.logits[0]  # [C, V]
-        local_lp, local_ent = log_probs_and_entropy(
-            local_logits, shard.local_next_tokens(), temperature, with_entropy
-        )
+    else:  # out: [C, V], this CP rank's rows
+        local_lp, local_ent = log_probs_and_entropy(out, shard.local_next_tokens(), temperature, with_entropy)
         log_probs = all_gather_autograd(local_lp, cp).index_select(0, positions)  # [T_pad] -> [R]
         entropy = None
         if local_ent is not None:
@@ -94,12 +65,25 @@ def forward_values(
     "LM head", see miles.backends.fsdp_utils.critic) at the row positions whose logits `forward_packed` scores,
     i.e. V(s_t) is read where the policy's distribution over response token t is read. Same packing, CP split
     and attention as `forward_packed`; differentiable. Returns [response_length_i] float32 per sequence."""
+    out, _, positions, shard = _run_packed(model, packed, cp, "forward_values")
+    values = out[:, 0].float()  # [R] at the scored rows, or [C] local rows under CP
+    if shard is not None:
+        values = all_gather_autograd(values, cp).index_select(0, positions)
+    return unpack_sequences(values, packed)
+
+
+def _run_packed(
+    model: torch.nn.Module, packed: PackedBatch, cp: CPContext | None, caller: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, CPShard | None]:
+    """The model on the packed row, "miles_varlen" attention, no cache: (head output, tokens, scored row positions,
+    CP shard). Without CP (shard None) the head runs only on the scored rows (`logits_to_keep`): output [R, H];
+    with CP the row is split across the group and the output is this rank's [C, H] rows."""
     if packed.num_sequences == 0:
-        raise ValueError("forward_values got an empty pack (no sequences)")
+        raise ValueError(f"{caller} got an empty pack (no sequences)")
     enable_varlen_attention(model)
     device = _model_device(model)
     tokens = packed.tokens.to(device)
-    positions = packed.logit_positions().to(device)
+    positions = packed.logit_positions().to(device)  # [R] rows whose logits predict response tokens
     if cp is None or cp.size == 1:
         cu = packed.cu_seqlens.to(device)
         max_len = packed.max_seqlen
@@ -111,17 +95,14 @@ def forward_values(
             cu_seq_lens_k=cu,
             max_length_q=max_len,
             max_length_k=max_len,
-            logits_to_keep=positions,
+            logits_to_keep=positions,  # the head runs on the R scored rows only, not on the whole row
         )
-        values = out.logits[0, :, 0].float()  # [R]
-    else:
-        shard = shard_for_cp(tokens, packed.position_ids.to(device), packed.cu_seqlens.to(device), cp)
-        out = model(
-            input_ids=shard.local_tokens[None],
-            position_ids=shard.local_position_ids[None],
-            use_cache=False,
-            miles_cp=shard,
-        )
-        local = out.logits[0, :, 0].float()  # [C]
-        values = all_gather_autograd(local, cp).index_select(0, positions)
-    return unpack_sequences(values, packed)
+        return out.logits[0], tokens, positions, None
+    shard = shard_for_cp(tokens, packed.position_ids.to(device), packed.cu_seqlens.to(device), cp)
+    out = model(
+        input_ids=shard.local_tokens[None],
+        position_ids=shard.local_position_ids[None],
+        use_cache=False,
+        miles_cp=shard,
+    )
+    return out.logits[0], tokens, positions, shard
