@@ -16,8 +16,11 @@ if TYPE_CHECKING:
 
 
 class RolloutManager:
+    """Built in two steps so that its start-up (imports, tokenizer, prompt data) overlaps the trainers' and the
+    engines': the constructor needs only the config; `connect` gives it the engines once they answer."""
+
     # config_dict: Config.to_dict(), nested plain values that Config.from_dict checks
-    def __init__(self, config_dict: dict[str, Any], router_url: str, engine_urls: list[str]) -> None:
+    def __init__(self, config_dict: dict[str, Any]) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoTokenizer
 
@@ -26,20 +29,25 @@ class RolloutManager:
         from miles.rollout.runner import RolloutRunner
 
         cfg = Config.from_dict(config_dict)
+        self.max_running_requests = cfg.engine.engine_max_running_requests
         self.runner = RolloutRunner(
             cfg.data,
             cfg.rollout,
             cfg.eval,
             tokenizer=AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint),
-            router_url=router_url,
-            engine_urls=engine_urls,
+            router_url="",  # set by connect()
+            engine_urls=[],
             api_key=cfg.engine.engine_api_key,
-            concurrency=cfg.engine.engine_max_running_requests * len(engine_urls),
+            concurrency=0,
             dump_dir=cfg.log.dump_details,
             via_router=generation_via_router(
                 cfg.router.router_policy, cfg.router.sglang_router_ip is not None
             ),
         )
+
+    def connect(self, router_url: str, engine_urls: list[str]) -> None:
+        """The engines (and their router) to generate with: before the first rollout."""
+        self.runner.connect(router_url, engine_urls, self.max_running_requests * len(engine_urls))
 
     def set_start_rollout(self, rollout_id: int) -> None:
         self.runner.set_start_rollout(rollout_id)

@@ -277,6 +277,9 @@ def build_system(cfg: Config) -> System:
         if replay
         else ray.remote(EngineFleet).options(num_cpus=0).remote(cfg.to_dict(), placement, num_rollout)
     )
+    # the rollout side loads its tokenizer and prompts while the trainers and engines start; it gets the
+    # engines' URLs (connect) once they answer
+    rollout = None if replay else ray.remote(RolloutManager).options(num_cpus=0).remote(cfg.to_dict())
     train_group, critic_group, start = None, None, 0
     if not rollout_only:
         env_vars = {
@@ -298,17 +301,17 @@ def build_system(cfg: Config) -> System:
                 critic_group.sleep()  # the actor refits the engines next; the critic wakes to train
     if start > 0:
         tracker.resume_at(start)  # steps logged after the checkpoint ran again: keep each step once
-    rollout, engine_urls = None, []
+    engine_urls: list[str] = []
     choreography: MemoryChoreography | TrainerOnly | None = None
     if replay:
         choreography = TrainerOnly()
     else:
-        assert fleet is not None  # started above unless replaying
+        assert fleet is not None and rollout is not None  # started above unless replaying
         router_url, engine_urls = ray_get(
             [fleet.get_router_url.remote(), fleet.get_engine_urls.remote()], timeout, "starting the engines"
         )
-        rollout = (
-            ray.remote(RolloutManager).options(num_cpus=0).remote(cfg.to_dict(), router_url, engine_urls)
+        ray_get(
+            rollout.connect.remote(router_url, engine_urls), timeout, "starting the rollout manager (data, tokenizer)"
         )
         resume_rollout_side(cfg, rollout, train_group, start, timeout)
     if train_group is not None and fleet is not None:

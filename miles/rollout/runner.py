@@ -176,6 +176,13 @@ class RolloutRunner:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._engine_client: EngineClient | None = None
 
+    def connect(self, router_url: str, engine_urls: list[str], concurrency: int) -> None:
+        """Point the runner at its engines (the driver builds the runner while the engines still start; see
+        `miles.ray.rollout_manager`). Only before the first request: the engine client is made on first use."""
+        if self._engine_client is not None:
+            raise RuntimeError("RolloutRunner.connect: the engine client already exists (connect before generating)")
+        self.router_url, self.engine_urls, self.concurrency = router_url, list(engine_urls), concurrency
+
     def _run(self, fn: Callable[[EngineClient], Awaitable[T]]) -> T:
         """Run `fn(client)` to completion on the runner's long-lived loop and client (made on first use)."""
         if self._loop is None or self._loop.is_closed():
