@@ -17,7 +17,7 @@ import ray
 from miles.config import required
 from miles.ray.colocate import MemoryChoreography, TrainerOnly
 from miles.ray.engine_fleet import EngineFleet
-from miles.ray.placement import cluster_has_gpus, create_placement
+from miles.ray.placement import Placement, cluster_has_gpus, create_placement
 from miles.ray.rollout_manager import RolloutManager
 from miles.ray.train_group import RayTrainGroup
 from miles.ray.utils import PhaseTimeoutError, init_ray, ray_get
@@ -62,6 +62,8 @@ class System:
 
     num_engines: int = 1
     critic_group: RayTrainGroup | None = None  # --advantage-estimator ppo: the value model's train group
+    placement: Placement | None = None
+    owns_ray: bool = True  # this run started Ray: shutdown stops it; else it removes what the run created
 
     @property
     def trainers(self) -> RayTrainGroup:
@@ -168,7 +170,22 @@ class System:
         finally:
             self.progress.close()
             self.tracker.close()
-            ray.shutdown()
+            if self.owns_ray:
+                ray.shutdown()
+            else:
+                self.release_ray_resources()
+
+    def release_ray_resources(self) -> None:
+        """Kill this run's actors and free its placement group, leaving the Ray instance (not ours) running.
+        The engine actors are the fleet's: they go with it."""
+        groups = [g for g in (self.train_group, self.critic_group) if g is not None]
+        for group in groups:
+            group.shutdown()
+        for actor in (self.rollout, self.fleet):
+            if actor is not None:
+                ray.kill(actor)
+        if self.placement is not None:
+            ray.util.remove_placement_group(self.placement.pg)
 
 
 class RolloutEngineMemory:
@@ -250,7 +267,7 @@ def build_system(cfg: Config) -> System:
     num_rollout = 0 if replay else num_rollout
     num_actor = 0 if rollout_only else num_actor
     colocate = cfg.cluster.colocate
-    init_ray(min_cpus=(max(num_actor, num_rollout) if colocate else num_actor + num_rollout) + 1)
+    owns_ray = init_ray(min_cpus=(max(num_actor, num_rollout) if colocate else num_actor + num_rollout) + 1)
     use_gpu = cluster_has_gpus()
     check_external_refit(cfg, use_gpu, num_actor)
     has_critic = cfg.algo.advantage_estimator == "ppo" and not rollout_only
@@ -341,4 +358,6 @@ def build_system(cfg: Config) -> System:
         bar,
         num_engines=len(engine_urls),
         critic_group=critic_group,
+        placement=placement,
+        owns_ray=owns_ray,
     )

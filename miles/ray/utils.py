@@ -25,19 +25,29 @@ def ray_get(refs: Any, timeout: float | None, phase: str) -> Any:
         raise PhaseTimeoutError(f"timed out after {timeout:.0f}s waiting for phase '{phase}'") from e
 
 
-def init_ray(min_cpus: int, env_vars: dict[str, str] | None = None) -> None:
-    """Join the cluster named by RAY_ADDRESS (or a `ray job submit` job), or start one in-process.
+def init_ray(min_cpus: int, env_vars: dict[str, str] | None = None) -> bool:
+    """Join the cluster named by RAY_ADDRESS (or a `ray job submit` job), or start one in-process; True when this
+    call connected (the caller then owns the connection and calls `ray.shutdown`).
 
     A local instance gets at least `min_cpus` logical CPUs so that CPU-only runs can place one bundle per worker even
     on a 2-core machine (the workers mostly wait on each other; oversubscription is intended).
+
+    Ray already initialised in this process (a notebook, a test session running several drivers) is used as it is
+    and False is returned: the caller must then release what it created instead of shutting Ray down.
     """
     if ray.is_initialized():
-        return
+        have = ray.cluster_resources().get("CPU", 0)
+        if have < min_cpus:
+            raise RuntimeError(
+                f"the Ray instance this process already joined has {have:g} CPUs, this run needs {min_cpus}; "
+                "call ray.shutdown() first (miles then starts a local instance of the right size)"
+            )
+        return False
     runtime_env = {"env_vars": dict(env_vars)} if env_vars else None
     if os.environ.get("RAY_ADDRESS"):
         logger.info("joining Ray cluster at %s", os.environ["RAY_ADDRESS"])
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env)
-        return
+        return True
     num_cpus = max(min_cpus, os.cpu_count() or 1)
     logger.info("starting a local Ray instance with %d logical CPUs, listening on loopback only", num_cpus)
     with _loopback_node():
@@ -49,6 +59,7 @@ def init_ray(min_cpus: int, env_vars: dict[str, str] | None = None) -> None:
             logging_level=logging.WARNING,
             _node_ip_address=LOOPBACK,
         )
+    return True
 
 
 LOOPBACK = "127.0.0.1"

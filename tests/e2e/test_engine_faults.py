@@ -88,6 +88,7 @@ def test_fault_tolerance_survives_engine_fault(tiny, fault, capfd):
 NO_FT = ["--rollout-request-timeout", "20"]
 
 
+@pytest.mark.own_ray  # the fault log's path reaches the Ray workers by environment: they must start after it is set
 @pytest.mark.parametrize("fault", ["sigkill_engine", "sigstop_engine"])
 def test_without_fault_tolerance_the_fault_is_named(tiny, fault, monkeypatch):
     """Without --use-fault-tolerance the run ends within the request deadline with an error naming the engine

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_ray]
 
 
 @pytest.fixture(scope="module")

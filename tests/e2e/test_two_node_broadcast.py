@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_ray]
 
 
 def test_two_node_disaggregated_run_with_broadcast_refit(tmp_path, monkeypatch):
