@@ -70,9 +70,9 @@ def test_secrets_are_redacted_for_trackers_but_round_trip_otherwise():
     ],
 )
 def test_policy_loss_flag_and_its_default_from_the_estimator(extra, expected):
-    from miles.backends.fsdp_utils.rollout_batch import loss_settings
+    from miles.backends.fsdp_utils.rollout_batch import trainer_algo
 
-    assert loss_settings(parse_config(BASE + extra)).policy_loss == expected
+    assert trainer_algo(parse_config(BASE + extra)).loss.policy.name == expected
 
 
 def test_unknown_policy_loss_names_the_flag_and_the_choices():
