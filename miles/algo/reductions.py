@@ -91,33 +91,20 @@ def _constant(constant: float | None) -> float:
     return float(constant)
 
 
-REDUCTIONS.add(
-    "sample_mean",
+for _reduction in (
+    # name, numerator, local count (this micro-batch's share of D), D
     Reduction(
-        name="sample_mean",
-        numerator=_sample_mean_numerator,
-        local_count=lambda masks, c: float(len(masks)),
-        global_count=lambda n, t, c: float(n),
+        "sample_mean", _sample_mean_numerator, lambda masks, c: float(len(masks)), lambda n, t, c: float(n)
     ),
-)
-REDUCTIONS.add(
-    "token_mean",
+    Reduction("token_mean", _token_sum, lambda masks, c: _num_tokens(masks), lambda n, t, c: float(t)),
     Reduction(
-        name="token_mean",
-        numerator=_token_sum,
-        local_count=lambda masks, c: _num_tokens(masks),
-        global_count=lambda n, t, c: float(t),
+        "constant_sum",
+        _token_sum,
+        lambda masks, c: _constant(c) * len(masks),
+        lambda n, t, c: _constant(c) * n,
     ),
-)
-REDUCTIONS.add(
-    "constant_sum",
-    Reduction(
-        name="constant_sum",
-        numerator=_token_sum,
-        local_count=lambda masks, c: _constant(c) * len(masks),
-        global_count=lambda n, t, c: _constant(c) * n,
-    ),
-)
+):
+    REDUCTIONS.add(_reduction.name, _reduction)
 
 
 def reduction_denominator(

@@ -40,7 +40,7 @@ class Values:
             raise _Skip(name)
         return self.values[name]
 
-    def set_derived(self, name: str, value: Any) -> None:
+    def set_derived(self, name: str, value: object) -> None:
         self.values[name] = value
         self.sources[name] = DERIVED
 

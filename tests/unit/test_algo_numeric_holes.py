@@ -11,16 +11,13 @@ import pytest
 import torch
 
 from miles.algo import (
-    MIS,
     OPSM,
-    TIS,
     AdvantageInputs,
     KLPenalty,
     LossInputs,
     LossReduction,
     LossSettings,
     PolicyLossSpec,
-    TISAndMIS,
     compute_advantages,
     compute_approx_kl,
     compute_loss,
@@ -36,6 +33,7 @@ from miles.algo import (
     reduce_loss,
     reduction_denominator,
 )
+from miles.algo.mismatch import MIS, TIS, TISAndMIS
 
 POISONS = [float("nan"), float("inf"), float("-inf")]
 

@@ -47,6 +47,7 @@ from miles.backends.fsdp_utils.data_packing import (
     pack_sequences,
     plan_micro_batches,
 )
+from miles.backends.fsdp_utils.parallel import ParallelState
 from miles.config import AlgoConfig, Config
 from miles.config.algo_names import default_policy_loss
 from miles.utils.misc import load_function
@@ -282,7 +283,9 @@ def loss_reduction(a: AlgoConfig) -> LossReduction:
     return LossReduction(kind=a.loss_reduction, constant=a.loss_reduction_constant)
 
 
-def step_reduction(reduction: LossReduction, batch: RankBatch, packs: list[Pack], ps: Any) -> LossReduction:
+def step_reduction(
+    reduction: LossReduction, batch: RankBatch, packs: list[Pack], ps: ParallelState
+) -> LossReduction:
     """`reduction` with this optimizer step's denominator: global sample / loss-token counts over the DP group.
 
     FSDP averages gradients over the whole (dp x cp) mesh; CP ranks each hold cp x their share (the CP gather's
@@ -303,7 +306,9 @@ def step_reduction(reduction: LossReduction, batch: RankBatch, packs: list[Pack]
     return dataclasses.replace(reduction, denominator=denominator)
 
 
-def step_settings(settings: LossSettings, batch: RankBatch, packs: list[Pack], ps: Any) -> LossSettings:
+def step_settings(
+    settings: LossSettings, batch: RankBatch, packs: list[Pack], ps: ParallelState
+) -> LossSettings:
     """`settings` with this optimizer step's reduction (`step_reduction`)."""
     return dataclasses.replace(settings, reduction=step_reduction(settings.reduction, batch, packs, ps))
 
