@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, TypeVar, dataclass_transform
+from typing import TypeVar, dataclass_transform
 
 from miles.backends import available_backends
 from miles.config import algo_names
@@ -69,7 +69,7 @@ def opt(
     return field(default=default, metadata=metadata)
 
 
-def field_default(f: dataclasses.Field) -> Any:
+def field_default(f: dataclasses.Field[object]) -> object:
     """The default value of a section field (its factory called when it has one)."""
     if f.default is not dataclasses.MISSING:
         return f.default
