@@ -9,19 +9,19 @@ from miles.algo.advantages import (
     AdvantageEstimator,
     AdvantageInputs,
     AdvantageOutputs,
+    checked_custom_advantage,
     compute_advantages,
     discounted_returns,
     get_advantage_estimator,
     group_mean,
     group_std,
-    load_custom_advantage,
     local_moments,
     masked_whiten,
     register_advantage,
 )
-from miles.algo.kl import KL_TYPES, compute_approx_kl
+from miles.algo.kl import KL_TYPES, KLPenalty, compute_approx_kl
 from miles.algo.logprobs import compute_entropy, compute_log_probs, log_probs_and_entropy
-from miles.algo.loss import LossInputs, LossSettings, compute_loss, load_custom_loss
+from miles.algo.loss import LossFn, LossInputs, LossSettings, compute_loss
 from miles.algo.metrics import (
     accumulate_metrics,
     finalize_metrics,
@@ -31,15 +31,22 @@ from miles.algo.metrics import (
     unstack_metrics,
 )
 from miles.algo.mismatch import (
+    MIS,
     MIS_LEVELS,
+    TIS,
+    CustomMismatch,
+    CustomTISFn,
+    Mismatch,
+    TISAndMIS,
     compute_mis_mask,
     compute_mismatch_weights,
     compute_tis_weights,
-    load_custom_tis_function,
 )
 from miles.algo.policy_loss import (
+    OPSM,
     POLICY_LOSSES,
     PolicyLossOutputs,
+    PolicyLossSpec,
     compute_opsm_mask,
     compute_policy_loss,
     get_policy_loss,
@@ -47,6 +54,7 @@ from miles.algo.policy_loss import (
 )
 from miles.algo.reductions import (
     REDUCTIONS,
+    LossReduction,
     Reduction,
     reduce_loss,
     reduce_loss_and_metric,
@@ -58,18 +66,30 @@ from miles.algo.registry import Registry
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "KL_TYPES",
+    "MIS",
     "MIS_LEVELS",
+    "OPSM",
     "POLICY_LOSSES",
     "REDUCTIONS",
     "AdvantageEstimator",
     "AdvantageInputs",
     "AdvantageOutputs",
+    "CustomMismatch",
+    "CustomTISFn",
+    "KLPenalty",
+    "LossFn",
     "LossInputs",
+    "LossReduction",
     "LossSettings",
+    "Mismatch",
     "PolicyLossOutputs",
+    "PolicyLossSpec",
     "Reduction",
     "Registry",
+    "TIS",
+    "TISAndMIS",
     "accumulate_metrics",
+    "checked_custom_advantage",
     "compute_advantages",
     "compute_approx_kl",
     "compute_entropy",
@@ -86,9 +106,6 @@ __all__ = [
     "get_policy_loss",
     "group_mean",
     "group_std",
-    "load_custom_advantage",
-    "load_custom_loss",
-    "load_custom_tis_function",
     "log_probs_and_entropy",
     "local_moments",
     "masked_metric",

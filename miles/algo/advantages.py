@@ -27,7 +27,6 @@ from torch import Tensor
 from miles.algo import _ops
 from miles.algo.kl import KL_TYPES, compute_approx_kl
 from miles.algo.registry import Registry
-from miles.utils.misc import load_function
 
 
 @dataclass
@@ -115,22 +114,20 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
     return ADVANTAGE_ESTIMATORS.get(name)
 
 
-def load_custom_advantage(path: str) -> AdvantageFn:
-    """Load ``--custom-advantage-function-path`` (``module.path:fn``).
-
-    The function must have the signature ``fn(inputs: AdvantageInputs) -> AdvantageOutputs`` and return one
-    tensor of length L_i per sample in both fields. The returned callable validates that shape contract.
+def checked_custom_advantage(fn: AdvantageFn, name: str) -> AdvantageFn:
+    """A user advantage function (``--custom-advantage-function-path``, resolved by the trainer; `name` is its
+    path, for errors) wrapped to check its contract: ``fn(inputs: AdvantageInputs) -> AdvantageOutputs`` with
+    one tensor of length L_i per sample in both fields.
     """
-    fn = load_function(path, "--custom-advantage-function-path")
 
     def checked(inputs: AdvantageInputs) -> AdvantageOutputs:
         out = fn(inputs)
         if not isinstance(out, AdvantageOutputs):
             raise ValueError(
-                f"custom advantage function {path!r} returned {type(out).__name__}, expected AdvantageOutputs"
+                f"custom advantage function {name!r} returned {type(out).__name__}, expected AdvantageOutputs"
             )
-        _ops.check_aligned(f"{path} advantages", out.advantages, inputs.loss_masks)
-        _ops.check_aligned(f"{path} returns", out.returns, inputs.loss_masks)
+        _ops.check_aligned(f"{name} advantages", out.advantages, inputs.loss_masks)
+        _ops.check_aligned(f"{name} returns", out.returns, inputs.loss_masks)
         return out
 
     return checked

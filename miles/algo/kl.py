@@ -14,6 +14,9 @@ x_t ~ pi), the estimators of KL(pi || pi_ref) are (Schulman, "Approximating KL d
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -42,6 +45,25 @@ _ESTIMATORS = {"k1": _k1, "k2": _k2, "k3": _k3, "low_var_kl": _low_var_kl}
 KL_TYPES = tuple(_ESTIMATORS)
 
 
+def _estimator(kl_type: str) -> Callable[[Tensor], Tensor]:
+    estimator = _ESTIMATORS.get(kl_type)
+    if estimator is None:
+        raise ValueError(f"unknown kl_type {kl_type!r}; choose one of {list(KL_TYPES)}")
+    return estimator
+
+
+@dataclass(frozen=True)
+class KLPenalty:
+    """The KL(pi || pi_ref) term of the loss: ``coef * compute_approx_kl(..., type, old if unbiased)``."""
+
+    coef: float  # --kl-loss-coef
+    type: str = "low_var_kl"  # --kl-loss-type: k1 | k2 | k3 | low_var_kl
+    unbiased: bool = False  # --use-unbiased-kl: importance-weight the estimate by pi / pi_old
+
+    def __post_init__(self) -> None:
+        _estimator(self.type)
+
+
 def compute_approx_kl(
     log_probs: Tensor,
     ref_log_probs: Tensor,
@@ -61,10 +83,7 @@ def compute_approx_kl(
         raise ValueError(
             f"log_probs shape {tuple(log_probs.shape)} != ref_log_probs shape {tuple(ref_log_probs.shape)}"
         )
-    estimator = _ESTIMATORS.get(kl_type)
-    if estimator is None:
-        raise ValueError(f"unknown kl_type {kl_type!r}; choose one of {list(KL_TYPES)}")
-    kl = estimator(log_probs.float() - ref_log_probs.float())
+    kl = _estimator(kl_type)(log_probs.float() - ref_log_probs.float())
     if old_log_probs is not None:
         if old_log_probs.shape != log_probs.shape:
             raise ValueError(

@@ -14,55 +14,98 @@ not change the reduction's denominators.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from miles.algo import _ops
 from miles.algo.metrics import masked_metric
-from miles.utils.misc import load_function
+
+if TYPE_CHECKING:
+    from miles.algo.loss import LossSettings
 
 MIS_LEVELS = ("token", "sequence")
 
-# fn(old_log_probs, rollout_log_probs, loss_masks, settings) -> (weights B x [L_i], metrics {name: (num, count)})
+# ``--custom-tis-function-path``: fn(old_log_probs, rollout_log_probs, loss_masks, settings) -> (weights, metrics)
+# with the first three ``B x [L_i]`` lists, `settings` the LossSettings of the micro-batch, `weights` one
+# per-token tensor per sample (detached by the caller) and `metrics` (numerator, count) pairs (miles.algo.metrics)
 CustomTISFn = Callable[
-    [list[Tensor], list[Tensor], list[Tensor], Any], tuple[list[Tensor], dict[str, Tensor]]
+    [list[Tensor], list[Tensor], list[Tensor], "LossSettings"], tuple[list[Tensor], dict[str, Tensor]]
 ]
 
 
+def _check_bounds(lower_name: str, lower: float, upper_name: str, upper: float) -> None:
+    if not 0 <= lower <= upper:
+        raise ValueError(f"need 0 <= {lower_name} ({lower}) <= {upper_name} ({upper})")
+
+
+@dataclass(frozen=True)
+class TIS:
+    """Truncated importance sampling: weight each token by clip(exp(old - rollout), lo, hi)."""
+
+    lo: float = 0.0  # --tis-clip-low
+    hi: float = 2.0  # --tis-clip
+
+    def __post_init__(self) -> None:
+        _check_bounds("tis_clip_low", self.lo, "tis_clip", self.hi)
+
+
+@dataclass(frozen=True)
+class MIS:
+    """Masked importance sampling: drop tokens (or whole samples) whose ratio lies outside [lo, hi]."""
+
+    level: str = "token"  # --mis-level: token | sequence
+    lo: float = 0.5  # --mis-lower
+    hi: float = 2.0  # --mis-upper
+
+    def __post_init__(self) -> None:
+        if self.level not in MIS_LEVELS:
+            raise ValueError(f"mis_level={self.level!r}; choose one of {list(MIS_LEVELS)}")
+        _check_bounds("mis_lower", self.lo, "mis_upper", self.hi)
+
+
+@dataclass(frozen=True)
+class TISAndMIS:
+    """Both corrections: the TIS weight times the MIS keep mask."""
+
+    tis: TIS
+    mis: MIS
+
+
+@dataclass(frozen=True)
+class CustomMismatch:
+    """A user function (``--custom-tis-function-path``, resolved by the trainer) that replaces TIS and MIS."""
+
+    fn: CustomTISFn
+
+
+# the mismatch correction of the policy loss; None (no correction) where a Mismatch | None is taken
+Mismatch = TIS | MIS | TISAndMIS | CustomMismatch
+
+
 def compute_tis_weights(
-    old_log_probs: list[Tensor], rollout_log_probs: list[Tensor], clip_low: float, clip_high: float
+    old_log_probs: list[Tensor], rollout_log_probs: list[Tensor], tis: TIS
 ) -> list[Tensor]:
-    """Per-token truncated importance weights clip(exp(old - rollout), clip_low, clip_high), detached."""
-    if not 0 <= clip_low <= clip_high:
-        raise ValueError(f"need 0 <= tis_clip_low ({clip_low}) <= tis_clip ({clip_high})")
+    """Per-token truncated importance weights clip(exp(old - rollout), tis.lo, tis.hi), detached."""
     _ops.check_aligned("old_log_probs", old_log_probs, rollout_log_probs, "rollout_log_probs")
     return [
-        torch.exp(o.detach().float() - r.detach().float()).clamp(clip_low, clip_high)
+        torch.exp(o.detach().float() - r.detach().float()).clamp(tis.lo, tis.hi)
         for o, r in zip(old_log_probs, rollout_log_probs)
     ]
 
 
 def compute_mis_mask(
-    old_log_probs: list[Tensor],
-    rollout_log_probs: list[Tensor],
-    loss_masks: list[Tensor],
-    level: str,
-    lower: float,
-    upper: float,
+    old_log_probs: list[Tensor], rollout_log_probs: list[Tensor], loss_masks: list[Tensor], mis: MIS
 ) -> list[Tensor]:
     """Per-token 0/1 masked importance sampling (MIS) weights; 0 = dropped.
 
-    level "token": drop token t iff exp(old_t - rollout_t) is outside [lower, upper].
+    level "token": drop token t iff exp(old_t - rollout_t) is outside [mis.lo, mis.hi].
     level "sequence": drop every token of sample i iff its geometric-mean ratio
-    exp(mean_t (old_t - rollout_t)) (mean over the sample's loss tokens) is outside [lower, upper].
+    exp(mean_t (old_t - rollout_t)) (mean over the sample's loss tokens) is outside [mis.lo, mis.hi].
     Values at mask-0 positions are not read (those positions get weight 1 at level "token").
     """
-    if level not in MIS_LEVELS:
-        raise ValueError(f"mis_level={level!r}; choose one of {list(MIS_LEVELS)}")
-    if not 0 <= lower <= upper:
-        raise ValueError(f"need 0 <= mis_lower ({lower}) <= mis_upper ({upper})")
     _ops.check_aligned("old_log_probs", old_log_probs, loss_masks)
     _ops.check_aligned("rollout_log_probs", rollout_log_probs, loss_masks)
     lengths = _ops.lengths_of(loss_masks)
@@ -71,50 +114,31 @@ def compute_mis_mask(
     old_log_probs = _ops.masked_list(old_log_probs, loss_masks)
     rollout_log_probs = _ops.masked_list(rollout_log_probs, loss_masks)
     log_ratio = (_ops.cat(old_log_probs).float() - _ops.cat(rollout_log_probs).float()).detach()
-    if level == "sequence":
+    if mis.level == "sequence":
         seq = _ops.per_sample_masked_mean(log_ratio, _ops.cat(loss_masks), lengths)
         log_ratio = seq[_ops.sample_ids(lengths, seq.device)]
     ratio = torch.exp(log_ratio)
-    keep = (ratio >= lower) & (ratio <= upper)
+    keep = (ratio >= mis.lo) & (ratio <= mis.hi)
     return _ops.split(keep.float(), lengths)
-
-
-def load_custom_tis_function(path: str) -> CustomTISFn:
-    """Load ``--custom-tis-function-path`` (``module.path:fn``).
-
-    Signature: ``fn(old_log_probs, rollout_log_probs, loss_masks, settings) -> (weights, metrics)`` with the
-    first three ``B x [L_i]`` lists, `settings` the LossSettings, `weights` one per-token tensor per sample
-    (detached by the caller; it REPLACES the built-in TIS and MIS weights) and `metrics` a dict of
-    (numerator, count) pairs (see miles.algo.metrics), merged into the loss metrics.
-    """
-    return load_function(path, "--custom-tis-function-path")
 
 
 def compute_mismatch_weights(
     old_log_probs: list[Tensor],
     rollout_log_probs: list[Tensor],
     loss_masks: list[Tensor],
-    *,
-    use_tis: bool,
-    tis_clip_low: float,
-    tis_clip: float,
-    use_mis: bool,
-    mis_level: str,
-    mis_lower: float,
-    mis_upper: float,
-    custom_fn: CustomTISFn | None = None,
-    settings: Any = None,
+    correction: Mismatch | None,
+    settings: LossSettings | None = None,
 ) -> tuple[list[Tensor] | None, dict[str, Tensor]]:
-    """Per-token weights for the policy loss (None when neither TIS, MIS nor a custom function is on) and
-    mismatch metrics as (numerator, count) pairs over loss tokens:
+    """Per-token weights for the policy loss (None when `correction` is None) and mismatch metrics as
+    (numerator, count) pairs over loss tokens:
 
     - ``train_rollout_logprob_abs_diff``: mean |old - rollout|   (always)
     - ``ois``: mean unclipped ratio exp(old - rollout)            (always)
-    - ``tis``: mean TIS weight; ``tis_clipfrac``: fraction of tokens whose ratio was clipped   (use_tis)
-    - ``mis_masked_frac``: fraction of loss tokens dropped by MIS, at either level             (use_mis)
+    - ``tis``: mean TIS weight; ``tis_clipfrac``: fraction of tokens whose ratio was clipped   (TIS)
+    - ``mis_masked_frac``: fraction of loss tokens dropped by MIS, at either level             (MIS)
 
-    A `custom_fn` replaces TIS and MIS (called as ``custom_fn(old, rollout, masks, settings)``). Values at
-    mask-0 positions are set to 0 first (so weights there are finite and metrics never read them).
+    A CustomMismatch's function replaces TIS and MIS (called as ``fn(old, rollout, masks, settings)``). Values
+    at mask-0 positions are set to 0 first (so weights there are finite and metrics never read them).
     """
     _ops.check_aligned("old_log_probs", old_log_probs, loss_masks)
     _ops.check_aligned("rollout_log_probs", rollout_log_probs, loss_masks)
@@ -127,18 +151,22 @@ def compute_mismatch_weights(
         "train_rollout_logprob_abs_diff": masked_metric(log_ratio.abs(), mask),
         "ois": masked_metric(ratio, mask),
     }
-    if custom_fn is not None:
-        custom_weights, custom_metrics = custom_fn(old_log_probs, rollout_log_probs, loss_masks, settings)
+    if isinstance(correction, CustomMismatch):
+        if settings is None:
+            raise ValueError("a CustomMismatch passes the LossSettings to its function: give `settings`")
+        custom_weights, custom_metrics = correction.fn(old_log_probs, rollout_log_probs, loss_masks, settings)
         _ops.check_aligned("custom TIS weights", custom_weights, loss_masks)
         metrics.update(custom_metrics)
         return [w.detach().float() for w in custom_weights], metrics
+    tis = correction.tis if isinstance(correction, TISAndMIS) else correction
+    mis = correction.mis if isinstance(correction, TISAndMIS) else correction
     weights: list[Tensor] | None = None
-    if use_tis:
-        weights = compute_tis_weights(old_log_probs, rollout_log_probs, tis_clip_low, tis_clip)
+    if isinstance(tis, TIS):
+        weights = compute_tis_weights(old_log_probs, rollout_log_probs, tis)
         metrics["tis"] = masked_metric(_ops.cat(weights), mask)
-        metrics["tis_clipfrac"] = masked_metric(((ratio < tis_clip_low) | (ratio > tis_clip)).float(), mask)
-    if use_mis:
-        keep = compute_mis_mask(old_log_probs, rollout_log_probs, loss_masks, mis_level, mis_lower, mis_upper)
+        metrics["tis_clipfrac"] = masked_metric(((ratio < tis.lo) | (ratio > tis.hi)).float(), mask)
+    if isinstance(mis, MIS):
+        keep = compute_mis_mask(old_log_probs, rollout_log_probs, loss_masks, mis)
         metrics["mis_masked_frac"] = masked_metric(1.0 - _ops.cat(keep), mask)
         weights = keep if weights is None else [w * k for w, k in zip(weights, keep)]
     return weights, metrics

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -26,14 +25,50 @@ from miles.algo.registry import Registry
 LOG_RATIO_CLAMP = 20.0
 
 
-def compute_policy_loss(
-    ppo_kl: Tensor,
-    advantages: Tensor,
-    eps_clip: float,
-    eps_clip_high: float,
-    eps_clip_c: float | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Per-token PPO clipped surrogate loss and clip indicator (same shape as the inputs).
+@dataclass(frozen=True)
+class OPSM:
+    """Off-policy sequence masking (`compute_opsm_mask`): mask a negative-advantage sample whose sequence KL
+    from the behaviour policy exceeds `delta`."""
+
+    delta: float = 1e-4
+
+    def __post_init__(self) -> None:
+        if self.delta < 0:
+            raise ValueError(f"opsm_delta={self.delta} must be >= 0")
+
+
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    """Which registered policy loss (``--policy-loss``), its clip range, what its ratio is taken against and
+    the OPSM mask on top of it."""
+
+    name: str = "ppo"  # registered policy loss: ppo | gspo | a user-registered one
+    eps_clip: float = 0.2  # lower clip: ratio >= 1 - eps_clip
+    eps_clip_high: float | None = None  # upper clip: ratio <= 1 + eps_clip_high; None = eps_clip
+    eps_clip_c: float | None = None  # dual-clip bound (> 1) for negative advantages; None = off
+    use_rollout_logprobs: bool = False  # ratio against the rollout log-probs instead of the old log-probs
+    opsm: OPSM | None = None  # off-policy sequence masking; None = off
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.name not in POLICY_LOSSES:
+            errors.append(f"policy_loss={self.name!r} not in {POLICY_LOSSES.names()}")
+        if self.eps_clip < 0 or self.clip_high < 0:
+            errors.append(f"eps_clip={self.eps_clip} and eps_clip_high={self.eps_clip_high} must be >= 0")
+        if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:
+            errors.append(f"eps_clip_c={self.eps_clip_c} must be > 1 (dual-clip bound on the ratio) or None")
+        if errors:
+            raise ValueError("invalid policy loss: " + "; ".join(errors))
+
+    @property
+    def clip_high(self) -> float:
+        """The effective upper clip epsilon."""
+        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+
+def compute_policy_loss(ppo_kl: Tensor, advantages: Tensor, spec: PolicyLossSpec) -> tuple[Tensor, Tensor]:
+    """Per-token PPO clipped surrogate loss and clip indicator (same shape as the inputs), with the clip range
+    of `spec` (eps_clip, clip_high, eps_clip_c).
 
     ratio = exp(clamp(-ppo_kl, -20, 20));  loss = max(-A * ratio, -A * clip(ratio, 1 - eps_clip, 1 + eps_clip_high)).
     Dual clip (``eps_clip_c`` > 1, Ye et al. 2020): for tokens with A < 0 the loss is further capped,
@@ -46,18 +81,14 @@ def compute_policy_loss(
     """
     if ppo_kl.shape != advantages.shape:
         raise ValueError(f"ppo_kl shape {tuple(ppo_kl.shape)} != advantages shape {tuple(advantages.shape)}")
-    if eps_clip < 0 or eps_clip_high < 0:
-        raise ValueError(f"eps_clip={eps_clip} and eps_clip_high={eps_clip_high} must be >= 0")
-    if eps_clip_c is not None and eps_clip_c <= 1.0:
-        raise ValueError(f"eps_clip_c={eps_clip_c} must be > 1 (dual-clip bound on the ratio) or None")
     advantages = advantages.detach().float()
     ratio = torch.exp((-ppo_kl.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+    clipped = -advantages * ratio.clamp(1.0 - spec.eps_clip, 1.0 + spec.clip_high)
     loss = torch.maximum(unclipped, clipped)
     clipfrac = (clipped > unclipped).float()
-    if eps_clip_c is not None:
-        capped = torch.minimum(loss, -advantages * eps_clip_c)
+    if spec.eps_clip_c is not None:
+        capped = torch.minimum(loss, -advantages * spec.eps_clip_c)
         loss = torch.where(advantages < 0, capped, loss)
     return loss, clipfrac
 
@@ -69,18 +100,10 @@ class PolicyLossOutputs:
     ppo_kl: list[Tensor]  # B x [L_i] the (detached) old - new log-ratio the clip acted on
 
 
-class PolicyLossFn(Protocol):
-    def __call__(
-        self,
-        log_probs: list[Tensor],
-        old_log_probs: list[Tensor],
-        advantages: list[Tensor],
-        loss_masks: list[Tensor],
-        *,
-        eps_clip: float,
-        eps_clip_high: float,
-        eps_clip_c: float | None,
-    ) -> PolicyLossOutputs: ...
+# fn(log_probs, old_log_probs, advantages, loss_masks, spec), the first four per-sample lists B x [L_i]
+PolicyLossFn = Callable[
+    [list[Tensor], list[Tensor], list[Tensor], list[Tensor], PolicyLossSpec], PolicyLossOutputs
+]
 
 
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
@@ -89,8 +112,8 @@ POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator registering a per-token policy loss under `name` (``--policy-loss``).
 
-    Signature: ``fn(log_probs, old_log_probs, advantages, loss_masks, *, eps_clip, eps_clip_high, eps_clip_c)
-    -> PolicyLossOutputs``, all arguments per-sample lists ``B x [L_i]``.
+    Signature: ``fn(log_probs, old_log_probs, advantages, loss_masks, spec) -> PolicyLossOutputs``, the first
+    four per-sample lists ``B x [L_i]`` and `spec` the PolicyLossSpec (clip range: `compute_policy_loss`).
     """
     return POLICY_LOSSES.register(name)
 
@@ -102,7 +125,7 @@ def get_policy_loss(name: str) -> PolicyLossFn:
 
 def _check(
     log_probs: list[Tensor], old_log_probs: list[Tensor], advantages: list[Tensor], masks: list[Tensor]
-):
+) -> None:
     _ops.check_aligned("log_probs", log_probs, masks)
     _ops.check_aligned("old_log_probs", old_log_probs, masks)
     _ops.check_aligned("advantages", advantages, masks)
@@ -123,10 +146,8 @@ def _clipped_ratio_loss(
     old_log_probs: list[Tensor],
     advantages: list[Tensor],
     loss_masks: list[Tensor],
+    spec: PolicyLossSpec,
     *,
-    eps_clip: float,
-    eps_clip_high: float,
-    eps_clip_c: float | None = None,
     sequence_ratio: bool,
 ) -> PolicyLossOutputs:
     """The clipped-ratio loss PPO and GSPO both are: `compute_policy_loss` on a log-ratio per token (PPO) or
@@ -153,7 +174,7 @@ def _clipped_ratio_loss(
         ppo_kl = -(new - new.detach() + seq_log_ratio[_ops.sample_ids(lengths, new.device)])
     else:
         ppo_kl = old - new
-    loss, clipfrac = compute_policy_loss(ppo_kl, adv, eps_clip, eps_clip_high, eps_clip_c)
+    loss, clipfrac = compute_policy_loss(ppo_kl, adv, spec)
     return PolicyLossOutputs(
         loss=_ops.split(loss, lengths),
         clipfrac=_ops.split(clipfrac, lengths),
@@ -170,7 +191,7 @@ def compute_opsm_mask(
     behaviour_log_probs: list[Tensor],
     advantages: list[Tensor],
     loss_masks: list[Tensor],
-    delta: float,
+    opsm: OPSM,
 ) -> list[Tensor]:
     """Off-policy sequence masking (OPSM, DeepSeek-V3.2): per-token 0/1 weights, constant within a sample.
 
@@ -178,14 +199,12 @@ def compute_opsm_mask(
       seq_kl_i = mean_t (behaviour_log_probs - log_probs)   (log pi_behaviour - log pi_theta: a sampled
                                                               estimate of KL(pi_behaviour || pi_theta))
       adv_i    = mean_t advantages
-    the whole sample is masked (weight 0) iff ``adv_i < 0`` and ``seq_kl_i > delta``; otherwise weight 1.
+    the whole sample is masked (weight 0) iff ``adv_i < 0`` and ``seq_kl_i > opsm.delta``; otherwise weight 1.
     `behaviour_log_probs` is the policy that generated the tokens: the rollout log-probs when available, else
     the old (pre-update) log-probs. Rationale: negative samples that drifted far off-policy give the most
     harmful, high-variance updates, while positive ones are kept. Samples without loss tokens get weight 1.
     """
     _check(log_probs, behaviour_log_probs, advantages, loss_masks)
-    if delta < 0:
-        raise ValueError(f"opsm_delta={delta} must be >= 0")
     lengths = _ops.lengths_of(loss_masks)
     if not lengths:
         return []
@@ -193,5 +212,5 @@ def compute_opsm_mask(
     new, behaviour, adv = _masked_inputs(log_probs, behaviour_log_probs, advantages, loss_masks)
     seq_kl = _ops.per_sample_masked_mean((behaviour - new).detach(), mask, lengths)
     seq_adv = _ops.per_sample_masked_mean(adv.detach(), mask, lengths)
-    keep = ~((seq_adv < 0) & (seq_kl > delta))
+    keep = ~((seq_adv < 0) & (seq_kl > opsm.delta))
     return _ops.split(keep.float()[_ops.sample_ids(lengths, mask.device)], lengths)

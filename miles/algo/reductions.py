@@ -39,6 +39,27 @@ class Reduction:
 REDUCTIONS: Registry[Reduction] = Registry("loss reduction")
 
 
+@dataclass(frozen=True)
+class LossReduction:
+    """How the loss of a micro-batch is reduced: the registered reduction `kind`, its constant (constant_sum)
+    and this optimizer step's `denominator` (`reduction_denominator`; it changes every step, so build it with
+    ``dataclasses.replace(reduction, denominator=...)``)."""
+
+    kind: str = "sample_mean"  # --loss-reduction: sample_mean | token_mean | constant_sum
+    constant: float | None = None  # constant_sum's constant (e.g. the max response length)
+    denominator: float = 1.0
+
+    def __post_init__(self) -> None:
+        # the entry's own count checks its constant (constant_sum: > 0), so the rule is stated once
+        REDUCTIONS.get(self.kind).global_count(1, 0, self.constant)
+        _check_denominator(self.denominator)
+
+
+def _check_denominator(denominator: float) -> None:
+    if not denominator > 0:
+        raise ValueError(f"denominator={denominator} must be > 0")
+
+
 def _masked_flat(losses: list[Tensor], masks: list[Tensor]) -> tuple[Tensor, Tensor, list[int]]:
     _ops.check_aligned("losses", losses, masks)
     lengths = _ops.lengths_of(masks)
@@ -70,33 +91,20 @@ def _constant(constant: float | None) -> float:
     return float(constant)
 
 
-REDUCTIONS.add(
-    "sample_mean",
+for _reduction in (
+    # name, numerator, local count (this micro-batch's share of D), D
     Reduction(
-        name="sample_mean",
-        numerator=_sample_mean_numerator,
-        local_count=lambda masks, c: float(len(masks)),
-        global_count=lambda n, t, c: float(n),
+        "sample_mean", _sample_mean_numerator, lambda masks, c: float(len(masks)), lambda n, t, c: float(n)
     ),
-)
-REDUCTIONS.add(
-    "token_mean",
+    Reduction("token_mean", _token_sum, lambda masks, c: _num_tokens(masks), lambda n, t, c: float(t)),
     Reduction(
-        name="token_mean",
-        numerator=_token_sum,
-        local_count=lambda masks, c: _num_tokens(masks),
-        global_count=lambda n, t, c: float(t),
+        "constant_sum",
+        _token_sum,
+        lambda masks, c: _constant(c) * len(masks),
+        lambda n, t, c: _constant(c) * n,
     ),
-)
-REDUCTIONS.add(
-    "constant_sum",
-    Reduction(
-        name="constant_sum",
-        numerator=_token_sum,
-        local_count=lambda masks, c: _constant(c) * len(masks),
-        global_count=lambda n, t, c: _constant(c) * n,
-    ),
-)
+):
+    REDUCTIONS.add(_reduction.name, _reduction)
 
 
 def reduction_denominator(
@@ -133,8 +141,7 @@ def reduce_loss(name: str, losses: list[Tensor], masks: list[Tensor], denominato
     Values at mask-0 positions are never read (selected away, so nan/inf there changes neither the loss nor
     its gradient).
     """
-    if not denominator > 0:
-        raise ValueError(f"denominator={denominator} must be > 0")
+    _check_denominator(denominator)
     return REDUCTIONS.get(name).numerator(losses, masks) / denominator
 
 
@@ -156,8 +163,7 @@ def reduce_loss_and_metric(
     name: str, losses: list[Tensor], masks: list[Tensor], denominator: float, constant: float | None = None
 ) -> tuple[Tensor, Tensor]:
     """`reduce_loss` and `reduction_metric` together, computing the numerator once."""
-    if not denominator > 0:
-        raise ValueError(f"denominator={denominator} must be > 0")
+    _check_denominator(denominator)
     reduction = REDUCTIONS.get(name)
     num = reduction.numerator(losses, masks)
     count = torch.tensor(reduction.local_count(masks, constant), dtype=torch.float64, device=num.device)

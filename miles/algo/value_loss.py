@@ -13,7 +13,7 @@ from torch import Tensor
 
 from miles.algo import _ops
 from miles.algo.metrics import masked_metric
-from miles.algo.reductions import reduce_loss_and_metric
+from miles.algo.reductions import LossReduction, reduce_loss_and_metric
 
 
 @dataclass
@@ -31,12 +31,10 @@ class ValueLossInputs:
 def compute_value_loss(
     inputs: ValueLossInputs,
     value_clip: float | None,
-    reduction: str,
-    denominator: float,
-    reduction_constant: float | None = None,
+    reduction: LossReduction,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per token ``0.5 * max((v - R)^2, (v_clip - R)^2)`` with ``v_clip = old + clamp(v - old, -c, c)``
-    (c = `value_clip`; None: the plain ``0.5 * (v - R)^2``), reduced with the named reduction: divided by
+    (c = `value_clip`; None: the plain ``0.5 * (v - R)^2``), reduced with `reduction`: divided by its
     `denominator` (see `reduction_denominator`: global samples / dp for sample_mean, global loss tokens / dp for
     token_mean). Metrics (numerator, count pairs): ``value_loss`` under that reduction, ``value_clipfrac``
     (token mean of "the value moved past the clip range and the clipped term was the larger one") and the sums ``explained_variance`` needs
@@ -59,7 +57,7 @@ def compute_value_loss(
     lengths = _ops.lengths_of(inputs.loss_masks)
     losses = _ops.split(per_token, lengths)
     loss, loss_metric = reduce_loss_and_metric(
-        reduction, losses, inputs.loss_masks, denominator, reduction_constant
+        reduction.kind, losses, inputs.loss_masks, reduction.denominator, reduction.constant
     )
     err = (ret - v.detach()).double()
     ret64 = ret.double()

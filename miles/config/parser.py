@@ -114,33 +114,44 @@ def _hint(word: str, candidates: list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _split_prefixed(
+    argv: list[str], known: set[str], prefix: str, max_values: int | None
+) -> tuple[list[str], list[tuple[str, str, str, list[str]]]]:
+    """Take the undeclared `PREFIX-NAME [VALUE ...]` flags out of argv: (the rest of argv, one
+    `(token, flag, key, values)` per such flag, in order). A flag's values are its `=VALUE`, else the tokens
+    after it up to the next `--flag` (at most `max_values` of them; None: no limit)."""
+    rest: list[str] = []
+    found: list[tuple[str, str, str, list[str]]] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        flag, eq, inline = token.partition("=")
+        if not token.startswith(prefix) or flag in known:
+            rest.append(token)
+            i += 1
+            continue
+        values = [inline] if eq else []
+        while not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            if max_values is not None and len(values) >= max_values:
+                break
+            values.append(argv[i + 1])
+            i += 1
+        found.append((token, flag, flag[len(prefix) :].replace("-", "_"), values))
+        i += 1
+    return rest, found
+
+
 def _split_sglang(argv: list[str], known: set[str], layer: Layer) -> list[str]:
     """Move undeclared `--sglang-NAME [VALUE]` out of argv into `layer.sglang`; return the rest.
 
     A flag with no value (followed by another `--flag` or the end) is recorded as "true".
     """
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        flag, eq, inline = token.partition("=")
-        if not token.startswith(_SGLANG_PREFIX) or flag in known:
-            rest.append(token)
-            i += 1
-            continue
-        key = flag[len(_SGLANG_PREFIX) :].replace("-", "_")
-        if eq:
-            value = inline
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            value = argv[i + 1]
-            i += 1
-        else:
-            value = "true"
+    rest, found = _split_prefixed(argv, known, _SGLANG_PREFIX, max_values=1)
+    for token, _, key, values in found:
         if key:
-            layer.sglang[key] = value
+            layer.sglang[key] = values[0] if values else "true"
         else:
             layer.problems.append(f"{token!r}: expected --sglang-NAME VALUE")
-        i += 1
     return rest
 
 
@@ -149,27 +160,14 @@ def _split_router(argv: list[str], known: set[str], layer: Layer) -> list[str]:
 
     Every token up to the next `--flag` is a value (sglang-router has options taking several); several values
     are kept as one shell-quoted string. A flag with no value is recorded as "true" (a switch)."""
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        flag, eq, inline = token.partition("=")
-        if not token.startswith(_ROUTER_PREFIX) or flag in known:
-            rest.append(token)
-            i += 1
-            continue
-        values = [inline] if eq else []
-        while not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            values.append(argv[i + 1])
-            i += 1
-        key = flag[len(_ROUTER_PREFIX) :].replace("-", "_")
+    rest, found = _split_prefixed(argv, known, _ROUTER_PREFIX, max_values=None)
+    for token, flag, key, values in found:
         if not key:
             layer.problems.append(f"{token!r}: expected --router-NAME VALUE")
         elif key in layer.router:
             layer.problems.append(f"{flag}: given twice")
         else:
             layer.router[key] = values[0] if len(values) == 1 else (shlex.join(values) if values else "true")
-        i += 1
     return rest
 
 

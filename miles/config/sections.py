@@ -11,11 +11,12 @@ Nothing here imports torch, ray or transformers.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, TypeVar, dataclass_transform
+from typing import TypeVar, dataclass_transform
 
 from miles.backends import available_backends
 from miles.config import algo_names
@@ -28,7 +29,7 @@ _T = TypeVar("_T")
 
 
 def opt(
-    default: Any,
+    default: _T,
     help: str,
     *,
     choices: Sequence[str] | Callable[[], Sequence[str]] | None = None,
@@ -39,14 +40,14 @@ def opt(
     le: float | None = None,
     cli: bool = True,
     secret: bool = False,
-) -> Any:
+) -> _T:
     """Declare one config field: its default, a one-line help, and the checks applied after merging.
 
     `choices` may be a callable (evaluated lazily, e.g. the backend registry). Bounds apply when the value is
     not None. `cli=False` keeps the field out of the generated argparse parser (it is still a YAML key).
     `secret=True` redacts the value in `Config.to_yaml()`.
     """
-    metadata: dict[str, Any] = {
+    metadata: dict[str, object] = {
         "help": help,
         "implemented": True,
         "required": required,
@@ -61,14 +62,14 @@ def opt(
     if isinstance(default, (dict, list)):
         snapshot = default
 
-        def factory() -> Any:
-            return type(snapshot)(snapshot)
+        def factory() -> _T:
+            return copy.copy(snapshot)  # a fresh container per instance, like the dict / list it copies
 
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
 
 
-def field_default(f: dataclasses.Field) -> Any:
+def field_default(f: dataclasses.Field[object]) -> object:
     """The default value of a section field (its factory called when it has one)."""
     if f.default is not dataclasses.MISSING:
         return f.default

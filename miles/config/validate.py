@@ -40,7 +40,7 @@ class Values:
             raise _Skip(name)
         return self.values[name]
 
-    def set_derived(self, name: str, value: Any) -> None:
+    def set_derived(self, name: str, value: object) -> None:
         self.values[name] = value
         self.sources[name] = DERIVED
 
@@ -267,8 +267,8 @@ def _algo(v: Values) -> None:
         if v["tis_clip"] < v["tis_clip_low"]:
             v.fail("tis_clip", f"must be >= --tis-clip-low={v['tis_clip_low']}")
     with suppress(_Skip):
-        if v["mis_lower"] >= v["mis_upper"]:
-            v.fail("mis_lower", f"must be < --mis-upper={v['mis_upper']}")
+        if v["mis_lower"] > v["mis_upper"]:
+            v.fail("mis_lower", f"must be <= --mis-upper={v['mis_upper']}")
     with suppress(_Skip):
         estimator = v["advantage_estimator"]
         if (

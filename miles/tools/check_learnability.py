@@ -32,6 +32,7 @@ import torch
 from miles.algo import (
     AdvantageInputs,
     LossInputs,
+    LossReduction,
     LossSettings,
     compute_advantages,
     compute_log_probs,
@@ -118,7 +119,8 @@ def _loss(
         advantages=[torch.full((len(r),), a) for r, a in zip(responses, adv)],
         loss_masks=masks,
     )
-    settings = LossSettings(reduction="token_mean", denominator=float(max(1, sum(len(r) for r in responses))))
+    tokens = float(max(1, sum(len(r) for r in responses)))
+    settings = LossSettings(reduction=LossReduction(kind="token_mean", denominator=tokens))
     return compute_loss(inputs, settings)[0]
 
 

@@ -2,8 +2,6 @@
 
 import math
 import statistics
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -11,11 +9,11 @@ import torch
 from miles.algo import (
     AdvantageInputs,
     AdvantageOutputs,
+    checked_custom_advantage,
     compute_advantages,
     compute_approx_kl,
     discounted_returns,
     get_advantage_estimator,
-    load_custom_advantage,
     local_moments,
     masked_whiten,
     register_advantage,
@@ -243,29 +241,19 @@ def test_register_duplicate_rejected():
             raise AssertionError
 
 
-def test_custom_advantage(tmp_path, monkeypatch):
-    (tmp_path / "my_adv_mod.py").write_text(
-        textwrap.dedent(
-            """
-            import torch
-            from miles.algo import AdvantageOutputs
+def test_custom_advantage_contract_is_checked():
+    def double_reward(inputs):
+        adv = [torch.full(m.shape, 2.0 * float(r)) for r, m in zip(inputs.rewards, inputs.loss_masks)]
+        return AdvantageOutputs(advantages=adv, returns=adv)
 
-            def double_reward(inputs):
-                adv = [torch.full(m.shape, 2.0 * float(r)) for r, m in zip(inputs.rewards, inputs.loss_masks)]
-                return AdvantageOutputs(advantages=adv, returns=adv)
+    def wrong_shape(inputs):
+        return AdvantageOutputs(advantages=[torch.zeros(99)], returns=[torch.zeros(99)])
 
-            def wrong_shape(inputs):
-                return AdvantageOutputs(advantages=[torch.zeros(99)], returns=[torch.zeros(99)])
-            """
-        )
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
     inputs = AdvantageInputs(torch.tensor([1.5]), torch.tensor([0]), [torch.ones(2)])
-    out = load_custom_advantage("my_adv_mod:double_reward")(inputs)
+    out = checked_custom_advantage(double_reward, "mod:double_reward")(inputs)
     assert isinstance(out, AdvantageOutputs)
     torch.testing.assert_close(out.advantages[0], torch.tensor([3.0, 3.0]))
-    with pytest.raises(ValueError, match="has shape \\(99,\\)"):
-        load_custom_advantage("my_adv_mod:wrong_shape")(inputs)
-    with pytest.raises(ValueError, match="--custom-advantage-function-path"):
-        load_custom_advantage("my_adv_mod:missing")
-    sys.modules.pop("my_adv_mod", None)
+    with pytest.raises(ValueError, match="mod:wrong_shape advantages\\[0\\] has shape \\(99,\\)"):
+        checked_custom_advantage(wrong_shape, "mod:wrong_shape")(inputs)
+    with pytest.raises(ValueError, match="'mod:none' returned NoneType, expected AdvantageOutputs"):
+        checked_custom_advantage(lambda inputs: None, "mod:none")(inputs)

@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from miles.algo import AdvantageInputs, compute_advantages, compute_approx_kl, get_advantage_estimator
+from miles.algo import (
+    AdvantageInputs,
+    LossReduction,
+    compute_advantages,
+    compute_approx_kl,
+    get_advantage_estimator,
+)
 from miles.algo.advantages import gae
 from miles.algo.reductions import reduction_denominator
 from miles.algo.value_loss import ValueLossInputs, compute_value_loss, explained_variance
@@ -132,7 +138,7 @@ def test_value_loss_matches_loop_and_grad_flows(clip):
     ret = [torch.randn(n, generator=g) for n in lengths]
     mask = [torch.tensor([1, 0, 1, 1.0]), torch.tensor([1.0]), torch.tensor([0, 1, 1, 1, 0, 1.0])]
     den = reduction_denominator("sample_mean", global_num_samples=3, global_num_tokens=0, dp_size=1)
-    loss, m = compute_value_loss(ValueLossInputs(v, old, ret, mask), clip, "sample_mean", den)
+    loss, m = compute_value_loss(ValueLossInputs(v, old, ret, mask), clip, LossReduction(denominator=den))
     ref_loss, ref_frac = _loop_value_loss(v, old, ret, mask, clip)
     assert math.isclose(float(loss.detach()), ref_loss, rel_tol=1e-5)
     assert math.isclose(float(m["value_clipfrac"][0] / m["value_clipfrac"][1]), ref_frac, abs_tol=1e-9)

@@ -2,13 +2,24 @@
 
 import dataclasses
 import math
-import sys
-import textwrap
 
 import pytest
 import torch
 
-from miles.algo import LossInputs, LossSettings, compute_loss, finalize_metrics, load_custom_loss
+from miles.algo import (
+    MIS,
+    OPSM,
+    TIS,
+    CustomMismatch,
+    KLPenalty,
+    LossInputs,
+    LossReduction,
+    LossSettings,
+    PolicyLossSpec,
+    TISAndMIS,
+    compute_loss,
+    finalize_metrics,
+)
 
 
 def _inputs(seed, lengths=(3, 5, 2, 4), with_grad=True):
@@ -45,40 +56,25 @@ def _loop_loss(inp: LossInputs, s: LossSettings):
             count += 1
             lp, old, a = inp.log_probs[i][t], inp.old_log_probs[i][t], inp.advantages[i][t]
             ratio = torch.exp(lp - old)
-            pg = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - s.eps_clip, 1 + s.clip_high))
+            p, tis, mis = s.policy, s.mismatch.tis, s.mismatch.mis
+            pg = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - p.eps_clip, 1 + p.clip_high))
             if a < 0:
-                pg = torch.minimum(pg, -a * s.eps_clip_c)
+                pg = torch.minimum(pg, -a * p.eps_clip_c)
             is_ratio = math.exp(old.item() - inp.rollout_log_probs[i][t].item())
-            w = (
-                min(max(is_ratio, s.tis_clip_low), s.tis_clip)
-                if s.mis_lower <= is_ratio <= s.mis_upper
-                else 0.0
-            )
+            w = min(max(is_ratio, tis.lo), tis.hi) if mis.lo <= is_ratio <= mis.hi else 0.0
             d = lp - inp.ref_log_probs[i][t]
             kl = torch.exp(-d) - 1 + d
-            per_sample = per_sample + w * pg - s.entropy_coef * inp.entropy[i][t] + s.kl_loss_coef * kl
+            per_sample = per_sample + w * pg - s.entropy_coef * inp.entropy[i][t] + s.kl.coef * kl
         total = total + per_sample / count
-    return total / s.denominator
+    return total / s.reduction.denominator
 
 
 FULL = LossSettings(
-    policy_loss="ppo",
-    eps_clip=0.2,
-    eps_clip_high=0.28,
-    eps_clip_c=3.0,
-    use_kl_loss=True,
-    kl_loss_coef=0.05,
-    kl_loss_type="k3",
+    policy=PolicyLossSpec(name="ppo", eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=3.0),
+    kl=KLPenalty(coef=0.05, type="k3"),
     entropy_coef=0.01,
-    use_tis=True,
-    tis_clip=1.5,
-    tis_clip_low=0.5,
-    use_mis=True,
-    mis_level="token",
-    mis_lower=0.3,
-    mis_upper=2.5,
-    reduction="sample_mean",
-    denominator=4.0,
+    mismatch=TISAndMIS(TIS(lo=0.5, hi=1.5), MIS(level="token", lo=0.3, hi=2.5)),
+    reduction=LossReduction(kind="sample_mean", denominator=4.0),
 )
 
 
@@ -109,7 +105,7 @@ def test_full_loss_matches_loop_value_and_gradients(seed):
     assert finalize_metrics(metrics)["loss"] == pytest.approx(loss.item(), rel=1e-5)
     values = finalize_metrics(metrics)
     combined = (
-        values["pg_loss"] - FULL.entropy_coef * values["entropy_loss"] + FULL.kl_loss_coef * values["kl_loss"]
+        values["pg_loss"] - FULL.entropy_coef * values["entropy_loss"] + FULL.kl.coef * values["kl_loss"]
     )
     assert values["loss"] == pytest.approx(combined, rel=1e-5)
 
@@ -124,7 +120,8 @@ def test_first_micro_step_identities(policy_loss, use_opsm):
     inp.loss_masks = masks
     n_tokens = sum(m.numel() for m in masks)
     settings = LossSettings(
-        policy_loss=policy_loss, use_opsm=use_opsm, reduction="token_mean", denominator=n_tokens
+        policy=PolicyLossSpec(name=policy_loss, opsm=OPSM() if use_opsm else None),
+        reduction=LossReduction(kind="token_mean", denominator=n_tokens),
     )
     loss, metrics = compute_loss(inp, settings)
     assert metrics["ppo_kl"][0].item() == 0.0
@@ -135,12 +132,15 @@ def test_first_micro_step_identities(policy_loss, use_opsm):
     )
 
 
+DENOM_4 = LossReduction(denominator=4.0)
+
+
 def test_use_rollout_logprobs_uses_rollout_as_old():
     inp = _inputs(1)
-    settings = LossSettings(use_rollout_logprobs=True, denominator=4.0)
+    settings = LossSettings(policy=PolicyLossSpec(use_rollout_logprobs=True), reduction=DENOM_4)
     swapped = dataclasses.replace(inp, old_log_probs=inp.rollout_log_probs, rollout_log_probs=None)
     loss_a, m_a = compute_loss(inp, settings)
-    loss_b, m_b = compute_loss(swapped, LossSettings(denominator=4.0))
+    loss_b, m_b = compute_loss(swapped, LossSettings(reduction=DENOM_4))
     torch.testing.assert_close(loss_a, loss_b)
     assert torch.equal(m_a["ppo_kl"], m_b["ppo_kl"])
     assert "train_rollout_logprob_abs_diff" in m_a  # mismatch is still reported
@@ -153,7 +153,7 @@ def test_opsm_drops_off_policy_negative_samples():
     inp.advantages = [torch.full_like(a, -1.0) for a in inp.advantages]
     # sample 0 drifted far from the behaviour (rollout) policy: log pi_rollout - log pi = 1 > delta
     inp.rollout_log_probs[0] = inp.log_probs[0].detach() + 1.0
-    base = LossSettings(denominator=4.0, use_opsm=True, opsm_delta=0.5)
+    base = LossSettings(policy=PolicyLossSpec(opsm=OPSM(delta=0.5)), reduction=DENOM_4)
     loss, metrics = compute_loss(inp, base)
     expected = dataclasses.replace(
         inp,
@@ -164,77 +164,54 @@ def test_opsm_drops_off_policy_negative_samples():
         ref_log_probs=None,
         rollout_log_probs=None,
     )
-    ref_loss, _ = compute_loss(expected, LossSettings(denominator=4.0))
+    ref_loss, _ = compute_loss(expected, LossSettings(reduction=DENOM_4))
     torch.testing.assert_close(loss, ref_loss)
     assert finalize_metrics(metrics)["opsm_masked_frac"] == pytest.approx(3 / 14)
 
 
-def test_custom_tis_path_in_settings(tmp_path, monkeypatch):
-    (tmp_path / "my_loss_tis_mod.py").write_text(
-        "import torch\n\ndef zero(old, rollout, masks, settings):\n"
-        "    return [torch.zeros(m.shape) for m in masks], {}\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
+def test_custom_mismatch_function_replaces_the_weights():
+    seen = []
+
+    def zero(old, rollout, masks, settings):
+        seen.append(settings)
+        return [torch.zeros(m.shape) for m in masks], {}
+
     inp = _inputs(3)
-    settings = LossSettings(custom_tis_fn="my_loss_tis_mod:zero", denominator=4.0)
+    settings = LossSettings(mismatch=CustomMismatch(zero), reduction=DENOM_4)
     loss, metrics = compute_loss(inp, settings)
     assert finalize_metrics(metrics)["pg_loss"] == 0.0
-    sys.modules.pop("my_loss_tis_mod", None)
+    assert seen == [settings]  # the function receives the micro-batch's settings
 
 
-def test_custom_loss(tmp_path, monkeypatch):
-    (tmp_path / "my_custom_loss_mod.py").write_text(
-        textwrap.dedent(
-            """
-            from miles.algo import compute_loss
-
-            def doubled(inputs, settings):
-                loss, metrics = compute_loss(inputs, settings)
-                return 2 * loss, metrics
-            """
-        )
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    inp = _inputs(0)
-    fn = load_custom_loss("my_custom_loss_mod:doubled")
-    torch.testing.assert_close(fn(inp, FULL)[0], 2 * compute_loss(inp, FULL)[0])
-    with pytest.raises(ValueError, match="--custom-loss-function-path"):
-        load_custom_loss("my_custom_loss_mod:absent")
-    sys.modules.pop("my_custom_loss_mod", None)
-
-
-def test_settings_validation_lists_every_violation():
-    with pytest.raises(ValueError) as err:
-        LossSettings(
-            policy_loss="trpo",
-            eps_clip_c=0.9,
-            kl_loss_type="k7",
-            mis_level="seq",
-            reduction="mean",
-            denominator=0,
-        )
-    msg = str(err.value)
-    for part in (
-        "policy_loss='trpo'",
-        "eps_clip_c=0.9",
-        "kl_loss_type='k7'",
-        "mis_level='seq'",
-        "reduction='mean'",
-        "denominator=0",
-    ):
-        assert part in msg
-    with pytest.raises(ValueError, match="reduction_constant > 0"):
-        LossSettings(reduction="constant_sum")
-    with pytest.raises(ValueError, match="correct for the same mismatch twice"):
-        LossSettings(use_rollout_logprobs=True, use_tis=True)
-    assert LossSettings(eps_clip=0.1).clip_high == 0.1
+def test_records_validate_their_values():
+    cases = [
+        (lambda: PolicyLossSpec(name="trpo"), "policy_loss='trpo'"),
+        (lambda: PolicyLossSpec(eps_clip_c=0.9), "eps_clip_c=0.9"),
+        (lambda: PolicyLossSpec(eps_clip=-0.1), "eps_clip=-0.1"),
+        (lambda: OPSM(delta=-1.0), "opsm_delta=-1.0"),
+        (lambda: KLPenalty(coef=0.1, type="k7"), "kl_type 'k7'"),
+        (lambda: TIS(lo=3.0, hi=2.0), "tis_clip_low \\(3.0\\) <= tis_clip \\(2.0\\)"),
+        (lambda: MIS(level="seq"), "mis_level='seq'"),
+        (lambda: MIS(lo=2.0, hi=1.0), "mis_lower \\(2.0\\) <= mis_upper \\(1.0\\)"),
+        (lambda: LossReduction(kind="mean"), "loss reduction 'mean'"),
+        (lambda: LossReduction(denominator=0), "denominator=0"),
+        (lambda: LossReduction(kind="constant_sum"), "constant_sum needs a constant > 0"),
+        (
+            lambda: LossSettings(policy=PolicyLossSpec(use_rollout_logprobs=True), mismatch=TIS()),
+            "correct for the same mismatch twice",
+        ),
+    ]
+    for build, message in cases:
+        with pytest.raises(ValueError, match=message):
+            build()
+    assert PolicyLossSpec(eps_clip=0.1).clip_high == 0.1
 
 
 def test_missing_inputs():
     inp = _inputs(0)
-    with pytest.raises(ValueError, match="use_kl_loss needs ref_log_probs"):
+    with pytest.raises(ValueError, match="use_kl_loss\\) needs ref_log_probs"):
         compute_loss(dataclasses.replace(inp, ref_log_probs=None), FULL)
-    with pytest.raises(ValueError, match="need rollout_log_probs"):
+    with pytest.raises(ValueError, match="TISAndMIS needs rollout_log_probs"):
         compute_loss(dataclasses.replace(inp, rollout_log_probs=None), FULL)
     with pytest.raises(ValueError, match="entropy_coef=0.01 needs entropy"):
         compute_loss(dataclasses.replace(inp, entropy=None), FULL)
@@ -249,13 +226,8 @@ def test_missing_inputs():
 def test_kl_loss_term_matches_loop(unbiased, reduction):
     inp = _inputs(4)
     settings = LossSettings(
-        use_kl_loss=True,
-        kl_loss_coef=1.0,
-        kl_loss_type="k2",
-        use_unbiased_kl=unbiased,
-        reduction=reduction,
-        reduction_constant=3.0,
-        denominator=5.0,
+        kl=KLPenalty(coef=1.0, type="k2", unbiased=unbiased),
+        reduction=LossReduction(kind=reduction, constant=3.0, denominator=5.0),
     )
     _, metrics = compute_loss(inp, settings)
     num = 0.0

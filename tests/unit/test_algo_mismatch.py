@@ -1,18 +1,21 @@
 """TIS weights, MIS masks, mismatch metrics and the custom TIS hook against loop references."""
 
 import math
-import sys
-import textwrap
 
 import pytest
 import torch
 
 from miles.algo import (
+    MIS,
+    TIS,
+    CustomMismatch,
+    LossSettings,
+    TISAndMIS,
     compute_mis_mask,
     compute_mismatch_weights,
     compute_tis_weights,
     finalize_metrics,
-    load_custom_tis_function,
+    metric,
 )
 
 
@@ -33,7 +36,7 @@ def _kept(values, masks):
 @pytest.mark.parametrize("clip", [(0.0, 2.0), (0.5, 1.5)])
 def test_tis_weights_match_loop(seed, clip):
     old, rollout, _ = _inputs(seed)
-    weights = compute_tis_weights(old, rollout, *clip)
+    weights = compute_tis_weights(old, rollout, TIS(*clip))
     for w, o, r in zip(weights, old, rollout):
         expected = [min(max(math.exp(a - b), clip[0]), clip[1]) for a, b in zip(o.tolist(), r.tolist())]
         torch.testing.assert_close(w, torch.tensor(expected))
@@ -42,7 +45,7 @@ def test_tis_weights_match_loop(seed, clip):
 
 def test_tis_weights_detached():
     old = [torch.zeros(3, requires_grad=True)]
-    w = compute_tis_weights(old, [torch.zeros(3)], 0.0, 2.0)
+    w = compute_tis_weights(old, [torch.zeros(3)], TIS(0.0, 2.0))
     assert not w[0].requires_grad and torch.equal(w[0], torch.ones(3))
 
 
@@ -50,7 +53,7 @@ def test_tis_weights_detached():
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_mis_mask_matches_loop(seed, level):
     old, rollout, masks = _inputs(seed)
-    keep = compute_mis_mask(old, rollout, masks, level, 0.7, 1.4)
+    keep = compute_mis_mask(old, rollout, masks, MIS(level, 0.7, 1.4))
     for k, o, r, m in zip(keep, old, rollout, masks):
         diffs = [a - b for a, b in zip(o.tolist(), r.tolist())]
         if level == "token":  # values at mask-0 positions are never read: only loss tokens are compared
@@ -66,7 +69,7 @@ def test_mis_mask_matches_loop(seed, level):
 def test_mis_sequence_hand():
     old = [torch.tensor([0.0, 0.0]), torch.tensor([0.0, 0.0])]
     rollout = [torch.tensor([-0.1, 0.1]), torch.tensor([-1.0, -1.0])]
-    keep = compute_mis_mask(old, rollout, [torch.ones(2)] * 2, "sequence", 0.5, 2.0)
+    keep = compute_mis_mask(old, rollout, [torch.ones(2)] * 2, MIS("sequence", 0.5, 2.0))
     # sample 0: token ratios e^0.1, e^-0.1 but geometric mean 1 -> kept; sample 1: e^1 > 2 -> dropped
     assert [k.tolist() for k in keep] == [[1.0, 1.0], [0.0, 0.0]]
 
@@ -78,13 +81,7 @@ def test_mismatch_weights_and_metrics(seed):
         old,
         rollout,
         masks,
-        use_tis=True,
-        tis_clip_low=0.5,
-        tis_clip=1.5,
-        use_mis=True,
-        mis_level="token",
-        mis_lower=0.4,
-        mis_upper=2.5,
+        TISAndMIS(TIS(lo=0.5, hi=1.5), MIS(level="token", lo=0.4, hi=2.5)),
     )
     values = finalize_metrics(metrics)
     diffs = _kept([[a - b for a, b in zip(o.tolist(), r.tolist())] for o, r in zip(old, rollout)], masks)
@@ -105,66 +102,33 @@ def test_mismatch_weights_and_metrics(seed):
 
 def test_no_correction_gives_no_weights_but_metrics():
     old, rollout, masks = _inputs(0)
-    weights, metrics = compute_mismatch_weights(
-        old,
-        rollout,
-        masks,
-        use_tis=False,
-        tis_clip_low=0.0,
-        tis_clip=2.0,
-        use_mis=False,
-        mis_level="token",
-        mis_lower=0.5,
-        mis_upper=2.0,
-    )
+    weights, metrics = compute_mismatch_weights(old, rollout, masks, None)
     assert weights is None
     assert set(metrics) == {"train_rollout_logprob_abs_diff", "ois"}
 
 
-def test_custom_tis_function(tmp_path, monkeypatch):
-    (tmp_path / "my_tis_mod.py").write_text(
-        textwrap.dedent(
-            """
-            import torch
-            from miles.algo import metric
+def test_custom_tis_function():
+    def half(old, rollout, masks, settings):
+        weights = [torch.full(m.shape, 0.5) for m in masks]
+        return weights, {"custom_count": metric(settings.entropy_coef, 1.0)}
 
-            def half(old, rollout, masks, settings):
-                weights = [torch.full(m.shape, 0.5) for m in masks]
-                return weights, {"custom_count": metric(settings, 1.0)}
-            """
-        )
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    fn = load_custom_tis_function("my_tis_mod:half")
     old, rollout, masks = _inputs(1)
-    weights, metrics = compute_mismatch_weights(
-        old,
-        rollout,
-        masks,
-        use_tis=True,
-        tis_clip_low=0.0,
-        tis_clip=2.0,
-        use_mis=True,
-        mis_level="token",
-        mis_lower=0.5,
-        mis_upper=2.0,
-        custom_fn=fn,
-        settings=7.0,
-    )
+    correction = CustomMismatch(half)
+    settings = LossSettings(entropy_coef=7.0, mismatch=correction)
+    weights, metrics = compute_mismatch_weights(old, rollout, masks, correction, settings)
     assert all(torch.equal(w, torch.full(m.shape, 0.5)) for w, m in zip(weights, masks))
     assert metrics["custom_count"].tolist() == [7.0, 1.0]
     assert "tis" not in metrics and "ois" in metrics
-    with pytest.raises(ValueError, match="--custom-tis-function-path"):
-        load_custom_tis_function("my_tis_mod:nope")
-    sys.modules.pop("my_tis_mod", None)
+    with pytest.raises(ValueError, match="passes the LossSettings"):
+        compute_mismatch_weights(old, rollout, masks, correction)
 
 
 def test_errors():
     with pytest.raises(ValueError, match="tis_clip_low \\(3.0\\) <= tis_clip \\(2.0\\)"):
-        compute_tis_weights([torch.zeros(1)], [torch.zeros(1)], 3.0, 2.0)
+        TIS(3.0, 2.0)
     with pytest.raises(ValueError, match="mis_level='tok'"):
-        compute_mis_mask([torch.zeros(1)], [torch.zeros(1)], [torch.ones(1)], "tok", 0.5, 2.0)
+        MIS("tok", 0.5, 2.0)
     with pytest.raises(ValueError, match="mis_lower \\(2.0\\) <= mis_upper \\(1.0\\)"):
-        compute_mis_mask([torch.zeros(1)], [torch.zeros(1)], [torch.ones(1)], "token", 2.0, 1.0)
+        MIS("token", 2.0, 1.0)
     with pytest.raises(ValueError, match="rollout_log_probs\\[0\\] has shape"):
-        compute_mis_mask([torch.zeros(2)], [torch.zeros(1)], [torch.ones(2)], "token", 0.5, 2.0)
+        compute_mis_mask([torch.zeros(2)], [torch.zeros(1)], [torch.ones(2)], MIS("token", 0.5, 2.0))

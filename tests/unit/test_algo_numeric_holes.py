@@ -11,9 +11,13 @@ import pytest
 import torch
 
 from miles.algo import (
+    OPSM,
     AdvantageInputs,
+    KLPenalty,
     LossInputs,
+    LossReduction,
     LossSettings,
+    PolicyLossSpec,
     compute_advantages,
     compute_approx_kl,
     compute_loss,
@@ -29,6 +33,7 @@ from miles.algo import (
     reduce_loss,
     reduction_denominator,
 )
+from miles.algo.mismatch import MIS, TIS, TISAndMIS
 
 POISONS = [float("nan"), float("inf"), float("-inf")]
 
@@ -70,33 +75,21 @@ def _loss_inputs(seed, masks):
 
 SETTINGS = [
     LossSettings(
-        eps_clip_c=3.0,
-        use_kl_loss=True,
-        kl_loss_coef=0.05,
-        kl_loss_type="k3",
-        use_unbiased_kl=True,
+        policy=PolicyLossSpec(eps_clip_c=3.0, opsm=OPSM(delta=0.01)),
+        kl=KLPenalty(coef=0.05, type="k3", unbiased=True),
         entropy_coef=0.01,
-        use_tis=True,
-        tis_clip_low=0.5,
-        tis_clip=1.5,
-        use_mis=True,
-        mis_lower=0.3,
-        mis_upper=2.5,
-        use_opsm=True,
-        opsm_delta=0.01,
-        denominator=4.0,
+        mismatch=TISAndMIS(TIS(lo=0.5, hi=1.5), MIS(lo=0.3, hi=2.5)),
+        reduction=LossReduction(denominator=4.0),
     ),
     LossSettings(
-        policy_loss="gspo",
-        use_kl_loss=True,
-        kl_loss_coef=0.1,
-        kl_loss_type="low_var_kl",
-        use_mis=True,
-        mis_level="sequence",
-        reduction="token_mean",
-        denominator=9.0,
+        policy=PolicyLossSpec(name="gspo"),
+        kl=KLPenalty(coef=0.1, type="low_var_kl"),
+        mismatch=MIS(level="sequence"),
+        reduction=LossReduction(kind="token_mean", denominator=9.0),
     ),
-    LossSettings(reduction="constant_sum", reduction_constant=6.0, entropy_coef=0.02, denominator=24.0),
+    LossSettings(
+        entropy_coef=0.02, reduction=LossReduction(kind="constant_sum", constant=6.0, denominator=24.0)
+    ),
 ]
 
 
@@ -158,18 +151,18 @@ def test_policy_losses_and_opsm_ignore_masked_non_finite(poison):
                 inp.old_log_probs,
                 inp.advantages,
                 inp.loss_masks,
-                eps_clip=0.2,
-                eps_clip_high=0.2,
-                eps_clip_c=3.0,
+                PolicyLossSpec(name=name, eps_clip=0.2, eps_clip_high=0.2, eps_clip_c=3.0),
             )
             outs.append(out)
         for a, b, m in zip(outs[0].loss, outs[1].loss, clean.loss_masks):
             assert torch.equal(a[m != 0], b[m != 0])
             assert torch.isfinite(b).all()
     keep = compute_opsm_mask(
-        clean.log_probs, clean.rollout_log_probs, clean.advantages, clean.loss_masks, 0.01
+        clean.log_probs, clean.rollout_log_probs, clean.advantages, clean.loss_masks, OPSM(0.01)
     )
-    bad_keep = compute_opsm_mask(bad.log_probs, bad.rollout_log_probs, bad.advantages, bad.loss_masks, 0.01)
+    bad_keep = compute_opsm_mask(
+        bad.log_probs, bad.rollout_log_probs, bad.advantages, bad.loss_masks, OPSM(0.01)
+    )
     assert all(torch.equal(a, b) for a, b in zip(keep, bad_keep))
 
 
@@ -177,28 +170,22 @@ def test_policy_losses_and_opsm_ignore_masked_non_finite(poison):
 def test_mismatch_weights_and_metrics_ignore_masked_non_finite(poison):
     clean = _loss_inputs(4, _masks())
     bad = _poisoned_inputs(clean, poison)
-    kwargs = dict(
-        use_tis=True,
-        tis_clip_low=0.5,
-        tis_clip=1.5,
-        use_mis=True,
-        mis_level="sequence",
-        mis_lower=0.3,
-        mis_upper=2.5,
-    )
+    correction = TISAndMIS(TIS(lo=0.5, hi=1.5), MIS(level="sequence", lo=0.3, hi=2.5))
     w, metrics = compute_mismatch_weights(
-        clean.old_log_probs, clean.rollout_log_probs, clean.loss_masks, **kwargs
+        clean.old_log_probs, clean.rollout_log_probs, clean.loss_masks, correction
     )
     bw, bad_metrics = compute_mismatch_weights(
-        bad.old_log_probs, bad.rollout_log_probs, bad.loss_masks, **kwargs
+        bad.old_log_probs, bad.rollout_log_probs, bad.loss_masks, correction
     )
     assert finalize_metrics(bad_metrics) == finalize_metrics(metrics)
     for a, b, m in zip(w, bw, clean.loss_masks):
         assert torch.equal(a[m != 0], b[m != 0]) and torch.isfinite(b).all()
     for level in ("token", "sequence"):
-        keep = compute_mis_mask(bad.old_log_probs, bad.rollout_log_probs, bad.loss_masks, level, 0.3, 2.5)
+        keep = compute_mis_mask(
+            bad.old_log_probs, bad.rollout_log_probs, bad.loss_masks, MIS(level, 0.3, 2.5)
+        )
         ref = compute_mis_mask(
-            clean.old_log_probs, clean.rollout_log_probs, clean.loss_masks, level, 0.3, 2.5
+            clean.old_log_probs, clean.rollout_log_probs, clean.loss_masks, MIS(level, 0.3, 2.5)
         )
         for a, b, m in zip(ref, keep, clean.loss_masks):
             assert torch.equal(a[m != 0], b[m != 0])
@@ -249,12 +236,16 @@ def test_kl_penalised_returns_ignore_masked_non_finite(poison, name):
 # ---------------------------------------------------------------------------------------- overflowing ratios
 
 
+def _clip(eps_clip, eps_clip_high, eps_clip_c=None):
+    return PolicyLossSpec(eps_clip=eps_clip, eps_clip_high=eps_clip_high, eps_clip_c=eps_clip_c)
+
+
 @pytest.mark.parametrize("eps_clip_c", [None, 3.0])
 @pytest.mark.parametrize("log_ratio,adv", [(100.0, 1.0), (100.0, -1.0), (-100.0, -1.0), (1000.0, 1.0)])
 def test_clipped_token_with_huge_ratio_has_zero_gradient_not_nan(log_ratio, adv, eps_clip_c):
     new = torch.tensor([log_ratio], requires_grad=True)
     old = torch.zeros(1)
-    loss, clipfrac = compute_policy_loss(old - new, torch.tensor([adv]), 0.2, 0.2, eps_clip_c)
+    loss, clipfrac = compute_policy_loss(old - new, torch.tensor([adv]), _clip(0.2, 0.2, eps_clip_c))
     assert torch.isfinite(loss).all()
     (grad,) = torch.autograd.grad(loss.sum(), new)
     assert torch.isfinite(grad).all()
@@ -269,12 +260,12 @@ def test_clipped_token_with_huge_ratio_has_zero_gradient_not_nan(log_ratio, adv,
 @pytest.mark.parametrize("log_ratio", [-19.5, -3.0, 0.0, 0.1, 19.5])
 def test_log_ratio_clamp_leaves_ordinary_ratios_exact(log_ratio):
     new = torch.tensor([log_ratio])
-    loss, _ = compute_policy_loss(-new, torch.tensor([-1.0]), 1e9, 1e9)
+    loss, _ = compute_policy_loss(-new, torch.tensor([-1.0]), _clip(1e9, 1e9))
     assert loss.item() == pytest.approx(math.exp(log_ratio), rel=1e-6)
 
 
 def test_log_ratio_is_clamped_at_20():
-    loss, _ = compute_policy_loss(torch.tensor([-25.0, 25.0]), torch.tensor([-1.0, -1.0]), 1e30, 1e30)
+    loss, _ = compute_policy_loss(torch.tensor([-25.0, 25.0]), torch.tensor([-1.0, -1.0]), _clip(1e30, 1e30))
     torch.testing.assert_close(loss, torch.tensor([math.exp(20.0), math.exp(-20.0)]))
 
 

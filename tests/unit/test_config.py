@@ -241,7 +241,7 @@ def test_every_violation_is_listed_at_once() -> None:
         "--eval-prompt-data=['a']: expected pairs of NAME PATH",
         "--use-wandb=True: requires --wandb-project",
         "--tis-clip=0.1: must be >= --tis-clip-low=0.5",
-        "--mis-lower=3.0: must be < --mis-upper=2.0",
+        "--mis-lower=3.0: must be <= --mis-upper=2.0",
     ]
     for text in expected:
         assert sum(e.startswith(text) for e in errors) == 1, (text, errors)

@@ -70,9 +70,9 @@ def test_secrets_are_redacted_for_trackers_but_round_trip_otherwise():
     ],
 )
 def test_policy_loss_flag_and_its_default_from_the_estimator(extra, expected):
-    from miles.backends.fsdp_utils.rollout_batch import loss_settings
+    from miles.backends.fsdp_utils.rollout_batch import trainer_algo
 
-    assert loss_settings(parse_config(BASE + extra)).policy_loss == expected
+    assert trainer_algo(parse_config(BASE + extra)).loss.policy.name == expected
 
 
 def test_unknown_policy_loss_names_the_flag_and_the_choices():
@@ -100,3 +100,44 @@ def test_lora_reference_is_the_base():
     assert "--ref-update-interval" in _violations(["--lora-rank", "8", "--ref-update-interval", "2"])
     assert "--lora-dropout" in _violations(["--lora-rank", "8", "--lora-dropout", "1.0"])
     parse_config(BASE + ["--ref-load", "/r"])  # without LoRA a separate reference is fine
+
+
+def test_trainer_algo_builds_the_records_and_resolves_custom_functions_once(tmp_path, monkeypatch):
+    from miles.algo import MIS, OPSM, TIS, CustomMismatch, KLPenalty, LossReduction, TISAndMIS, compute_loss
+    from miles.backends.fsdp_utils.rollout_batch import trainer_algo
+
+    algo = trainer_algo(parse_config(BASE))
+    assert algo.loss.kl is None and algo.loss.mismatch is None and algo.loss.policy.opsm is None
+    assert algo.loss_fn is compute_loss and algo.advantage_fn is None
+    flags = ["--use-tis", "--tis-clip", "1.5", "--use-mis", "--mis-level", "sequence", "--use-opsm"]
+    flags += ["--use-kl-loss", "--kl-loss-coef", "0.1", "--kl-loss-type", "k3", "--calculate-per-token-loss"]
+    loss = trainer_algo(parse_config(BASE + flags)).loss
+    assert loss.mismatch == TISAndMIS(TIS(lo=0.0, hi=1.5), MIS(level="sequence", lo=0.5, hi=2.0))
+    assert loss.policy.opsm == OPSM(delta=1e-4)
+    assert loss.kl == KLPenalty(coef=0.1, type="k3", unbiased=False)
+    # --calculate-per-token-loss and the constant's fallback were derived by the config, not again here
+    assert loss.reduction == LossReduction(kind="token_mean", constant=1024.0)
+
+    (tmp_path / "algo_plugins_mod.py").write_text(
+        "def weights(old, rollout, masks, settings):\n    return masks, {}\n\n"
+        "def loss(inputs, settings):\n    raise AssertionError\n\n"
+        "def advantages(inputs):\n    raise AssertionError\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import algo_plugins_mod
+
+    custom = [
+        "--custom-tis-function-path",
+        "algo_plugins_mod:weights",
+        "--custom-loss-function-path",
+        "algo_plugins_mod:loss",
+        "--custom-advantage-function-path",
+        "algo_plugins_mod:advantages",
+    ]
+    algo = trainer_algo(parse_config(BASE + custom))
+    assert algo.loss.mismatch == CustomMismatch(algo_plugins_mod.weights)
+    assert algo.loss_fn is algo_plugins_mod.loss
+    assert algo.advantage_fn is not None
+    cfg = parse_config(BASE + ["--custom-loss-function-path", "algo_plugins_mod:absent"])
+    with pytest.raises(ValueError, match="--custom-loss-function-path='algo_plugins_mod:absent'"):
+        trainer_algo(cfg)

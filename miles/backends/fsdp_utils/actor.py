@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 class FSDPTrainer(TrainBackend):
     # ------------------------------------------------------------------------------------------------ init
     def init(self, role: str, with_ref: bool) -> int:
-        from miles.algo.loss import compute_loss, load_custom_loss
         from miles.backends.fsdp_utils.checkpoint import load_checkpoint
         from miles.backends.fsdp_utils.lr_scheduler import build_lr_scheduler
         from miles.backends.fsdp_utils.model import build_fsdp_model, build_optimizer
@@ -103,10 +102,7 @@ class FSDPTrainer(TrainBackend):
                 start = int(state["next_rollout_id"])
                 self._resumed_extra_state = dict(state["extra_state"])
                 logger.info("resumed from %s at rollout %d", cfg.checkpoint.load, start)
-        self.loss_settings = rb.loss_settings(cfg)
-        self._loss_fn = compute_loss
-        if cfg.algo.custom_loss_function_path:
-            self._loss_fn = load_custom_loss(cfg.algo.custom_loss_function_path)
+        self.algo = rb.trainer_algo(cfg)  # the loss records and the user functions, resolved once
         return start
 
     # ------------------------------------------------------------------------------------------------ train
@@ -141,7 +137,7 @@ class FSDPTrainer(TrainBackend):
                     batch.ref_log_probs = self._log_probs(self.model, batch, steps)
         if cfg.algo.use_rollout_logprobs:
             batch.require_rollout_log_probs()
-        rb.compute_advantages_for(batch, cfg, ps.dp_group)
+        rb.compute_advantages_for(batch, cfg.algo, self.algo.advantage_fn, ps.dp_group)
         if reuse:  # filled micro-batch by micro-batch from the training forward (see _train_step)
             batch.old_log_probs = [None] * len(batch)
         t_prep = time.perf_counter() - t0
@@ -211,7 +207,7 @@ class FSDPTrainer(TrainBackend):
 
         cfg = self.config
         temperature = cfg.rollout.rollout_temperature
-        settings = rb.step_settings(self.loss_settings, batch, step_packs, self.ps)
+        settings = rb.step_settings(self.algo.loss, batch, step_packs, self.ps)
         for mb_index, pack in enumerate(step_packs):
             # entropy is always reported; it enters the loss only with --entropy-coef
             log_probs, entropy = forward_packed(
@@ -221,7 +217,7 @@ class FSDPTrainer(TrainBackend):
                 for sample_i, values in zip(pack.indices, log_probs):
                     batch.old_log_probs[sample_i] = values.detach().float()
             inputs = batch.loss_inputs(pack.indices, log_probs, entropy)
-            loss, mb_metrics = self._loss_fn(inputs, settings)
+            loss, mb_metrics = self.algo.loss_fn(inputs, settings)
             loss.backward()
             metrics.add(mb_metrics)
             if first_step and mb_index == 0:

@@ -110,7 +110,7 @@ class FSDPCritic(FSDPTrainer):
             if state is not None:
                 start = int(state["next_rollout_id"])
                 logger.info("critic resumed from %s at rollout %d", load_dir, start)
-        self.loss_settings = rb.loss_settings(cfg)
+        self.reduction = rb.loss_reduction(cfg.algo)
         return start
 
     def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, Any]:  # type: ignore[override]
@@ -167,7 +167,7 @@ class FSDPCritic(FSDPTrainer):
         from miles.backends.fsdp_utils.forward import forward_values
 
         cfg = self.config
-        settings = rb.step_settings(self.loss_settings, batch, step_packs, self.ps)
+        reduction = rb.step_reduction(self.reduction, batch, step_packs, self.ps)
         for pack in step_packs:
             values = forward_values(self.model, pack.packed, cp=self._cp())
             inputs = ValueLossInputs(
@@ -176,13 +176,7 @@ class FSDPCritic(FSDPTrainer):
                 returns=[returns[i] for i in pack.indices],
                 loss_masks=[batch.loss_masks[i] for i in pack.indices],
             )
-            loss, mb_metrics = compute_value_loss(
-                inputs,
-                cfg.critic.value_clip,
-                settings.reduction,
-                settings.denominator,
-                settings.reduction_constant,
-            )
+            loss, mb_metrics = compute_value_loss(inputs, cfg.critic.value_clip, reduction)
             loss.backward()
             metrics.add(mb_metrics)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.clip_grad)

@@ -14,14 +14,25 @@ import torch
 import torch.distributed as dist
 
 from miles.algo import (
+    MIS,
+    OPSM,
+    TIS,
     AdvantageInputs,
+    CustomMismatch,
+    KLPenalty,
+    LossFn,
     LossInputs,
+    LossReduction,
     LossSettings,
+    Mismatch,
+    PolicyLossSpec,
+    TISAndMIS,
     accumulate_metrics,
+    checked_custom_advantage,
     compute_advantages,
+    compute_loss,
     finalize_metrics,
     get_advantage_estimator,
-    load_custom_advantage,
     local_moments,
     masked_whiten,
     metric,
@@ -29,13 +40,17 @@ from miles.algo import (
     stack_metrics,
     unstack_metrics,
 )
+from miles.algo.advantages import AdvantageFn
 from miles.backends.fsdp_utils.data_packing import (
     PackedBatch,
     dist_allreduce_max,
     pack_sequences,
     plan_micro_batches,
 )
+from miles.backends.fsdp_utils.parallel import ParallelState
+from miles.config import AlgoConfig, Config
 from miles.config.algo_names import default_policy_loss
+from miles.utils.misc import load_function
 from miles.utils.types import Sample
 
 
@@ -175,9 +190,11 @@ def _all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
     return t
 
 
-def compute_advantages_for(batch: RankBatch, cfg: Any, dp_group: Any) -> None:
-    """Fill `batch.advantages`/`returns`. Group statistics stay within this rank's whole prompt groups."""
-    a = cfg.algo
+def compute_advantages_for(
+    batch: RankBatch, a: AlgoConfig, custom_fn: AdvantageFn | None, dp_group: Any
+) -> None:
+    """Fill `batch.advantages`/`returns` with `custom_fn` (``--custom-advantage-function-path``, resolved by
+    `trainer_algo`) or the configured estimator. Group statistics stay within this rank's whole prompt groups."""
     log_probs = batch.old_log_probs
     inputs = AdvantageInputs(
         rewards=batch.rewards,
@@ -192,8 +209,8 @@ def compute_advantages_for(batch: RankBatch, cfg: Any, dp_group: Any) -> None:
         values=batch.values,
         std_normalize=not a.disable_grpo_std_normalization,
     )
-    if a.custom_advantage_function_path:
-        out = load_custom_advantage(a.custom_advantage_function_path)(inputs)
+    if custom_fn is not None:
+        out = custom_fn(inputs)
         whiten = a.normalize_advantages
     else:
         out = compute_advantages(a.advantage_estimator, inputs)
@@ -206,40 +223,70 @@ def compute_advantages_for(batch: RankBatch, cfg: Any, dp_group: Any) -> None:
     batch.returns = [x.float() for x in out.returns]
 
 
-def loss_settings(cfg: Any) -> LossSettings:
+@dataclass(frozen=True)
+class TrainerAlgo:
+    """The algorithm as the trainer runs it, built once at trainer start by `trainer_algo`: the loss's records
+    and the user functions, resolved from their paths."""
+
+    loss: LossSettings
+    loss_fn: LossFn  # compute_loss, or --custom-loss-function-path
+    advantage_fn: (
+        AdvantageFn | None
+    )  # --custom-advantage-function-path (contract-checked); None: the estimator
+
+
+def trainer_algo(cfg: Config) -> TrainerAlgo:
+    """The one place the algorithm flags become records and the custom function paths become callables.
+
+    The flags' rules (bounds, exclusions, derived values such as --loss-reduction-constant) were checked when
+    the config was parsed; the records check their own invariants again only as plain values."""
     a = cfg.algo
-    reduction = "token_mean" if a.calculate_per_token_loss else a.loss_reduction
-    constant = a.loss_reduction_constant
-    if reduction == "constant_sum" and constant is None:
-        constant = float(cfg.rollout.rollout_max_response_len)
-    return LossSettings(
-        policy_loss=a.policy_loss or default_policy_loss(a.advantage_estimator),
+    spec = PolicyLossSpec(
+        name=a.policy_loss or default_policy_loss(a.advantage_estimator),
         eps_clip=a.eps_clip,
         eps_clip_high=a.eps_clip_high,
         eps_clip_c=a.eps_clip_c,
-        use_opsm=a.use_opsm,
-        opsm_delta=a.opsm_delta,
-        use_kl_loss=a.use_kl_loss,
-        kl_loss_coef=a.kl_loss_coef,
-        kl_loss_type=a.kl_loss_type,
-        use_unbiased_kl=a.use_unbiased_kl,
-        entropy_coef=a.entropy_coef,
-        use_tis=a.use_tis,
-        tis_clip=a.tis_clip,
-        tis_clip_low=a.tis_clip_low,
-        use_mis=a.use_mis,
-        mis_level=a.mis_level,
-        mis_lower=a.mis_lower,
-        mis_upper=a.mis_upper,
-        custom_tis_fn=a.custom_tis_function_path,
         use_rollout_logprobs=a.use_rollout_logprobs,
-        reduction=reduction,
-        reduction_constant=constant,
+        opsm=OPSM(delta=a.opsm_delta) if a.use_opsm else None,
     )
+    settings = LossSettings(
+        policy=spec,
+        kl=KLPenalty(a.kl_loss_coef, a.kl_loss_type, a.use_unbiased_kl) if a.use_kl_loss else None,
+        entropy_coef=a.entropy_coef,
+        mismatch=_mismatch(a),
+        reduction=loss_reduction(a),
+    )
+    loss_fn: LossFn = compute_loss
+    if a.custom_loss_function_path:
+        loss_fn = load_function(a.custom_loss_function_path, "--custom-loss-function-path")
+    advantage_fn = None
+    if a.custom_advantage_function_path:
+        path = a.custom_advantage_function_path
+        advantage_fn = checked_custom_advantage(load_function(path, "--custom-advantage-function-path"), path)
+    return TrainerAlgo(loss=settings, loss_fn=loss_fn, advantage_fn=advantage_fn)
 
 
-def step_settings(settings: LossSettings, batch: RankBatch, packs: list[Pack], ps: Any) -> LossSettings:
-    """Settings with this optimizer step's denominator: global sample / loss-token counts over the DP group.
+def _mismatch(a: AlgoConfig) -> Mismatch | None:
+    """--custom-tis-function-path replaces --use-tis / --use-mis; both of those multiply."""
+    if a.custom_tis_function_path:
+        return CustomMismatch(load_function(a.custom_tis_function_path, "--custom-tis-function-path"))
+    tis = TIS(lo=a.tis_clip_low, hi=a.tis_clip) if a.use_tis else None
+    mis = MIS(level=a.mis_level, lo=a.mis_lower, hi=a.mis_upper) if a.use_mis else None
+    if tis is not None and mis is not None:
+        return TISAndMIS(tis, mis)
+    return tis or mis
+
+
+def loss_reduction(a: AlgoConfig) -> LossReduction:
+    """The configured reduction (the actor's loss and the critic's value loss share it); its denominator is
+    set per step by `step_reduction`."""
+    return LossReduction(kind=a.loss_reduction, constant=a.loss_reduction_constant)
+
+
+def step_reduction(
+    reduction: LossReduction, batch: RankBatch, packs: list[Pack], ps: ParallelState
+) -> LossReduction:
+    """`reduction` with this optimizer step's denominator: global sample / loss-token counts over the DP group.
 
     FSDP averages gradients over the whole (dp x cp) mesh; CP ranks each hold cp x their share (the CP gather's
     backward sums), so the average equals the DP mean and only dp_size enters the denominator.
@@ -250,13 +297,20 @@ def step_settings(settings: LossSettings, batch: RankBatch, packs: list[Pack], p
     )
     counts = _all_reduce_sum(counts, ps.dp_group)
     denominator = reduction_denominator(
-        settings.reduction,
+        reduction.kind,
         global_num_samples=int(counts[0]),
         global_num_tokens=int(counts[1]),
         dp_size=ps.dp_size,
-        constant=settings.reduction_constant,
+        constant=reduction.constant,
     )
-    return dataclasses.replace(settings, denominator=denominator)
+    return dataclasses.replace(reduction, denominator=denominator)
+
+
+def step_settings(
+    settings: LossSettings, batch: RankBatch, packs: list[Pack], ps: ParallelState
+) -> LossSettings:
+    """`settings` with this optimizer step's reduction (`step_reduction`)."""
+    return dataclasses.replace(settings, reduction=step_reduction(settings.reduction, batch, packs, ps))
 
 
 @dataclass
