@@ -12,7 +12,7 @@ import pytest
 
 from miles.engines import sglang_engine
 from miles.engines.local.__main__ import parse_args
-from miles.engines.local.testing import build_tiny_model
+from miles.tools.tiny_model import build_word_model
 from miles.engines.router import Router
 from miles.engines.sglang_engine import EngineProcess, EngineStartupError, resolve_engine_kind
 from miles.utils import net
@@ -97,7 +97,7 @@ def test_startup_failure_reports_phase_and_log(tmp_path):
 
 @pytest.fixture(scope="module")
 def keyed_engine(tmp_path_factory):
-    path = build_tiny_model(tmp_path_factory.mktemp("tiny"))
+    path = build_word_model(tmp_path_factory.mktemp("tiny"))
     with EngineProcess(str(path), kind="local", admin_api_key="s3cret", local_args={"num-threads": 1}) as eng:
         yield eng
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from miles.algo.logprobs import compute_log_probs
-from miles.engines.local.testing import build_tiny_model
+from miles.tools.tiny_model import build_word_model
 from miles.engines.sglang_engine import EngineHTTPError, EngineProcess
 from miles.utils.serialization import serialize, share_named_tensors
 
@@ -22,7 +22,7 @@ LONG = CONTEXT - 100
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), max_position_embeddings=CONTEXT)
+    return build_word_model(tmp_path_factory.mktemp("tiny_qwen3"), max_position_embeddings=CONTEXT)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from miles.engines.local.sampling import (
     sample_token,
 )
 from miles.engines.local.scheduler import Request, Scheduler
-from miles.engines.local.testing import build_tiny_model
+from miles.tools.tiny_model import build_word_model
 from miles.engines.local.weights import EngineNotReady, WeightStore
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -367,7 +367,7 @@ def test_weight_store_release_resume_and_aliases():
 
 @pytest.fixture(scope="module")
 def local_engine(tmp_path_factory):
-    path = build_tiny_model(tmp_path_factory.mktemp("tiny"))
+    path = build_word_model(tmp_path_factory.mktemp("tiny"))
     eng = LocalEngine(LocalEngineConfig(model_path=str(path), max_running_requests=2, max_total_tokens=40))
     eng.start()
     yield eng
@@ -471,7 +471,7 @@ def test_text_prompt_equals_token_prompt(local_engine):
 
 
 def test_bfloat16_engine_runs_in_its_dtype(tmp_path):
-    path = build_tiny_model(tmp_path / "m")
+    path = build_word_model(tmp_path / "m")
     eng = LocalEngine(LocalEngineConfig(model_path=str(path), dtype="bfloat16"))
     assert eng.model.model.embed_tokens.weight.dtype == torch.bfloat16
     eng.start()
