@@ -26,7 +26,7 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, get_args
 
@@ -221,13 +221,15 @@ def build_tiny_model(
     tie_word_embeddings: bool = True,
     max_position_embeddings: int = 512,
     matrix_std: float | None = None,
+    edit_model: Callable[[Qwen3ForCausalLM, PreTrainedTokenizerFast], None] | None = None,
 ) -> Path:
     """Write a tiny random Qwen3 model + tokenizer to `out_dir` and return its path.
 
     `tokenizer="bpe"`: the BPE tokenizer of toy task `task` (`vocab_size`, `extra_texts`, `extra_special_tokens`
     shape it); `"words"`: the word-level tokenizer over `WORDS` (those three do not apply). Deterministic for a
     given seed and sizes; torch's global RNG is left as it was. Built in `out_dir.tmp`, then renamed into place.
-    An existing non-empty `out_dir` raises FileExistsError unless `overwrite`.
+    An existing non-empty `out_dir` raises FileExistsError unless `overwrite`. `edit_model(model, tokenizer)`, when
+    given, changes the random model in place before it is written (a bench's designed EOS behaviour).
     """
     import torch
 
@@ -258,6 +260,8 @@ def build_tiny_model(
     )
     with torch.random.fork_rng(devices=[]):
         model = tiny_model(config, seed, matrix_std=matrix_std)
+        if edit_model is not None:  # sees the RNG as the init left it
+            edit_model(model, tok)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
 
