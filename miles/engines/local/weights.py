@@ -164,7 +164,7 @@ def _int_field(meta: object, key: str) -> int:
     return int(value)
 
 
-def unflatten_bucket(payload: dict) -> list[tuple[str, torch.Tensor]]:
+def unflatten_bucket(payload: object) -> list[tuple[str, torch.Tensor]]:
     """Named tensors of a flattened bucket (`load_format="flattened_bucket"`, SGLang's layout).
 
     payload: {"flattened_tensor": 1-D tensor, "metadata": [{name, shape, dtype, start_idx, end_idx, numel}]}
