@@ -29,6 +29,7 @@ from miles.utils.weight_checksum import overall_checksum, tensor_checksum
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from miles.engines.local.dist_update import GroupRequest
     from miles.engines.local.engine import LocalEngineConfig
     from miles.engines.local.engine_loop import EngineLoop
     from miles.engines.local.model_runner import NoCacheRunner, PoolRunner
@@ -330,33 +331,17 @@ class WeightControl:
         engine = hashlib.sha256(overall.encode()).hexdigest()
         return {"success": True, "message": "Success.", "ranks": [rank], "per_engine_checksum": engine}
 
-    def join_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "gloo",
-    ) -> Reply:
+    def join_update_group(self, request: GroupRequest) -> Reply:
         """Body of /init_weights_update_group; blocks only the calling thread, at most the group timeout."""
         from miles.engines.local.dist_update import init_update_group
 
-        name = group_name
+        name = request.group_name
         with self._groups_lock:
             if name in self.update_groups:
                 raise ValueError(f"weights update group {name!r} already exists")
             self.update_groups[name] = None  # reserved while joining
         try:
-            group = init_update_group(
-                master_address,
-                master_port,
-                rank_offset,
-                world_size,
-                group_name,
-                backend,
-                timeout_s=self.config.update_group_timeout,
-            )
+            group = init_update_group(request, timeout_s=self.config.update_group_timeout)
         except BaseException:
             with self._groups_lock:
                 self.update_groups.pop(name, None)

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from miles.engines.local.control import RefitRefused
+from miles.engines.local.dist_update import GroupRequest
 from miles.engines.local.engine import LocalEngine
 from miles.engines.local.output import GenerateAnswer
 from miles.engines.local.weights import EngineNotReady
@@ -124,20 +125,6 @@ async def _json_body(request: Request, path: str, fields: set[str]) -> dict[str,
     return body
 
 
-def _group_peers(body: dict[str, JSON]) -> tuple[str, int, int, int]:
-    """master_address, master_port, rank_offset, world_size of an /init_weights_update_group body."""
-    missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
-    if missing:
-        raise ValueError(f"missing fields {missing}")
-    numbers = []
-    for key in ("master_port", "rank_offset", "world_size"):
-        value = body[key]
-        if not isinstance(value, int | float | str) or isinstance(value, bool):
-            raise ValueError(f"{key}={value!r} is not an integer")
-        numbers.append(int(value))
-    return str(body["master_address"]), numbers[0], numbers[1], numbers[2]
-
-
 def _fail(status: int, message: str, admin: bool) -> JSONResponse:
     body = {"success": False, "message": message} if admin else {"error": {"message": message}}
     return JSONResponse(body, status_code=status)
@@ -233,18 +220,8 @@ def create_app(
         path = "/init_weights_update_group"
         try:
             body = await _json_body(request, path, _GROUP_FIELDS)
-            address, port, rank_offset, world_size = _group_peers(body)
             result = await asyncio.wait_for(
-                asyncio.to_thread(
-                    engine.join_update_group,
-                    address,
-                    port,
-                    rank_offset,
-                    world_size,
-                    str(body.get("group_name", "weight_update_group")),
-                    str(body.get("backend", "gloo")),
-                ),
-                admin_timeout,
+                asyncio.to_thread(engine.join_update_group, GroupRequest.from_json(body)), admin_timeout
             )
         except (ValueError, TypeError) as e:
             return _fail(400, f"{path}: {e}", admin=True)
