@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 
@@ -12,12 +11,10 @@ import pytest
 
 from miles.engines import sglang_engine
 from miles.engines.local.__main__ import parse_args
-from miles.tools.tiny_model import build_word_model
 from miles.engines.router import Router
 from miles.engines.sglang_engine import EngineProcess, EngineStartupError, resolve_engine_kind
+from miles.tools.tiny_model import build_word_model
 from miles.utils import net
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def test_resolve_engine_kind(monkeypatch):

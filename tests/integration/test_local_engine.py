@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -10,11 +9,10 @@ import pytest
 import torch
 
 from miles.algo.logprobs import compute_log_probs
-from miles.tools.tiny_model import build_word_model
 from miles.engines.sglang_engine import EngineHTTPError, EngineProcess
+from miles.tools.tiny_model import build_word_model
 from miles.utils.serialization import serialize, share_named_tensors
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 PROMPTS = [[3, 5, 7], [10, 11, 12, 13, 14, 15, 16], [20], [30, 31, 32, 33]]
 CONTEXT = 32768  # the model's context length: room for "endless" requests that tests abort
 LONG = CONTEXT - 100

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -17,10 +15,9 @@ from miles.engines.local.sampling import (
     sample_token,
 )
 from miles.engines.local.scheduler import Request, Scheduler
-from miles.tools.tiny_model import build_word_model
 from miles.engines.local.weights import EngineNotReady, WeightStore
+from miles.tools.tiny_model import build_word_model
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
 

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
+import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import torch  # noqa: E402
-
-from miles.tools import toy_data  # noqa: E402
-from miles.tools.tiny_model import CHAT_TEMPLATE, build_tiny_model, build_tokenizer  # noqa: E402
+from miles.tools import toy_data
+from miles.tools.tiny_model import CHAT_TEMPLATE, build_tiny_model, build_tokenizer
 
 SIZES = dict(hidden_size=32, num_layers=2, num_heads=2)
 

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from miles.backends.fsdp_utils.weight_window import TrainerWindow
 from miles.engines.local.engine import LocalEngine, LocalEngineConfig
-from miles.tools.tiny_model import build_word_model
 from miles.engines.local.window import WINDOW_PREFIX, WindowLayout
+from miles.tools.tiny_model import build_word_model
 
 
 @pytest.fixture(scope="module")
