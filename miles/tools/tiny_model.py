@@ -2,7 +2,7 @@
 
 Pieces, each usable alone: `tiny_config` (the Qwen3 config), `tiny_model` (the seeded model in memory),
 `build_tokenizer` (byte-level BPE for a toy task) and `word_tokenizer` (whitespace words), and `build_tiny_model`,
-which writes a model and a tokenizer of either kind to disk.
+which writes a model and a tokenizer of either kind to disk (`build_word_model`: the engine tests' preset of it).
 
 The BPE tokenizer is a byte-level BPE trained locally (no hub access) on the toy task's corpus. Its alphabet is
 only the characters of that corpus, so the vocabulary stays small (default 48 entries; every digit is its own
