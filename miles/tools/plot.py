@@ -18,9 +18,13 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from miles.utils.tracking import METRICS_FILE, read_metrics
+from miles.utils.tracking import METRICS_FILE, read_metrics, record_step
+from miles.utils.types import JSON
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 REPORT_FILE = "report.png"
 TIME_PHASES = ("rollout", "train", "refit", "save", "save_hf", "eval")
@@ -65,10 +69,10 @@ PANELS = (
 @dataclass
 class Run:
     name: str
-    rows: list[dict[str, Any]]  # one per step, sorted, the last record of a step kept
+    rows: list[dict[str, JSON]]  # one per step, sorted, the last record of a step kept
 
     def steps(self) -> list[int]:
-        return [int(r["step"]) for r in self.rows]
+        return [record_step(r) for r in self.rows]
 
     def keys(self, pattern: str) -> list[str]:
         if not pattern.endswith("*"):
@@ -79,9 +83,10 @@ class Run:
     def values(self, key: str, absolute: bool = False) -> list[float]:
         out = []
         for r in self.rows:
+            value = r.get(key, math.nan)
             try:
-                v = float(r.get(key, math.nan))
-            except (TypeError, ValueError):
+                v = float(value) if isinstance(value, int | float | str) else math.nan
+            except ValueError:
                 v = math.nan
             out.append(abs(v) if absolute else v)
         return out
@@ -94,7 +99,7 @@ def load_run(run_dir: str | os.PathLike) -> Run:
         path = path / METRICS_FILE
     if not path.is_file():
         raise ValueError(f"{run_dir}: no {METRICS_FILE} (expected a run directory written by miles.train)")
-    by_step = {int(r["step"]): r for r in read_metrics(path) if "step" in r}
+    by_step = {record_step(r): r for r in read_metrics(path) if "step" in r}
     name = path.parent.name
     return Run(name, [by_step[s] for s in sorted(by_step)])
 
@@ -116,7 +121,7 @@ def _auto_window(n: int) -> int:
     return max(1, min(20, n // 10))
 
 
-def _draw_series(ax: Any, runs: list[Run], panel: Panel, window: int) -> bool:
+def _draw_series(ax: Axes, runs: list[Run], panel: Panel, window: int) -> bool:
     many = len(runs) > 1
     drawn = False
     for run_index, run in enumerate(runs):
@@ -158,7 +163,7 @@ def _draw_series(ax: Any, runs: list[Run], panel: Panel, window: int) -> bool:
     return drawn
 
 
-def _draw_time(ax: Any, runs: list[Run]) -> bool:
+def _draw_time(ax: Axes, runs: list[Run]) -> bool:
     drawn = False
     if len(runs) == 1:
         run = runs[0]

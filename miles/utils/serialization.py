@@ -23,7 +23,7 @@ import base64
 import binascii
 import io
 import pickle
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -62,7 +62,7 @@ def with_device_index(args: tuple) -> tuple:
     return (*args[:_DEVICE_ARG], device_from_uuid(args[_DEVICE_ARG]), *args[_DEVICE_ARG + 1 :])
 
 
-def _reduce_tensor_with_uuid(tensor: torch.Tensor) -> Any:
+def _reduce_tensor_with_uuid(tensor: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple[object, ...]]:
     fn, args = reductions._miles_reduce_tensor_original(tensor)
     if tensor.is_cuda and fn in (
         _rebuild_cuda_tensor_from_uuid,
@@ -72,7 +72,7 @@ def _reduce_tensor_with_uuid(tensor: torch.Tensor) -> Any:
     return fn, args
 
 
-def _rebuild_cuda_tensor_from_uuid(*args: Any) -> torch.Tensor:
+def _rebuild_cuda_tensor_from_uuid(*args: object) -> torch.Tensor:
     return reductions._miles_rebuild_cuda_tensor_original(*with_device_index(args))
 
 
@@ -97,7 +97,7 @@ def _ensure_strategy() -> None:
         mp.set_sharing_strategy(_SHARING_STRATEGY)
 
 
-def serialize(obj: Any) -> str:
+def serialize(obj: object) -> str:
     """Pickle `obj` with tensor handles (CPU tensors are moved to shared memory) and base64-encode it."""
     from multiprocessing.reduction import ForkingPickler
 
@@ -126,7 +126,7 @@ _ALLOWED_MODULES = {
 
 
 class _SafeUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:
         if name in _ALLOWED_MODULES.get(module, ()) or (module == "torch" and _is_dtype(name)):
             return super().find_class(module, name)
         raise PayloadError(f"pickle names {module}.{name}, which a tensor payload may not contain")
@@ -136,7 +136,7 @@ def _is_dtype(name: str) -> bool:
     return isinstance(getattr(torch, name, None), torch.dtype)
 
 
-def deserialize(data: str | bytes) -> Any:
+def deserialize(data: str | bytes) -> object:
     """Inverse of `serialize`, restricted to tensor payloads; PayloadError for anything else."""
     _ensure_strategy()
     try:

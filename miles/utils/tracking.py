@@ -16,7 +16,9 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
+
+from miles.utils.types import JSON
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -49,9 +51,9 @@ def _scalar(v: object) -> float | None:
     return None
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+def read_metrics(path: str | os.PathLike) -> list[dict[str, JSON]]:
     """The records of a metrics.jsonl file (a truncated last line, from a crash mid-write, is skipped)."""
-    records = []
+    records: list[dict[str, JSON]] = []
     with open(path, encoding="utf-8") as f:
         for line in f:
             line = line.strip()
@@ -62,6 +64,14 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 logger.warning("%s: skipping an unreadable line: %.80s", path, line)
     return records
+
+
+def record_step(record: dict[str, JSON]) -> int:
+    """The `step` of a metrics record; ValueError when it is missing or not a number."""
+    step = record.get("step")
+    if isinstance(step, bool) or not isinstance(step, int | float | str):
+        raise ValueError(f"metrics record without a numeric step: {str(record)[:80]}")
+    return int(step)
 
 
 class Tracker:
@@ -75,7 +85,7 @@ class Tracker:
         wandb_group: str | None = None,
         wandb_key: str | None = None,
         wandb_mode: str | None = None,
-        config: dict[str, Any] | None = None,  # the run's Config.to_dict(), as wandb.init takes it
+        config: Mapping[str, object] | None = None,  # the run's Config.to_dict(), as wandb.init takes it
         use_tensorboard: bool = False,
     ) -> None:
         self.run_dir = Path(run_dir)
@@ -107,7 +117,7 @@ class Tracker:
                     "Literal['online', 'offline', 'disabled'] | None", wandb_mode
                 ),  # --wandb-mode choices
                 dir=str(self.run_dir),
-                config=config,
+                config=None if config is None else dict(config),
             )
 
     @property
@@ -118,7 +128,7 @@ class Tracker:
         """The run continues at `step`: drop records of steps >= `step` (they will be logged again)."""
         self._file.close()
         records = read_metrics(self.metrics_path)
-        kept = [r for r in records if int(r.get("step", -1)) < step]
+        kept = [r for r in records if (record_step(r) if "step" in r else -1) < step]
         dropped = len(records) - len(kept)
         tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:

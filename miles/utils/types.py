@@ -123,7 +123,7 @@ class Sample:
             return float(self.train_reward)
         return self.reward_value(None)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """A JSON-friendly dict (for detail dumps)."""
         d = dict(self.__dict__)
         d["status"] = self.status.value

@@ -29,10 +29,12 @@ import json
 import math
 import os
 import random
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
 EOS_MODES = ("natural", "never", "prompt_timed")
 MARKER = "."
@@ -198,56 +200,31 @@ def write_rows(rows: list[dict[str, Any]], path: str | os.PathLike[str]) -> Path
 
 # ------------------------------------------------------------------------------------------------ models
 def build_model(w: Workload, out_dir: str | os.PathLike[str], seed: int = 0) -> Path:
-    """Write workload `w`'s model + tokenizer (HF format) to `out_dir` (built aside, renamed into place)."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """Write workload `w`'s model + tokenizer (HF format) to `out_dir` (built aside, renamed into place).
 
-    from miles.tools.tiny_model import _portable_tokenizer_config, build_tiny_model, build_tokenizer
+    `eos_mode` "natural" keeps the random model's own EOS behaviour; the others design it (`schedule_eos`) on an
+    untied model with a 1024-token context."""
+    from miles.tools.tiny_model import build_tiny_model
 
-    out = Path(out_dir)
-    if w.eos_mode == "natural":
-        return build_tiny_model(
-            out,
-            task="echo",
-            seed=seed,
-            hidden_size=w.hidden_size,
-            num_layers=w.num_layers,
-            num_heads=w.num_heads,
-            intermediate_size=w.intermediate_size,
-            overwrite=True,
-        )
-    tok = build_tokenizer("echo")
-    cfg = Qwen3Config(
-        vocab_size=len(tok),
+    def designed_eos(model: Qwen3ForCausalLM, tok: PreTrainedTokenizerFast) -> None:
+        markers = tok.convert_tokens_to_ids([MARKER])
+        specials = [i for i in (tok.pad_token_id, tok.convert_tokens_to_ids("<|im_start|>")) if i is not None]
+        schedule_eos(model, tok.eos_token_id, markers, specials, w.eos_mode)
+
+    natural = w.eos_mode == "natural"
+    return build_tiny_model(
+        out_dir,
+        task="echo",
+        seed=seed,
         hidden_size=w.hidden_size,
-        intermediate_size=w.intermediate_size or 2 * w.hidden_size,
-        num_hidden_layers=w.num_layers,
-        num_attention_heads=w.num_heads,
-        num_key_value_heads=w.num_heads // 2,
-        head_dim=w.hidden_size // w.num_heads,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=None,
-        dtype="float32",
+        num_layers=w.num_layers,
+        num_heads=w.num_heads,
+        intermediate_size=w.intermediate_size,
+        overwrite=True,
+        tie_word_embeddings=natural,
+        max_position_embeddings=512 if natural else 1024,
+        edit_model=None if natural else designed_eos,
     )
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(cfg).float()
-    markers = tok.convert_tokens_to_ids([MARKER])
-    specials = [i for i in (tok.pad_token_id, tok.convert_tokens_to_ids("<|im_start|>")) if i is not None]
-    schedule_eos(model, tok.eos_token_id, markers, specials, w.eos_mode)
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    _portable_tokenizer_config(tmp / "tokenizer_config.json")
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return out
 
 
 def reserved_dims(hidden_size: int) -> tuple[int, int, int]:

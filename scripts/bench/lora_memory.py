@@ -45,23 +45,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_model(path: str, a: argparse.Namespace) -> int:
     """A random Qwen3 of the requested shape written to `path`; returns its parameter count."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from miles.tools.tiny_model import tiny_config, tiny_model
 
-    torch.manual_seed(0)
     heads = a.hidden // 64
-    cfg = Qwen3Config(
-        vocab_size=a.vocab,
+    cfg = tiny_config(
+        a.vocab,
         hidden_size=a.hidden,
-        intermediate_size=4 * a.hidden,
-        num_hidden_layers=a.layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
+        num_layers=a.layers,
+        num_heads=heads,
+        num_kv_heads=max(1, heads // 2),
         head_dim=64,
+        intermediate_size=4 * a.hidden,
         max_position_embeddings=max(512, a.seq_len),
         tie_word_embeddings=False,
     )
-    model = Qwen3ForCausalLM(cfg).float()
+    model = tiny_model(cfg, seed=0)
     model.save_pretrained(path)
     return sum(p.numel() for p in model.parameters())
 

@@ -19,11 +19,12 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import Qwen3ForCausalLM  # noqa: E402
 
 from miles.algo.logprobs import compute_log_probs  # noqa: E402
 from miles.backends.fsdp_utils.data_packing import pack_sequences  # noqa: E402
 from miles.backends.fsdp_utils.forward import forward_packed  # noqa: E402
+from miles.tools.tiny_model import tiny_config, tiny_model  # noqa: E402
 from miles.utils.seqlen_balancing import (  # noqa: E402
     first_fit_decreasing,
     get_minimum_num_micro_batch_size,
@@ -45,18 +46,9 @@ def make_samples(n: int, seed: int, max_len: int) -> list[dict]:
 
 
 def make_model() -> Qwen3ForCausalLM:
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-    )
-    model = Qwen3ForCausalLM(cfg).float()
+    # hidden 64, head_dim 16
+    cfg = tiny_config(VOCAB, max_position_embeddings=4096, tie_word_embeddings=False)
+    model = tiny_model(cfg, seed=0)
     model.set_attn_implementation("sdpa")
     return model
 

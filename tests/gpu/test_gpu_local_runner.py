@@ -11,20 +11,11 @@ from miles.engines.local.scheduler import Request, Scheduler
 
 
 def _model():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from miles.tools.tiny_model import tiny_config, tiny_model
 
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-    )
-    return Qwen3ForCausalLM(config).to("cuda", torch.float32).eval()
+    # hidden 64, head_dim 16
+    config = tiny_config(128, max_position_embeddings=256, tie_word_embeddings=False)
+    return tiny_model(config, seed=0).to("cuda", torch.float32).eval()
 
 
 def _drive(runner, arrivals, slots, chunk):

@@ -111,13 +111,8 @@ def run_distributed(
 
 
 def save_tiny_qwen3(path: str, seed: int = 0, tie_word_embeddings: bool = True, vocab_size: int = 96) -> str:
-    """Write a random 2-layer Qwen3 causal LM (hidden 32) in HF format to ``path``; returns ``path``."""
-    from transformers import AutoModelForCausalLM
+    """Write the tests' random 2-layer Qwen3 causal LM (hidden 32) in HF format to ``path``; returns ``path``."""
+    from tests.tiny_models import tiny_qwen3
 
-    from tests.tiny_models import tiny_qwen3_config
-
-    config = tiny_qwen3_config(vocab_size, tie_word_embeddings)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(path)
+    tiny_qwen3(seed, vocab_size, tie_word_embeddings).save_pretrained(path)
     return path

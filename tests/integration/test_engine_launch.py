@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 
@@ -12,12 +11,10 @@ import pytest
 
 from miles.engines import sglang_engine
 from miles.engines.local.__main__ import parse_args
-from miles.engines.local.testing import build_tiny_model
 from miles.engines.router import Router
 from miles.engines.sglang_engine import EngineProcess, EngineStartupError, resolve_engine_kind
+from miles.tools.tiny_model import build_word_model
 from miles.utils import net
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def test_resolve_engine_kind(monkeypatch):
@@ -97,7 +94,7 @@ def test_startup_failure_reports_phase_and_log(tmp_path):
 
 @pytest.fixture(scope="module")
 def keyed_engine(tmp_path_factory):
-    path = build_tiny_model(tmp_path_factory.mktemp("tiny"))
+    path = build_word_model(tmp_path_factory.mktemp("tiny"))
     with EngineProcess(str(path), kind="local", admin_api_key="s3cret", local_args={"num-threads": 1}) as eng:
         yield eng
 

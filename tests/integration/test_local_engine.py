@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -10,11 +9,10 @@ import pytest
 import torch
 
 from miles.algo.logprobs import compute_log_probs
-from miles.engines.local.testing import build_tiny_model
 from miles.engines.sglang_engine import EngineHTTPError, EngineProcess
+from miles.tools.tiny_model import build_word_model
 from miles.utils.serialization import serialize, share_named_tensors
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 PROMPTS = [[3, 5, 7], [10, 11, 12, 13, 14, 15, 16], [20], [30, 31, 32, 33]]
 CONTEXT = 32768  # the model's context length: room for "endless" requests that tests abort
 LONG = CONTEXT - 100
@@ -22,7 +20,7 @@ LONG = CONTEXT - 100
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), max_position_embeddings=CONTEXT)
+    return build_word_model(tmp_path_factory.mktemp("tiny_qwen3"), max_position_embeddings=CONTEXT)
 
 
 @pytest.fixture(scope="module")

@@ -42,9 +42,9 @@ def _launch(kind: str, model_dir: str) -> EngineProcess:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from miles.engines.local.testing import build_tiny_model
+    from miles.tools.tiny_model import build_word_model
 
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0))
+    return str(build_word_model(tmp_path_factory.mktemp("tiny"), seed=0))
 
 
 @pytest.fixture(scope="module")

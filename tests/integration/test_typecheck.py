@@ -1,5 +1,5 @@
-"""The typed code passes mypy: configuration, algorithms, drivers, the rollout side, utilities, tools and the
-system set-up (files and settings in pyproject.toml's [tool.mypy]). mypy comes with the `test` extra
+"""The typed code passes mypy: configuration, algorithms, drivers, the rollout side, utilities, tools, the embedded
+engine and the system set-up (files and settings in pyproject.toml's [tool.mypy]). mypy comes with the `test` extra
 (`pip install -e ".[test]"`)."""
 
 from __future__ import annotations

@@ -118,17 +118,15 @@ def test_schedule_eos_never_and_prompt_timed() -> None:
     """'never': EOS is unreachable; 'prompt_timed': EOS gets likelier as the marker fraction of the context
     falls (longer response, fewer markers) and is improbable right after a marker-heavy prompt."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)  # fmt: skip
+    from miles.tools.tiny_model import tiny_config, tiny_model
+
+    cfg = tiny_config(48, tie_word_embeddings=False)  # hidden 64, 4 heads / 2 KV heads, head_dim 16
     eos, marker, pad, filler = 2, 3, 0, [7, 30, 9, 30, 11]
-    torch.manual_seed(0)
-    never = Qwen3ForCausalLM(cfg).float()
+    never = tiny_model(cfg, seed=0)
     bw.schedule_eos(never, eos, [marker], [pad], "never")
     assert _eos_logprob(never, eos, [33, 30, 7] + filler * 4) < -15
-    torch.manual_seed(0)
-    timed = Qwen3ForCausalLM(cfg).float()
+    timed = tiny_model(cfg, seed=0)
     bw.schedule_eos(timed, eos, [marker], [pad], "prompt_timed")
     prompt = [33, 30, 7, 30] + [marker] * 30
     lp = [_eos_logprob(timed, eos, prompt + filler * k) for k in (0, 4, 12, 30)]

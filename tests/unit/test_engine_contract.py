@@ -80,3 +80,14 @@ def test_checksums_are_sglangs():
         h.update(name.encode())
         h.update(c.encode())
     assert overall_checksum({"b": "2", "a": "1"}) == h.hexdigest()
+
+
+def test_group_request_from_json():
+    from miles.engines.local.dist_update import GroupRequest
+
+    body = {"master_address": "10.0.0.1", "master_port": "2345", "rank_offset": 1, "world_size": 2}
+    assert GroupRequest.from_json(body) == GroupRequest("10.0.0.1", 2345, 1, 2, "weight_update_group", "gloo")
+    with pytest.raises(ValueError, match=r"missing fields \['world_size'\]"):
+        GroupRequest.from_json({k: v for k, v in body.items() if k != "world_size"})
+    with pytest.raises(ValueError, match="master_port=True is not an integer"):
+        GroupRequest.from_json({**body, "master_port": True})

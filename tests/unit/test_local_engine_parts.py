@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -17,10 +15,9 @@ from miles.engines.local.sampling import (
     sample_token,
 )
 from miles.engines.local.scheduler import Request, Scheduler
-from miles.engines.local.testing import build_tiny_model
 from miles.engines.local.weights import EngineNotReady, WeightStore
+from miles.tools.tiny_model import build_word_model
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
 
@@ -367,7 +364,7 @@ def test_weight_store_release_resume_and_aliases():
 
 @pytest.fixture(scope="module")
 def local_engine(tmp_path_factory):
-    path = build_tiny_model(tmp_path_factory.mktemp("tiny"))
+    path = build_word_model(tmp_path_factory.mktemp("tiny"))
     eng = LocalEngine(LocalEngineConfig(model_path=str(path), max_running_requests=2, max_total_tokens=40))
     eng.start()
     yield eng
@@ -471,7 +468,7 @@ def test_text_prompt_equals_token_prompt(local_engine):
 
 
 def test_bfloat16_engine_runs_in_its_dtype(tmp_path):
-    path = build_tiny_model(tmp_path / "m")
+    path = build_word_model(tmp_path / "m")
     eng = LocalEngine(LocalEngineConfig(model_path=str(path), dtype="bfloat16"))
     assert eng.model.model.embed_tokens.weight.dtype == torch.bfloat16
     eng.start()

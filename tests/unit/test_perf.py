@@ -63,14 +63,13 @@ def test_peak_rss_is_positive():
 def test_model_forward_flops_reads_the_hf_config(tied):
     """Parameters counted once (a tied LM head is the embedding), the embedding lookup is no matmul, and the
     attention width is heads x head_dim (Qwen3's head_dim is not hidden_size / heads)."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from miles.tools.tiny_model import tiny_config, tiny_model
 
-    torch.manual_seed(0)
-    c = Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied)  # fmt: skip
-    model = Qwen3ForCausalLM(c)
+    c = tiny_config(50, hidden_size=32, intermediate_size=48, head_dim=16, tie_word_embeddings=tied)
+    model = tiny_model(c, seed=0)
     total = sum(p.numel() for p in model.parameters())
-    matmul = total - 50 * 32 if not tied else total  # untied: the input embedding is a lookup; tied: it is the head
+    matmul = (
+        total - 50 * 32 if not tied else total
+    )  # untied: the input embedding is a lookup; tied: it is the head
     expected = perf.forward_flops([5, 2], matmul, 2, 4 * 16)
     assert perf.model_forward_flops(model, [5, 2]) == expected

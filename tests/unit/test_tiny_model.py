@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
+import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import torch  # noqa: E402
-
-from miles.tools import toy_data  # noqa: E402
-from miles.tools.tiny_model import CHAT_TEMPLATE, build_tiny_model, build_tokenizer  # noqa: E402
+from miles.tools import toy_data
+from miles.tools.tiny_model import CHAT_TEMPLATE, build_tiny_model, build_tokenizer
 
 SIZES = dict(hidden_size=32, num_layers=2, num_heads=2)
 
@@ -109,6 +105,38 @@ def test_bad_sizes(tmp_path: Path) -> None:
         build_tokenizer(vocab_size=10)
     with pytest.raises(ValueError, match="unknown toy task 'nope'"):
         build_tokenizer("nope")
+
+
+def test_word_model_into_an_empty_dir(tmp_path: Path) -> None:
+    """The word-level variant: exact vocabulary, unknown words to <unk>, untied and sharp weights; the global RNG
+    is left as it was; an existing empty directory (a pytest `mktemp`) is filled, not refused."""
+    from transformers import AutoTokenizer
+
+    from miles.tools.tiny_model import WORDS, build_word_model
+
+    (tmp_path / "m").mkdir()
+    before = torch.random.get_rng_state()
+    out = build_word_model(tmp_path / "m", seed=0)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert len(tok) == 3 + len(WORDS)
+    assert tok("the cat zebra", add_special_tokens=False)["input_ids"] == [3, 3 + WORDS.index("cat"), 1]
+    assert (tok.pad_token_id, tok.unk_token_id, tok.eos_token_id) == (0, 1, 2)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["hidden_size"] == 32 and cfg["tie_word_embeddings"] is False and cfg["vocab_size"] == len(tok)
+    from safetensors.torch import load_file
+
+    weights = load_file(out / "model.safetensors")
+    assert 0.25 < weights["model.layers.0.mlp.up_proj.weight"].std().item() < 0.35  # N(0, 0.3), not HF's 0.02
+
+
+def test_word_tokenizer_refuses_bpe_options(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="tokenizer='bpe' only"):
+        build_tiny_model(tmp_path / "m", tokenizer="words", extra_texts=["x"])
+    from miles.tools.tiny_model import word_tokenizer
+
+    with pytest.raises(ValueError, match="repeat or collide"):
+        word_tokenizer(["a", "<eos>"])
 
 
 def test_template_constant_matches_tokenizer() -> None:

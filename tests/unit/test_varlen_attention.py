@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 
 import pytest
 import torch
+from transformers import Qwen3ForCausalLM
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from transformers import Qwen3ForCausalLM  # noqa: E402
-
-from miles.algo.logprobs import compute_entropy, compute_log_probs  # noqa: E402
-from miles.backends.fsdp_utils.attention import (  # noqa: E402
+from miles.algo.logprobs import compute_entropy, compute_log_probs
+from miles.backends.fsdp_utils.attention import (
     PAD_WORK_LIMIT,
     VARLEN_ATTENTION,
     cu_seqlens_from_position_ids,
@@ -22,9 +18,9 @@ from miles.backends.fsdp_utils.attention import (  # noqa: E402
     set_varlen_backend,
     varlen_attention_forward,
 )
-from miles.backends.fsdp_utils.data_packing import pack_sequences  # noqa: E402
-from miles.backends.fsdp_utils.forward import forward_packed  # noqa: E402
-from tests.tiny_models import tiny_qwen3  # noqa: E402
+from miles.backends.fsdp_utils.data_packing import pack_sequences
+from miles.backends.fsdp_utils.forward import forward_packed
+from tests.tiny_models import tiny_qwen3
 
 TEMPERATURE = 0.7
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, Qwen3Config
 
 from miles.backends.fsdp_utils.update_weight_utils import (
     DistributedWeightUpdater,
@@ -13,17 +12,13 @@ from miles.backends.fsdp_utils.update_weight_utils import (
     iter_weight_buckets,
     plan_weight_buckets,
 )
+from tests.tiny_models import tiny_qwen3
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tied-embedding tiny Qwen3 and the tensors its HF checkpoint holds."""
-    config = Qwen3Config(
-        vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = tiny_qwen3(seed=0, vocab_size=80, tie_word_embeddings=True)
     path = tmp_path_factory.mktemp("tiny")
     model.save_pretrained(path)
     return model, load_file(path / "model.safetensors")

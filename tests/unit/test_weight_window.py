@@ -12,13 +12,13 @@ from transformers import AutoModelForCausalLM
 
 from miles.backends.fsdp_utils.weight_window import TrainerWindow
 from miles.engines.local.engine import LocalEngine, LocalEngineConfig
-from miles.engines.local.testing import build_tiny_model
 from miles.engines.local.window import WINDOW_PREFIX, WindowLayout
+from miles.tools.tiny_model import build_word_model
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    path = build_tiny_model(tmp_path_factory.mktemp("tiny"), tie_word_embeddings=True)
+    path = build_word_model(tmp_path_factory.mktemp("tiny"), tie_word_embeddings=True)
     eng = LocalEngine(LocalEngineConfig(model_path=str(path), max_running_requests=2, max_total_tokens=40))
     eng.start()
     yield eng, str(path)

@@ -18,14 +18,58 @@ table `LocalEngine.admin_ops`), except `join_update_group`, which waits for remo
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+import threading
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
+from miles.utils.types import JSON
 from miles.utils.weight_checksum import overall_checksum, tensor_checksum
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from miles.engines.local.dist_update import GroupRequest
+    from miles.engines.local.engine import LocalEngineConfig
+    from miles.engines.local.engine_loop import EngineLoop
+    from miles.engines.local.model_runner import NoCacheRunner, PoolRunner
+    from miles.engines.local.weights import WeightStore
+    from miles.engines.local.window import MappedWindow, WindowLayout
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 NOT_IN_SESSION = "{op} must run between begin_weight_update() and end_weight_update()"
+
+
+class Reply(TypedDict):
+    """The body of a successful admin operation, as SGLang answers it."""
+
+    success: bool
+    message: str
+
+
+class WindowRefitReply(Reply):
+    weight_version: str  # the version now served
+
+
+class LayoutReply(Reply):
+    layout: dict[str, JSON]  # WindowLayout.to_json()
+
+
+class DiskReply(Reply):
+    num_paused_requests: int
+
+
+class RankChecksums(TypedDict):
+    """One rank's part of a `weights_checker` answer (sglang/srt/utils/weight_checker.py)."""
+
+    checksums: dict[str, str]  # parameter name -> 16 hex digits
+    per_gpu_checksum: str
+    parallelism_info: list[dict[str, str | int]]
+
+
+class ChecksumReply(Reply):
+    ranks: list[RankChecksums]
+    per_engine_checksum: str
 
 
 class RefitRefused(ValueError):
@@ -46,19 +90,20 @@ class WeightControl:
     """Mixin of `LocalEngine`: the session, release/resume bookkeeping, refit and checksum operations."""
 
     # provided by LocalEngine
-    weights: Any
-    scheduler: Any
-    runner: Any
+    weights: WeightStore
+    scheduler: EngineLoop
+    runner: PoolRunner | NoCacheRunner
     kv_released: bool
     released_tags: set[str]
     session_open: bool
-    update_groups: dict[str, Any]
-    config: Any
+    update_groups: dict[str, dist.ProcessGroup | None]  # None: reserved while joining
+    config: LocalEngineConfig
     dtype: torch.dtype
     model_path: str
-    _groups_lock: Any
-    _window_plan: Any  # WindowLayout, planned on first use
-    _window: Any  # MappedWindow of the last window refit
+    weight_version: str
+    _groups_lock: threading.Lock
+    _window_plan: WindowLayout | None  # planned on first use
+    _window: MappedWindow | None  # the window of the last window refit
 
     def _set_version(self, weight_version: str | None) -> None:
         raise NotImplementedError
@@ -67,7 +112,7 @@ class WeightControl:
         if not self.session_open:
             raise RefitRefused(NOT_IN_SESSION.format(op=op))
 
-    def _op_begin_weight_update(self, selector: str = "all") -> dict[str, Any]:
+    def _op_begin_weight_update(self, selector: str = "all") -> Reply:
         if selector not in ("target", "draft", "all"):
             raise ValueError(f"selector {selector!r} not supported; allowed: 'target', 'draft', 'all'")
         if self.session_open:
@@ -75,7 +120,7 @@ class WeightControl:
         self.session_open = True
         return {"success": True, "message": "Success"}
 
-    def _op_end_weight_update(self) -> dict[str, Any]:
+    def _op_end_weight_update(self) -> Reply:
         if not self.session_open:
             raise RefitRefused("no weight-update session is open; call begin_weight_update() first")
         self.session_open = False
@@ -90,7 +135,7 @@ class WeightControl:
         abort_all_requests: bool = False,
         selector: str = "all",
         torch_empty_cache: bool = False,
-    ) -> dict[str, Any]:
+    ) -> Reply:
         from miles.engines.local.weights import unflatten_bucket
         from miles.utils.serialization import PayloadError, deserialize
 
@@ -131,7 +176,7 @@ class WeightControl:
         load_format: str | None = None,
         selector: str = "all",
         torch_empty_cache: bool = False,
-    ) -> dict[str, Any]:
+    ) -> Reply:
         from miles.engines.local.dist_update import receive_tensors
 
         self._require_session("update_weights_from_distributed")
@@ -139,7 +184,8 @@ class WeightControl:
             raise ValueError(
                 f"load_format {load_format!r} not supported on the broadcast path; allowed: null"
             )
-        if self.update_groups.get(group_name) is None:
+        group = self.update_groups.get(group_name)
+        if group is None:
             raise ValueError(f"no weights update group {group_name!r}; known: {sorted(self.update_groups)}")
         if self.weights.released:
             raise ValueError(
@@ -147,11 +193,11 @@ class WeightControl:
             )
         if abort_all_requests:
             self.scheduler.abort(abort_all=True, message="aborted for weight update")
-        n = receive_tensors(self.update_groups[group_name], names, dtypes, shapes, self.weights)
+        n = receive_tensors(group, names, dtypes, shapes, self.weights)
         self._set_version(weight_version)
         return {"success": True, "message": f"Succeeded to update parameter online ({n} tensors)."}
 
-    def _window_layout(self) -> Any:
+    def _window_layout(self) -> WindowLayout:
         from miles.engines.local.window import plan_layout
 
         if self._window_plan is None:
@@ -167,7 +213,7 @@ class WeightControl:
             self._window_plan = plan_layout(store.params, shapes, aliases, fused, self.dtype)
         return self._window_plan
 
-    def _op_weight_window_layout(self) -> dict[str, Any]:
+    def _op_weight_window_layout(self) -> LayoutReply:
         """miles-only: where each parameter lives in a weight window (see miles.engines.local.window)."""
         return {"success": True, "message": "Success", "layout": self._window_layout().to_json()}
 
@@ -177,7 +223,7 @@ class WeightControl:
         layout_digest: str,
         flush_cache: bool = True,
         weight_version: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> WindowRefitReply:
         """miles-only: a whole refit in one call, its own weight-update session (refused while another is open):
         point every parameter at its view of the trainer's window file (no copy) and serve `weight_version`."""
         from miles.engines.local.window import MappedWindow
@@ -196,12 +242,17 @@ class WeightControl:
             self._window = MappedWindow(path, layout)  # first refit, a new window, or a restarted engine
         n = self.weights.point_at(self._window.views)
         self._set_version(weight_version)
-        served = self.model_info()["weight_version"]
+        served = self.weight_version
         return {"success": True, "message": f"Success. Updated {n} tensors.", "weight_version": served}
 
     def _op_update_weights_from_disk(
-        self, model_path: str, load_format: str | None = None, weight_version: str | None = None, **_: Any
-    ) -> dict[str, Any]:
+        self,
+        model_path: str,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        flush_cache: bool = True,
+    ) -> DiskReply:
         from transformers import AutoModelForCausalLM
 
         if load_format not in (None, "auto"):
@@ -249,7 +300,7 @@ class WeightControl:
             self.kv_released = False
         return None
 
-    def _op_get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+    def _op_get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         return self.weights.get(name).flatten()[:truncate_size].float().tolist()
 
     def _op_weights_checker(
@@ -258,7 +309,7 @@ class WeightControl:
         allow_quant_error: bool = False,
         skip_tensor_list: list[str] | None = None,
         selector: str = "all",
-    ) -> dict[str, Any]:
+    ) -> ChecksumReply:
         if action != "checksum":
             raise ValueError(f"weights_checker action {action!r} not supported here; allowed: 'checksum'")
         self.weights.check_ready()
@@ -269,7 +320,7 @@ class WeightControl:
             if not any(pattern in name for pattern in skip)
         }
         overall = overall_checksum(checksums)
-        rank = {
+        rank: RankChecksums = {
             "checksums": checksums,
             "per_gpu_checksum": overall,
             "parallelism_info": [
@@ -280,17 +331,17 @@ class WeightControl:
         engine = hashlib.sha256(overall.encode()).hexdigest()
         return {"success": True, "message": "Success.", "ranks": [rank], "per_engine_checksum": engine}
 
-    def join_update_group(self, **kwargs: Any) -> dict[str, Any]:
+    def join_update_group(self, request: GroupRequest) -> Reply:
         """Body of /init_weights_update_group; blocks only the calling thread, at most the group timeout."""
         from miles.engines.local.dist_update import init_update_group
 
-        name = kwargs.get("group_name", "weight_update_group")
+        name = request.group_name
         with self._groups_lock:
             if name in self.update_groups:
                 raise ValueError(f"weights update group {name!r} already exists")
             self.update_groups[name] = None  # reserved while joining
         try:
-            group = init_update_group(**kwargs, timeout_s=self.config.update_group_timeout)
+            group = init_update_group(request, timeout_s=self.config.update_group_timeout)
         except BaseException:
             with self._groups_lock:
                 self.update_groups.pop(name, None)
@@ -299,10 +350,12 @@ class WeightControl:
             self.update_groups[name] = group
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
-    def _op_destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+    def _op_destroy_weights_update_group(self, group_name: str = "weight_update_group") -> Reply:
         from miles.engines.local.dist_update import destroy_update_group
 
-        if self.update_groups.get(group_name) is None:
+        group = self.update_groups.get(group_name)
+        if group is None:
             raise RefitRefused("The group to be destroyed does not exist.")
-        destroy_update_group(self.update_groups.pop(group_name))
+        del self.update_groups[group_name]
+        destroy_update_group(group)
         return {"success": True, "message": "Succeeded to destroy custom process group."}

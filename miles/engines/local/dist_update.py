@@ -10,12 +10,14 @@ Tensors arrive by `broadcast(src=0)`, one per name, in the order of `names`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from miles.engines.local.weights import WeightStore
+from miles.utils.types import JSON
 
 _DTYPES = {
     "float32": torch.float32,
@@ -60,21 +62,55 @@ def init_custom_process_group(
     return pg
 
 
-def init_update_group(
-    master_address: str,
-    master_port: int,
-    rank_offset: int,
-    world_size: int,
-    group_name: str = "weight_update_group",
-    backend: str = "gloo",
-    timeout_s: float = 30.0,
-) -> dist.ProcessGroup:
+def _int(body: dict[str, JSON], key: str) -> int:
+    value = body[key]
+    if not isinstance(value, int | float | str) or isinstance(value, bool):
+        raise ValueError(f"{key}={value!r} is not an integer")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """The body of /init_weights_update_group (SGLang's field names)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "gloo"
+
+    @classmethod
+    def from_json(cls, body: dict[str, JSON]) -> GroupRequest:
+        """ValueError naming a missing or non-integer field."""
+        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
+        if missing:
+            raise ValueError(f"missing fields {missing}")
+        port, rank_offset, world_size = (_int(body, k) for k in ("master_port", "rank_offset", "world_size"))
+        return cls(
+            str(body["master_address"]),
+            port,
+            rank_offset,
+            world_size,
+            group_name=str(body.get("group_name", "weight_update_group")),
+            backend=str(body.get("backend", "gloo")),
+        )
+
+
+def init_update_group(request: GroupRequest, timeout_s: float = 30.0) -> dist.ProcessGroup:
     """Engine side of /init_weights_update_group (TP=1: the engine is rank `rank_offset`); gives up after
     `timeout_s` when the peers do not all join."""
-    if backend != "gloo":
-        raise ValueError(f"backend {backend!r}: the embedded engine runs on CPU and supports only 'gloo'")
+    if request.backend != "gloo":
+        raise ValueError(
+            f"backend {request.backend!r}: the embedded engine runs on CPU and supports only 'gloo'"
+        )
     return init_custom_process_group(
-        master_address, int(master_port), int(rank_offset), int(world_size), group_name, timeout_s=timeout_s
+        request.master_address,
+        request.master_port,
+        request.rank_offset,
+        request.world_size,
+        request.group_name,
+        timeout_s=timeout_s,
     )
 
 

@@ -14,15 +14,21 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
-from miles.engines.local.control import WeightControl
+from miles.engines.local.control import Reply, WeightControl
 from miles.engines.local.engine_loop import EngineLoop
 from miles.engines.local.model_runner import make_runner
+from miles.engines.local.output import GenerateAnswer
 from miles.engines.local.sampling import SamplingParams
 from miles.engines.local.weights import EngineNotReady, WeightStore
+from miles.utils.types import JSON
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +40,7 @@ _GEN_IGNORED = {
     "conversation_id", "custom_labels", "no_logs", "extra_key", "modalities", "background", "received_time",
     "model",  # added by sglang-router when it forwards a request
 }  # fmt: skip
-_GEN_NEUTRAL: dict[str, Any] = {
+_GEN_NEUTRAL: dict[str, JSON] = {
     "stream": False, "logprob_start_len": -1, "top_logprobs_num": 0, "token_ids_logprob": None,
     "return_hidden_states": False, "return_routed_experts": False, "return_entropy": False, "lora_path": None,
     "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None,
@@ -43,7 +49,7 @@ _GEN_NEUTRAL: dict[str, Any] = {
 }  # fmt: skip
 
 
-def _check_generate_fields(body: dict[str, Any]) -> None:
+def _check_generate_fields(body: dict[str, JSON]) -> None:
     errors = []
     for key, value in body.items():
         if key in _GEN_USED or key in _GEN_IGNORED:
@@ -76,6 +82,28 @@ def _device(name: str) -> torch.device:
     return device
 
 
+def _token_ids(ids: JSON, vocab_size: int) -> list[int]:
+    """One prompt's `input_ids`, checked: ints in [0, vocab_size)."""
+    if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+        shown = ids[:8] if isinstance(ids, list) else ids
+        raise ValueError(f"input_ids must be ints in [0, {vocab_size}), got {shown}...")
+    return [t for t in ids if isinstance(t, int)]
+
+
+class ModelInfo(TypedDict):
+    """Body of GET /get_model_info (SGLang's fields)."""
+
+    model_path: str
+    tokenizer_path: str
+    is_generation: bool
+    preferred_sampling_params: None
+    weight_version: str
+    has_image_understanding: bool
+    has_audio_understanding: bool
+    model_type: str
+    architectures: list[str] | None
+
+
 @dataclass(frozen=True)
 class LocalEngineConfig:
     """Startup options of the embedded engine (the CLI flags of `python -m miles.engines.local`)."""
@@ -93,7 +121,7 @@ class LocalEngineConfig:
     update_group_timeout: float = 30.0  # seconds /init_weights_update_group may wait for its peers
 
 
-def _context_length(requested: int | None, model_config: Any) -> int:
+def _context_length(requested: int | None, model_config: PretrainedConfig) -> int:
     """--context-length, or the model's max_position_embeddings; longer than the model's is refused."""
     derived = int(model_config.max_position_embeddings)
     if requested is None:
@@ -130,7 +158,7 @@ class LocalEngine(WeightControl):
         self.kv_released = False
         self.released_tags: set[str] = set()  # SGLang's `offload_tags`: filled by release, emptied by resume
         self.session_open = False  # between /begin_weight_update and /end_weight_update
-        self.update_groups: dict[str, Any] = {}
+        self.update_groups: dict[str, dist.ProcessGroup | None] = {}
         self._groups_lock = threading.Lock()
         self._window_plan = None
         self._window = None
@@ -170,50 +198,52 @@ class LocalEngine(WeightControl):
         self.scheduler.stop()
 
     # ------------------------------------------------------------------ generation
-    def submit_generate(self, body: dict[str, Any]) -> tuple[list[str], list[Future], bool]:
+    def submit_generate(self, body: dict[str, JSON]) -> tuple[list[str], list[Future[GenerateAnswer]], bool]:
         """Queue the request(s) of a /generate body; returns (rids, futures, is_batch)."""
         _check_generate_fields(body)
         if ("input_ids" in body) == ("text" in body):
             raise ValueError("/generate needs exactly one of 'input_ids' or 'text'")
+        prompts: list[JSON]
         if "input_ids" in body:
-            prompts = body["input_ids"]
-            is_batch = bool(prompts) and isinstance(prompts[0], list)
-            prompts = prompts if is_batch else [prompts]
+            given = body["input_ids"]
+            if not isinstance(given, list):
+                raise ValueError(f"input_ids must be a list of token ids or of lists of them, got {given!r}")
+            is_batch = bool(given) and isinstance(given[0], list)
+            prompts = given if is_batch else [given]
         else:
             texts = body["text"]
             is_batch = isinstance(texts, list)
-            prompts = [self.tokenizer.encode(t) for t in (texts if is_batch else [texts])]
+            prompts = [self.tokenizer.encode(t) for t in (texts if isinstance(texts, list) else [texts])]
         n = len(prompts)
         sp = body.get("sampling_params") or {}
         sps = sp if isinstance(sp, list) else [sp] * n
         rl = body.get("return_logprob", False)
         rls = rl if isinstance(rl, list) else [rl] * n
         rid = body.get("rid")
+        given_rids: list[JSON]
         if rid is None:
             base = uuid.uuid4().hex
-            rids = [f"{base}-{i}" for i in range(n)] if is_batch else [base]
+            given_rids = [f"{base}-{i}" for i in range(n)] if is_batch else [base]
         else:
-            rids = rid if isinstance(rid, list) else ([f"{rid}-{i}" for i in range(n)] if is_batch else [rid])
-        if not (len(sps) == len(rls) == len(rids) == n):
+            given_rids = (
+                rid if isinstance(rid, list) else ([f"{rid}-{i}" for i in range(n)] if is_batch else [rid])
+            )
+        if not (len(sps) == len(rls) == len(given_rids) == n):
             raise ValueError(
                 f"batch sizes differ: {n} prompts, {len(sps)} sampling_params, {len(rls)} return_logprob, "
-                f"{len(rids)} rids"
+                f"{len(given_rids)} rids"
             )
-        for ids in prompts:
-            if not all(isinstance(t, int) and 0 <= t < self.model.config.vocab_size for t in ids):
-                raise ValueError(
-                    f"input_ids must be ints in [0, {self.model.config.vocab_size}), got {ids[:8]}..."
-                )
-        rids = [str(r) for r in rids]
+        token_ids = [_token_ids(ids, self.model.config.vocab_size) for ids in prompts]
+        rids = [str(r) for r in given_rids]
         if len(set(rids)) != n:
             raise ValueError(f"rids within one request must be unique, got {rids}")
         params = [SamplingParams.from_dict(s) for s in sps]
-        for ids, p in zip(prompts, params):
+        for ids, p in zip(token_ids, params):
             self._check_context(len(ids), p.max_new_tokens)
         with_text = bool(body.get("return_text_in_logprobs", False))
-        futures: list[Future] = []
+        futures: list[Future[GenerateAnswer]] = []
         try:
-            for r, ids, p, lp in zip(rids, prompts, params, rls):
+            for r, ids, p, lp in zip(rids, token_ids, params, rls):
                 futures.append(self.scheduler.submit(r, ids, p, bool(lp), with_text))
         except Exception:
             for r in rids[: len(futures)]:  # all or nothing: withdraw the part of the batch already queued
@@ -239,7 +269,7 @@ class LocalEngine(WeightControl):
             )
 
     # ------------------------------------------------------------------ admin (run on the scheduler thread)
-    def admin_ops(self) -> dict[str, Callable[..., Any]]:
+    def admin_ops(self) -> dict[str, Callable[..., object]]:
         """The admin operations `run` dispatches, by the name the server's routes use."""
         return {
             "abort": self._op_abort,
@@ -260,26 +290,26 @@ class LocalEngine(WeightControl):
             "destroy_weights_update_group": self._op_destroy_weights_update_group,
         }
 
-    def run(self, op: str, **kwargs: Any) -> Future:
+    def run(self, op: str, **kwargs: JSON) -> Future[object]:
         """Run admin operation `op` (a key of `admin_ops`) with `kwargs` on the scheduler thread."""
         fn = self.admin_ops().get(op)
         if fn is None:
             raise ValueError(f"unknown admin operation {op!r}; known: {sorted(self.admin_ops())}")
         return self.scheduler.call(lambda: fn(**kwargs))
 
-    def _op_abort(self, rid: str = "", abort_all: bool = False) -> dict[str, Any]:
+    def _op_abort(self, rid: str = "", abort_all: bool = False) -> Reply:
         n = self.scheduler.abort(rid=rid or None, abort_all=abort_all)
         return {"success": True, "message": f"aborted {n} request(s)"}
 
-    def _op_pause(self, mode: str = "abort") -> dict[str, Any]:
+    def _op_pause(self, mode: str = "abort") -> Reply:
         self.scheduler.set_paused(mode)
         return {"success": True, "message": f"generation paused (mode={mode})"}
 
-    def _op_continue(self) -> dict[str, Any]:
+    def _op_continue(self) -> Reply:
         self.scheduler.set_paused(None)
         return {"success": True, "message": "generation continued"}
 
-    def _op_flush_cache(self) -> dict[str, Any]:
+    def _op_flush_cache(self) -> Reply:
         # a finished request's pool slot is reused by the next one; there is no shared prefix cache to drop.
         return {"success": True, "message": "cache flushed (no prefix cache is kept)"}
 
@@ -288,7 +318,7 @@ class LocalEngine(WeightControl):
             self.weight_version = str(weight_version)
 
     # ------------------------------------------------------------------ info
-    def model_info(self) -> dict[str, Any]:
+    def model_info(self) -> ModelInfo:
         """Body of GET /get_model_info."""
         return {
             "model_path": self.model_path,
@@ -302,7 +332,7 @@ class LocalEngine(WeightControl):
             "architectures": getattr(self.model.config, "architectures", None),
         }
 
-    def server_info(self, host: str, port: int) -> dict[str, Any]:
+    def server_info(self, host: str, port: int) -> dict[str, JSON]:
         """Body of GET /get_server_info: the startup options plus live state."""
         stats = dict(self.scheduler.stats)
         secs = stats["decode_seconds"]

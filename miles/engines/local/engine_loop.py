@@ -14,12 +14,17 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING
 
-from miles.engines.local.output import OutputProcessor
+from miles.engines.local.output import GenerateAnswer, OutputProcessor
 from miles.engines.local.sampling import SamplingParams, request_rng, sample_batch
 from miles.engines.local.scheduler import Batch, Request, Scheduler
 from miles.engines.local.weights import EngineNotReady
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from miles.engines.local.model_runner import NoCacheRunner, PoolRunner
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +34,8 @@ class EngineLoop:
 
     def __init__(
         self,
-        runner: Any,
-        tokenizer: Any,
+        runner: PoolRunner | NoCacheRunner,
+        tokenizer: PreTrainedTokenizerBase,
         eos_ids: set[int],
         check_ready: Callable[[], None],
         weight_version_fn: Callable[[], str],
@@ -56,7 +61,7 @@ class EngineLoop:
         self.random_seed = random_seed
         self._inbox: deque[Request] = deque()
         self._inflight: dict[str, Request] = {}
-        self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._commands: deque[tuple[Callable[[], object], Future[object]]] = deque()
         self._cond = threading.Condition()
         self._stop = False
         self.paused: str | None = None  # None, "abort" or "in_place"
@@ -82,7 +87,7 @@ class EngineLoop:
         params: SamplingParams,
         return_logprob: bool,
         return_text_in_logprobs: bool = False,
-    ) -> Future:
+    ) -> Future[GenerateAnswer]:
         """Queue a request; its future resolves to the SGLang-style answer dict."""
         self._check_size(input_ids, params.max_new_tokens)
         self._check_ready()
@@ -114,9 +119,9 @@ class EngineLoop:
                 f"prompt ({n} tokens) + max_new_tokens ({max_new_tokens}) exceeds --max-total-tokens={cap}"
             )
 
-    def call(self, fn: Callable[[], Any]) -> Future:
+    def call(self, fn: Callable[[], object]) -> Future[object]:
         """Run `fn()` on the scheduler thread between forward passes; the future gets its result."""
-        fut: Future = Future()
+        fut: Future[object] = Future()
         with self._cond:
             self._commands.append((fn, fut))
             self._cond.notify_all()
@@ -206,7 +211,7 @@ class EngineLoop:
             return False
 
     @staticmethod
-    def _run_command(fn: Callable[[], Any], fut: Future) -> None:
+    def _run_command(fn: Callable[[], object], fut: Future[object]) -> None:
         try:
             fut.set_result(fn())
         except BaseException as e:  # noqa: BLE001 - delivered to the caller

@@ -43,6 +43,7 @@ def supports_kv_cache(model: nn.Module) -> tuple[bool, str]:
     for attr in ("embed_tokens", "layers", "norm", "rotary_emb"):
         if inner is None or not hasattr(inner, attr):
             return False, f"model.model has no {attr!r}"
+    assert inner is not None  # the loop returned otherwise
     if not hasattr(model, "lm_head"):
         return False, "no lm_head"
     if not hasattr(inner.norm, "variance_epsilon"):
@@ -296,7 +297,7 @@ class PoolRunner:
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         hidden = hidden + refs.o_proj(out)
         x = refs.post_norm(hidden)
-        if refs.gate_up is None:
+        if refs.gate_up is None or refs.down is None:  # both or neither
             return hidden + refs.mlp(x)
         # down(silu(gate(x)) * up(x)), the Llama-family MLP, gate and up in one matmul
         gate_up = refs.gate_up(x)

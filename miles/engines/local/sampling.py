@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from miles.algo.logprobs import compute_log_probs
+from miles.utils.types import JSON
 
 # Accepted only at their neutral value: the embedded engine does not implement them.
 _NEUTRAL_ONLY = {
@@ -54,9 +55,11 @@ class SamplingParams:
     )
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+    def from_dict(cls, given: JSON) -> SamplingParams:
         """Validate a JSON `sampling_params` object; ValueError names each bad key and what is allowed."""
-        d = dict(d or {})
+        if given is not None and not isinstance(given, dict):
+            raise ValueError(f"sampling_params must be an object, got {given!r}")
+        d = dict(given or {})
         errors: list[str] = []
         for key, neutral in _NEUTRAL_ONLY.items():
             if key in d:
@@ -69,7 +72,8 @@ class SamplingParams:
         unknown = sorted(set(d) - known)
         if unknown:
             errors.append(f"unknown sampling params {unknown}; allowed: {sorted(known | set(_NEUTRAL_ONLY))}")
-        kw = {k: v for k, v in d.items() if k in known and v is not None}
+        # the fields as given, checked by _violations once the record holds them
+        kw: dict[str, Any] = {k: v for k, v in d.items() if k in known and v is not None}
         stop = kw.get("stop", ())
         kw["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
         kw["stop_token_ids"] = tuple(int(t) for t in kw.get("stop_token_ids", ()))
@@ -202,7 +206,7 @@ def sample_batch(
     temps = [p.logprob_temperature for p in params]
     scaled = logits if all(t == 1.0 for t in temps) else logits / _per_row(temps, device)
     sampled = [i for i, p in enumerate(params) if p.temperature > 0]
-    tokens = scaled.argmax(-1) if len(sampled) < rows else None
+    tokens: torch.Tensor | None = scaled.argmax(-1) if len(sampled) < rows else None  # greedy rows
     if sampled:
         idx = None if len(sampled) == rows else torch.tensor(sampled, device=device)
         probs = torch.softmax(scaled if idx is None else scaled.index_select(0, idx), dim=-1)
@@ -220,5 +224,7 @@ def sample_batch(
         if idx is None:
             tokens = picked
         else:
+            assert tokens is not None  # some rows are greedy
             tokens[idx] = picked
+    assert tokens is not None  # every row was either greedy or sampled
     return tokens.tolist(), compute_log_probs(scaled, tokens, 1.0).tolist()

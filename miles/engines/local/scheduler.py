@@ -17,13 +17,27 @@ request on the last slot moves into the hole (the move is attached to the next b
 
 from __future__ import annotations
 
+import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Literal, Required, TypedDict
 
 from miles.engines.local.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from miles.engines.local.output import GenerateAnswer
+
+
+class FinishReason(TypedDict, total=False):
+    """SGLang's `meta_info.finish_reason`: stop (a stop token id or stop string matched), length, abort."""
+
+    type: Required[Literal["stop", "length", "abort"]]
+    matched: int | str  # stop
+    length: int  # length
+    message: str  # abort
 
 
 @dataclass(eq=False, slots=True)
@@ -35,13 +49,15 @@ class Request:
     params: SamplingParams
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
-    rng: Any = None  # the sampler's per-request RNG; the scheduler never reads it
-    future: Any = None  # the engine loop's handle for the answer; the scheduler never reads it
+    # the sampler's per-request RNG (the engine loop seeds it); the scheduler never reads it
+    rng: random.Random = field(default_factory=random.Random)
+    # the engine loop's handle for the answer; the scheduler never reads it
+    future: Future[GenerateAnswer] = field(default_factory=Future)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     slot: int = -1  # row of the KV pool while running
     num_cached: int = 0  # tokens (prompt, then outputs) whose keys/values are in the pool
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
     stop_text_end: int | None = None  # where a matched stop string starts in the decoded text
     created: float = field(default_factory=time.monotonic)
     stop_ids: frozenset[int] = (
@@ -182,7 +198,7 @@ class Scheduler:
     @staticmethod
     def _prefill_row(req: Request, budget: float, rows: list[BatchRow]) -> int:
         start = req.num_cached
-        end = min(len(req.input_ids), start + budget)
+        end = int(min(len(req.input_ids), start + budget))  # budget may be inf (no chunking)
         rows.append(BatchRow(req, req.slot, start, req.input_ids[start:end], end == len(req.input_ids)))
         return end - start
 
@@ -192,7 +208,7 @@ class Scheduler:
             row.req.num_cached = row.start + len(row.token_ids)
         sample_rows = batch.sample_rows
         assert len(tokens) == len(logprobs) == len(sample_rows), (len(tokens), len(sample_rows))
-        done = []
+        done: list[tuple[Request, FinishReason]] = []
         for row, token, logprob in zip(sample_rows, tokens, logprobs):
             req = row.req
             req.output_ids.append(token)
@@ -222,7 +238,7 @@ class Scheduler:
         return reqs
 
     # ------------------------------------------------------------------ finishing
-    def _finish(self, req: Request, reason: dict[str, Any]) -> None:
+    def _finish(self, req: Request, reason: FinishReason) -> None:
         req.finish_reason = reason
         self._remove(req)
         self._finished.append(req)
@@ -242,7 +258,7 @@ class Scheduler:
         if not self.running:  # nobody left to move (the pool may even be released now)
             self._moves = []
 
-    def _check_stop(self, req: Request) -> dict[str, Any] | None:
+    def _check_stop(self, req: Request) -> FinishReason | None:
         """Stop strings, then the length limit (stop tokens were checked by the caller)."""
         p = req.params
         if p.stop and self._stop_in_tail(req.output_ids, p):

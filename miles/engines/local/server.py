@@ -14,14 +14,21 @@ import asyncio
 import hmac
 import json
 import logging
-from typing import Any
+from concurrent.futures import Future
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from miles.engines.local.control import RefitRefused
+from miles.engines.local.dist_update import GroupRequest
 from miles.engines.local.engine import LocalEngine
+from miles.engines.local.output import GenerateAnswer
 from miles.engines.local.weights import EngineNotReady
+from miles.utils.types import JSON
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +110,7 @@ def auth_allowed(path: str, header: str | None, api_key: str | None, admin_api_k
     return _bearer_matches(header, api_key) if api_key else True
 
 
-async def _json_body(request: Request, path: str, fields: set[str]) -> dict[str, Any]:
+async def _json_body(request: Request, path: str, fields: set[str]) -> dict[str, JSON]:
     """The JSON object of a request (empty body: {}); ValueError naming the problem."""
     raw = await request.body()
     try:
@@ -123,7 +130,7 @@ def _fail(status: int, message: str, admin: bool) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-async def _await(fut: Any, timeout: float) -> Any:
+async def _await(fut: Future[T], timeout: float) -> T:
     return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
 
 
@@ -131,7 +138,9 @@ class _ClientGone(Exception):
     """The HTTP client went away before its generation finished."""
 
 
-async def _wait_or_disconnect(request: Request, futs: list[Any], timeout: float) -> list[Any]:
+async def _wait_or_disconnect(
+    request: Request, futs: list[Future[GenerateAnswer]], timeout: float
+) -> list[GenerateAnswer]:
     """Results of `futs`; raises _ClientGone when the client disconnects, TimeoutError after `timeout`."""
     gathered = asyncio.ensure_future(asyncio.gather(*(asyncio.wrap_future(f) for f in futs)))
     loop = asyncio.get_running_loop()
@@ -152,10 +161,10 @@ async def _wait_or_disconnect(request: Request, futs: list[Any], timeout: float)
 class _KeyMiddleware:
     """ASGI middleware applying `auth_allowed` (plain ASGI, so client-disconnect events still reach handlers)."""
 
-    def __init__(self, app: Any, api_key: str | None, admin_api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None) -> None:
         self.app, self.api_key, self.admin_api_key = app, api_key, admin_api_key
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] != "OPTIONS":
             headers = dict(scope.get("headers") or [])
             header = headers.get(b"authorization", b"").decode("latin-1") or None
@@ -212,7 +221,7 @@ def create_app(
         try:
             body = await _json_body(request, path, _GROUP_FIELDS)
             result = await asyncio.wait_for(
-                asyncio.to_thread(engine.join_update_group, **body), admin_timeout
+                asyncio.to_thread(engine.join_update_group, GroupRequest.from_json(body)), admin_timeout
             )
         except (ValueError, TypeError) as e:
             return _fail(400, f"{path}: {e}", admin=True)

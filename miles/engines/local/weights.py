@@ -9,6 +9,7 @@ that misses a tensor is caught instead of silently sampling from zeros.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import SupportsInt
 
 import torch
 from torch import nn
@@ -156,7 +157,14 @@ def _field(meta: object, key: str) -> object:
     return meta[key] if isinstance(meta, dict) else getattr(meta, key)
 
 
-def unflatten_bucket(payload: dict) -> list[tuple[str, torch.Tensor]]:
+def _int_field(meta: object, key: str) -> int:
+    value = _field(meta, key)
+    if not isinstance(value, SupportsInt | str):
+        raise ValueError(f"flattened_bucket metadata {key}={value!r} is not an integer")
+    return int(value)
+
+
+def unflatten_bucket(payload: object) -> list[tuple[str, torch.Tensor]]:
     """Named tensors of a flattened bucket (`load_format="flattened_bucket"`, SGLang's layout).
 
     payload: {"flattened_tensor": 1-D tensor, "metadata": [{name, shape, dtype, start_idx, end_idx, numel}]}
@@ -172,8 +180,11 @@ def unflatten_bucket(payload: dict) -> list[tuple[str, torch.Tensor]]:
     out = []
     for meta in payload["metadata"]:
         name, dtype = str(_field(meta, "name")), _field(meta, "dtype")
-        shape = tuple(int(s) for s in _field(meta, "shape"))
-        part = flat[int(_field(meta, "start_idx")) : int(_field(meta, "end_idx"))]
+        dims = _field(meta, "shape")
+        if not isinstance(dims, Iterable):
+            raise ValueError(f"flattened_bucket metadata of {name!r}: shape {dims!r} is not a list")
+        shape = tuple(int(s) for s in dims)
+        part = flat[_int_field(meta, "start_idx") : _int_field(meta, "end_idx")]
         if flat.dtype == torch.uint8 and dtype != torch.uint8:
             part = part.view(dtype)
         elif flat.dtype != dtype:

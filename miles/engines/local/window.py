@@ -22,11 +22,11 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from miles.engines.local.fused import FusedLinear
+from miles.utils.types import JSON
 
 _ALIGN_BYTES = 64
 WINDOW_PREFIX = "miles-weight-window-"  # the only files an engine maps
@@ -55,7 +55,7 @@ class WindowLayout:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, JSON]:
         return {
             "dtype": str(self.dtype).removeprefix("torch."),
             "numel": self.numel,
@@ -64,20 +64,21 @@ class WindowLayout:
                 {"name": e.name, "offset": e.offset, "shape": list(e.shape), "stride": list(e.stride)}
                 for e in self.entries
             ],
-            "aliases": self.aliases,
+            "aliases": {a: c for a, c in self.aliases.items()},
             "digest": self.digest(),
         }
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> WindowLayout:
-        dtype = getattr(torch, str(d["dtype"]))
+    def from_json(cls, d: dict[str, JSON]) -> WindowLayout:
+        """The layout of a `to_json` object (from /weight_window_layout); ValueError naming a malformed field."""
+        dtype = getattr(torch, str(d["dtype"]), None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"window dtype {d['dtype']!r} is not a torch dtype")
-        entries = [
-            WindowEntry(str(e["name"]), int(e["offset"]), tuple(e["shape"]), tuple(e["stride"]))
-            for e in d["entries"]
-        ]
-        layout = cls(dtype, int(d["numel"]), entries, {str(k): str(v) for k, v in d["aliases"].items()})
+        raw_entries, aliases = d["entries"], d["aliases"]
+        if not isinstance(raw_entries, list) or not isinstance(aliases, dict):
+            raise ValueError("window layout: 'entries' must be a list and 'aliases' an object")
+        entries = [_entry(e) for e in raw_entries]
+        layout = cls(dtype, _json_int(d["numel"], "numel"), entries, {k: str(v) for k, v in aliases.items()})
         if "digest" in d and d["digest"] != layout.digest():
             raise ValueError("window layout digest does not match its entries")
         return layout
@@ -95,6 +96,21 @@ class WindowLayout:
         return {
             e.name: flat.as_strided(e.shape, e.stride, flat.storage_offset() + e.offset) for e in self.entries
         }
+
+
+def _json_int(value: JSON, what: str) -> int:
+    if not isinstance(value, int | float | str):
+        raise ValueError(f"window layout: {what} {value!r} is not an integer")
+    return int(value)
+
+
+def _entry(e: JSON) -> WindowEntry:
+    """One `entries` item of a layout's JSON."""
+    if not isinstance(e, dict) or not isinstance(e["shape"], list) or not isinstance(e["stride"], list):
+        raise ValueError(f"window layout entry {e!r} is not an object with list 'shape' and 'stride'")
+    shape = tuple(_json_int(x, "shape") for x in e["shape"])
+    stride = tuple(_json_int(x, "stride") for x in e["stride"])
+    return WindowEntry(str(e["name"]), _json_int(e["offset"], "offset"), shape, stride)
 
 
 def _align(n: int, itemsize: int) -> int:
@@ -122,8 +138,8 @@ def plan_layout(
         start = _align(size, dtype.itemsize)
         for name, w, row in zip(names, group.weights, group.offsets, strict=True):
             assert name is not None  # row blocks of one [out, in] buffer: the trainer writes plain copies
-            shape = (w.shape[0], group.in_features)
-            entries.append(WindowEntry(name, start + row * group.in_features, shape, (group.in_features, 1)))
+            rows = (w.shape[0], group.in_features)
+            entries.append(WindowEntry(name, start + row * group.in_features, rows, (group.in_features, 1)))
             placed.add(name)
         size = start + group.in_features * group.out_features
         if group.biases is not None:
@@ -137,7 +153,7 @@ def plan_layout(
         if name in placed:
             continue
         start = _align(size, dtype.itemsize)
-        shape = tuple(shapes[name])
+        shape: tuple[int, ...] = tuple(shapes[name])
         stride = tuple(torch.empty(shape, device="meta").stride())
         entries.append(WindowEntry(name, start, shape, stride))
         size = start + torch.Size(shape).numel()

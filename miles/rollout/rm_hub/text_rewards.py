@@ -17,7 +17,9 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter
-from typing import Any
+from collections.abc import Mapping
+
+from miles.utils.types import JSON
 
 _DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 _DAPO_UNITS = (
@@ -87,20 +89,23 @@ _GPQA_PATTERNS = (
 )
 
 
-def _letters(metadata: dict[str, Any]) -> list[str]:
-    if metadata.get("valid_letters"):
-        return [str(x).strip().upper() for x in metadata["valid_letters"]]
+def _letters(metadata: Mapping[str, JSON]) -> list[str]:
+    valid = metadata.get("valid_letters")
+    if valid and isinstance(valid, list | str | dict):
+        return [str(x).strip().upper() for x in valid]
     choices = metadata.get("choices")
-    n = len(choices) if choices else 10
+    n = len(choices) if choices and isinstance(choices, list | str | dict) else 10
     return list(string.ascii_uppercase[:n])
 
 
-def _choice_texts(metadata: dict[str, Any]) -> list[str]:
+def _choice_texts(metadata: Mapping[str, JSON]) -> list[str]:
     choices = metadata.get("choices") or []
-    return [str(c) for c in (choices.values() if isinstance(choices, dict) else choices)]
+    if isinstance(choices, dict):
+        return [str(c) for c in choices.values()]
+    return [str(c) for c in choices] if isinstance(choices, list | str) else []
 
 
-def gpqa_score(response: str, label: object, metadata: dict[str, Any]) -> float:
+def gpqa_score(response: str, label: object, metadata: Mapping[str, JSON]) -> float:
     """1.0 when the response picks the correct multiple-choice letter, else 0.0."""
     letters = _letters(metadata)
     correct = None

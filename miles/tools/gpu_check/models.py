@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-SPECIALS = ("<pad>", "<unk>", "<eos>")
-EOS_ID = 2
+from miles.tools.tiny_model import WORD_SPECIALS, tiny_config, tiny_model, word_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import Qwen3Config
 
 
 @dataclass(frozen=True)
@@ -39,38 +42,21 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def qwen3_config(preset: Preset):  # -> transformers.Qwen3Config
+def qwen3_config(preset: Preset) -> Qwen3Config:
     """The transformers config of `preset` (tied embeddings, as the small Qwen3 models)."""
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        vocab_size=preset.vocab_size,
+    return tiny_config(
+        preset.vocab_size,
         hidden_size=preset.hidden_size,
-        intermediate_size=preset.intermediate_size,
-        num_hidden_layers=preset.num_layers,
-        num_attention_heads=preset.num_heads,
-        num_key_value_heads=preset.num_kv_heads,
+        num_layers=preset.num_layers,
+        num_heads=preset.num_heads,
+        num_kv_heads=preset.num_kv_heads,
         head_dim=preset.head_dim,
+        intermediate_size=preset.intermediate_size,
         max_position_embeddings=preset.max_position_embeddings,
         tie_word_embeddings=True,
-        eos_token_id=EOS_ID,
-        pad_token_id=0,
-        bos_token_id=None,
+        eos_token_id=WORD_SPECIALS.index("<eos>"),
+        pad_token_id=WORD_SPECIALS.index("<pad>"),
     )
-
-
-def _save_tokenizer(path: Path, vocab_size: int) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    vocab.update({f"w{i}": i for i in range(len(SPECIALS), vocab_size)})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>"
-    )
-    fast.save_pretrained(path)
 
 
 def build_checkpoint(
@@ -78,18 +64,16 @@ def build_checkpoint(
 ) -> Path:
     """Write a random Qwen3 model of shape `preset` (HF init, seeded) and its tokenizer to `path`.
 
-    The weights are initialised on `device` (fast on a GPU) and saved in `dtype`. Returns `path`.
+    The weights are initialised on `device` (fast on a GPU) and saved in `dtype`. The word-level tokenizer has
+    exactly `preset.vocab_size` entries (`w3`, `w4`, ... after the specials). Returns `path`.
     """
-    from transformers import Qwen3ForCausalLM
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(qwen3_config(preset))
+    model = tiny_model(qwen3_config(preset), seed, device=device)
     model.to(dtype).save_pretrained(path)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the engine process needs the memory
-    _save_tokenizer(path, preset.vocab_size)
+    words = [f"w{i}" for i in range(len(WORD_SPECIALS), preset.vocab_size)]
+    word_tokenizer(words).save_pretrained(path)
     return path
