@@ -37,6 +37,8 @@ sys.path.insert(0, str(HERE))
 
 from benchlib import Spread, write_json_atomic  # noqa: E402
 
+from miles.utils.net import free_port  # noqa: E402
+
 
 @dataclass(frozen=True)
 class RefitResult:

@@ -23,3 +23,17 @@ def test_mypy_passes_on_the_typed_code():
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "Success" in proc.stdout, proc.stdout
+
+
+def test_ruff_passes_on_the_whole_tree():
+    """Lint (pyproject.toml's [tool.ruff]) over the package, scripts and tests: catches, e.g., a name a refactor
+    moved away from a script nothing imports (an undefined `free_port` once broke scripts/bench/refit.py)."""
+    assert importlib.util.find_spec("ruff") is not None, 'ruff is missing: pip install -e ".[test]"'
+    proc = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "miles", "scripts", "tests"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
