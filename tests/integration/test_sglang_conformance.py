@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from miles.engines.sglang_engine import EngineProcess, engine_launch_kwargs
+from miles.utils.engine_http import bearer
 from tests.integration._util import free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +68,7 @@ def engine(request):
 
 
 def _admin() -> dict[str, str]:
-    return {"Authorization": f"Bearer {KEY}"}
+    return bearer(KEY)
 
 
 def _post(engine: EngineProcess, path: str, body: dict, key: bool = True) -> httpx.Response:
@@ -248,7 +249,7 @@ def test_colocated_startup_and_cycle_tensor_path(sglang, model_dir):
 def _broadcast_body(rank: int, world: int, url: str, model_dir: str, port: int) -> None:
     from transformers import AutoModelForCausalLM
 
-    from miles.backends.fsdp_utils.update_weight_utils import DistributedWeightUpdater
+    from miles.backends.fsdp_utils.broadcast_refit import DistributedWeightUpdater
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
