@@ -15,6 +15,7 @@ import torch.distributed as dist
 from _util import free_port, run_distributed, save_tiny_qwen3
 from safetensors.torch import load_file
 
+from miles.backends.fsdp_utils.broadcast_refit import DistributedWeightUpdater
 from miles.backends.fsdp_utils.model import (
     build_fsdp_model,
     build_optimizer,
@@ -25,12 +26,11 @@ from miles.backends.fsdp_utils.offload import load_to_device, offload_to_cpu
 from miles.backends.fsdp_utils.parallel import ParallelDims, init_distributed
 from miles.backends.fsdp_utils.update_weight_utils import (
     ColocatedWeightUpdater,
-    DistributedWeightUpdater,
-    init_weights_update_group,
     iter_weight_buckets,
     plan_weight_buckets,
 )
 from miles.utils.serialization import deserialize
+from miles.utils.side_group import init_side_group
 
 VOCAB = 96
 
@@ -303,7 +303,7 @@ def _fake_distributed_engine(port: int, out: str, ready) -> None:
                 ok = False
             elif endpoint == "init_weights_update_group":
                 seen["init"] = body
-                seen["group"] = init_weights_update_group(
+                seen["group"] = init_side_group(
                     body["master_address"], body["master_port"], body["rank_offset"], body["world_size"],
                     body["group_name"], body["backend"], timeout_s=60,
                 )  # fmt: skip

@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen3Config
 
+from miles.backends.fsdp_utils.broadcast_refit import DistributedWeightUpdater
 from miles.backends.fsdp_utils.update_weight_utils import (
-    DistributedWeightUpdater,
     hf_name,
     iter_weight_buckets,
     plan_weight_buckets,

@@ -337,10 +337,8 @@ class FSDPTrainer(TrainBackend):
         """The refit transport of --update-weight-transfer-mode: tensor handles (CUDA IPC / shared memory; a
         shared-memory weight window when colocated on CPU and every engine is embedded) or a broadcast group
         (NCCL on GPU, gloo on CPU)."""
-        from miles.backends.fsdp_utils.update_weight_utils import (
-            ColocatedWeightUpdater,
-            DistributedWeightUpdater,
-        )
+        from miles.backends.fsdp_utils.broadcast_refit import DistributedWeightUpdater
+        from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater
 
         cfg = self.config
         common = dict(
@@ -372,10 +370,11 @@ class FSDPTrainer(TrainBackend):
     def _all_engines_have_windows(self, engine_urls: list[str]) -> bool:
         """Rank 0 asks every engine for its window layout; all ranks get the answer (a collective)."""
         from miles.backends.fsdp_utils.weight_window import engines_have_windows
+        from miles.utils.engine_http import bearer
 
         answer = [None]
         if self.ps.rank == 0:
-            headers = {"Authorization": f"Bearer {k}"} if (k := self.config.engine.engine_api_key) else {}
+            headers = bearer(self.config.engine.engine_api_key)
             answer = [engines_have_windows(engine_urls, headers, self.config.train.refit_timeout)]
         dist.broadcast_object_list(answer, src=0)
         return bool(answer[0])

@@ -1,21 +1,17 @@
 """Weight refit over a torch.distributed group between trainer rank 0 and the engine (disaggregated mode).
 
-The group is created the way SGLang creates it, so one trainer-side helper serves both engine kinds: a TCP
-rendezvous at `tcp://master_address:master_port` with `world_size` members (trainer = rank 0, engine = rank
-`rank_offset`), the store prefixed with `group_name`, then a process group named `group_name` on it, without
-touching the default group of either process. The trainer side is
-`miles.backends.fsdp_utils.update_weight_utils.init_weights_update_group`; the engine test joins the two.
+Both sides join the group with `miles.utils.side_group.init_side_group` (trainer = rank 0, engine = rank
+`rank_offset`), built the way SGLang builds it, so one trainer side serves both engine kinds.
 Tensors arrive by `broadcast(src=0)`, one per name, in the order of `names`.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 
 from miles.engines.local.weights import WeightStore
+from miles.utils.side_group import init_side_group
 
 _DTYPES = {
     "float32": torch.float32,
@@ -23,41 +19,6 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
 }
-
-
-def init_custom_process_group(
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    group_name: str,
-    backend: str = "gloo",
-    timeout_s: float = 300.0,
-) -> dist.ProcessGroup:
-    """Join a process group that lives beside (not inside) the default group; every member calls this."""
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
-
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend {backend!r} not supported; allowed: 'gloo', 'nccl'")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} outside world_size {world_size}")
-    timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
-    )
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)  # as SGLang does: keys live under the group name
-    pg, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout
-    )
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
 
 
 def init_update_group(
@@ -73,7 +34,7 @@ def init_update_group(
     `timeout_s` when the peers do not all join."""
     if backend != "gloo":
         raise ValueError(f"backend {backend!r}: the embedded engine runs on CPU and supports only 'gloo'")
-    return init_custom_process_group(
+    return init_side_group(
         master_address, int(master_port), int(rank_offset), int(world_size), group_name, timeout_s=timeout_s
     )
 
