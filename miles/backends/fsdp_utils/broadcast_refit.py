@@ -15,11 +15,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from miles.backends.fsdp_utils.engine_client import begin_sessions, end_sessions, verify_refit
-from miles.backends.fsdp_utils.update_weight_utils import Bucket, raise_if_any_failed, stream_buckets
-from miles.utils.engine_http import bearer, post_engine
+from miles.backends.fsdp_utils.update_weight_utils import (
+    Bucket,
+    RefitJob,
+    RefitSetup,
+    WeightUpdater,
+    stream_buckets,
+)
+from miles.utils.engine_http import post_engine
 from miles.utils.net import free_port
 from miles.utils.side_group import init_side_group
 
@@ -37,7 +42,7 @@ def _wait_fail_fast(done: Callable[[], bool], answers: list[Future], timeout_s: 
         time.sleep(0.005)
 
 
-class DistributedWeightUpdater:
+class DistributedWeightUpdater(WeightUpdater):
     """Disaggregated refit: training rank 0 broadcasts each bucket to the engines over a dedicated group.
 
     `connect` (once): rank 0 asks every engine to join group ``group_name`` (``/init_weights_update_group``;
@@ -60,42 +65,27 @@ class DistributedWeightUpdater:
 
     def __init__(
         self,
-        engine_urls: list[str],
-        ranks_per_engine: int,
-        rank: int,
-        world_size: int,
+        setup: RefitSetup,
         master_address: str,
         master_port: int | None = None,
-        group: dist.ProcessGroup | None = None,
         group_name: str = "miles_weights_update",
         backend: str | None = None,
-        api_key: str | None = None,
-        timeout_s: float = 600.0,
-        check_equal: bool = False,
     ) -> None:
-        if not engine_urls:
+        if not setup.engine_urls:
             raise ValueError("DistributedWeightUpdater: engine_urls is empty")
-        if ranks_per_engine < 1:
-            raise ValueError(f"ranks_per_engine={ranks_per_engine}: must be >= 1 (the engine TP size)")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"weights-update backend {backend!r}: allowed 'nccl', 'gloo'")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s={timeout_s}: must be > 0")
-        self.engine_urls = [u.rstrip("/") for u in engine_urls]
-        self.ranks_per_engine = ranks_per_engine
-        self.rank, self.world_size = rank, world_size
+        super().__init__(setup)
         self.master_address, self._next_port = master_address, master_port
-        self.group_name, self.backend, self.timeout_s = group_name, backend, timeout_s
-        self.check_equal = check_equal
-        self._headers = bearer(api_key)
-        ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(world_size)]
-        self._ctrl = dist.new_group(ranks, backend="gloo")  # collective over the default group
+        self.group_name, self.backend = group_name, backend
         self._group: dist.ProcessGroup | None = None
         self.members: list[str] = []  # engines in the current group, in rank order
         self._lost: set[str] = set()  # members restarted since they joined (they no longer hold the group)
         # one thread per engine request, plus one for joining the group while the requests wait for it
-        self._pool = ThreadPoolExecutor(max_workers=len(engine_urls) + 1, thread_name_prefix="miles-refit")
+        self._pool = ThreadPoolExecutor(
+            max_workers=len(self.engine_urls) + 1, thread_name_prefix="miles-refit"
+        )
 
     @property
     def update_world_size(self) -> int:
@@ -107,23 +97,8 @@ class DistributedWeightUpdater:
             for url, body in zip(urls, bodies, strict=True)
         ]
 
-    def _on_rank0(self, fn: Callable[[], None]) -> None:
-        error = None
-        if self.rank == 0:
-            try:
-                fn()
-            except Exception as exc:  # noqa: BLE001 - reported to every rank, so none hangs
-                error = f"rank 0: {type(exc).__name__}: {exc}"
-        raise_if_any_failed(error, self.world_size, self._ctrl)
-
-    def _targets(self, engines: list[str] | None) -> list[str]:
-        if engines is None:
-            return list(self.engine_urls)
-        wanted = {u.rstrip("/") for u in engines}
-        unknown = sorted(wanted - set(self.engine_urls))
-        if unknown:
-            raise ValueError(f"engines {unknown} are not among this updater's {self.engine_urls}")
-        return [u for u in self.engine_urls if u in wanted]
+    def _on_rank0(self, fn: Callable[[], object]) -> None:
+        self._on(self.rank == 0, fn)
 
     def engines_restarted(self, urls: list[str]) -> None:
         """``urls`` were restarted: they left the group with their old process (the next refit regroups)."""
@@ -166,34 +141,26 @@ class DistributedWeightUpdater:
         self._on_rank0(join)
         self.members, self._lost = targets, set()
 
-    def update(
-        self,
-        model: nn.Module,
-        bucket_bytes: int,
-        weight_version: str,
-        dtype: torch.dtype | None = None,
-        engines: list[str] | None = None,
-    ) -> int:
-        """Push all weights of ``model`` inside a weight-update session on every targeted engine (None: all),
-        then verify them; returns the number of buckets. Collective over the training ranks."""
+    def _refit(self, job: RefitJob, targets: list[str]) -> int:
+        """Regroup when the targets are not the group's members (or a member was restarted), then stream
+        ``job`` by broadcast inside one weight-update session per engine, and verify."""
         if not self.members:
             raise RuntimeError("DistributedWeightUpdater.update called before connect()")
-        targets = self._targets(engines)
         if targets != self.members or self._lost:
             self.disconnect()
             self.connect(targets)
-        urls, headers, timeout = self.members, self._headers, self.timeout_s
-        self._on_rank0(lambda: begin_sessions(urls, headers, timeout, weight_version))
+        urls, headers, timeout, version = self.members, self._headers, self.timeout_s, job.weight_version
+        self._on_rank0(lambda: begin_sessions(urls, headers, timeout, version))
         checksums: dict[str, str] | None = {} if self.check_equal and self.rank == 0 else None
 
         def send(bucket: Bucket, index: int, is_last: bool) -> None:
-            self._on_rank0(lambda: self._broadcast(bucket, index, is_last, weight_version))
+            self._on_rank0(lambda: self._broadcast(bucket, index, is_last, version))
 
         try:
-            n_buckets = stream_buckets(model, bucket_bytes, dtype, weight_version, checksums, send)
+            n_buckets = stream_buckets(job, checksums, send)
         finally:
-            self._on_rank0(lambda: end_sessions(urls, headers, timeout, weight_version))
-        self._on_rank0(lambda: verify_refit(urls, weight_version, headers, timeout, checksums))
+            self._on_rank0(lambda: end_sessions(urls, headers, timeout, version))
+        self._on_rank0(lambda: verify_refit(urls, version, headers, timeout, checksums))
         return n_buckets
 
     def _broadcast(self, bucket: Bucket, index: int, is_last: bool, version: str) -> None:

@@ -4,6 +4,9 @@
 (a collective: every rank walks the same plan in the same order), casts it to the engine dtype and yields buckets
 of at most ``bucket_bytes``. Only one bucket of full tensors exists at a time.
 
+`WeightUpdater` is what the trainer refits through, built from a `RefitSetup` (engines, ranks per engine, this
+rank, key, deadline, checksum check); each transport implements `_refit` over `stream_buckets`.
+
 `ColocatedWeightUpdater` (engines on the same devices as the training ranks): engine ``e`` is served by training
 ranks ``e * ranks_per_engine ... (e + 1) * ranks_per_engine - 1`` (one per engine TP rank). For every bucket each
 of those ranks turns its gathered tensors into a tensor-handle string (CUDA IPC / shared memory, see
@@ -24,6 +27,7 @@ per-tensor checksums (``/weights_checker``) must equal the trainer's.
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -123,21 +127,26 @@ def _buckets_with_progress(
 Bucket = list[tuple[str, torch.Tensor]]  # [(hf_name, full tensor), ...]
 
 
+@dataclass(frozen=True)
+class RefitJob:
+    """One refit: every weight of ``model``, cast to ``dtype`` (None: as it is), in buckets of at most
+    ``bucket_bytes``, to be served as ``weight_version``."""
+
+    model: nn.Module
+    bucket_bytes: int
+    weight_version: str
+    dtype: torch.dtype | None = None
+
+
 def stream_buckets(
-    model: nn.Module,
-    bucket_bytes: int,
-    dtype: torch.dtype | None,
-    weight_version: str,
-    checksums: dict[str, str] | None,
-    send: Callable[[Bucket, int, bool], None],
+    job: RefitJob, checksums: dict[str, str] | None, send: Callable[[Bucket, int, bool], None]
 ) -> int:
     """Gather every bucket (collective: every rank calls this), add its tensors' checksums to ``checksums`` when
     given, and hand it to ``send(bucket, index, is_last)``; only one bucket of full tensors is alive at a time.
     Returns the number of buckets."""
-    n_buckets = len(_plan(_hf_tensors(model, dtype), bucket_bytes))
-    for index, bucket in enumerate(
-        _buckets_with_progress(model, bucket_bytes, dtype, n_buckets, weight_version)
-    ):
+    n_buckets = len(_plan(_hf_tensors(job.model, job.dtype), job.bucket_bytes))
+    buckets = _buckets_with_progress(job.model, job.bucket_bytes, job.dtype, n_buckets, job.weight_version)
+    for index, bucket in enumerate(buckets):
         if checksums is not None:
             checksums.update((name, tensor_checksum(t)) for name, t in bucket)
         send(bucket, index, index == n_buckets - 1)
@@ -156,72 +165,47 @@ def iter_weight_buckets(
         yield [(e.name, _full_tensor(e.tensor, dtype)) for e in bucket]
 
 
-class ColocatedWeightUpdater:
-    """Refit colocated engines through tensor handles, bucket by bucket (see the module docstring).
+@dataclass(frozen=True)
+class RefitSetup:
+    """What every refit transport is built from: the engines (in order), the training ranks per engine (the
+    engine TP size), this process's ``rank`` and ``world_size`` in ``group`` (None: the default group), the
+    engines' API key, the deadline of each engine call, and whether to compare per-tensor checksums after each
+    refit (``check_equal``)."""
 
-    ``rank``/``world_size`` are this process's rank and size in ``group`` (None: the default group).
-    """
+    engine_urls: list[str]
+    ranks_per_engine: int
+    rank: int
+    world_size: int
+    group: dist.ProcessGroup | None = None
+    api_key: str | None = None
+    timeout_s: float = 600.0
+    check_equal: bool = False
 
-    def __init__(
-        self,
-        engine_urls: list[str],
-        ranks_per_engine: int,
-        rank: int,
-        world_size: int,
-        group: dist.ProcessGroup | None = None,
-        api_key: str | None = None,
-        timeout_s: float = 600.0,
-        check_equal: bool = False,
-    ) -> None:
-        if ranks_per_engine < 1:
-            raise ValueError(f"ranks_per_engine={ranks_per_engine}: must be >= 1 (the engine TP size)")
-        max_engines = world_size // ranks_per_engine
-        if len(engine_urls) > max_engines:
-            raise ValueError(
-                f"{len(engine_urls)} colocated engines need {len(engine_urls) * ranks_per_engine} training ranks "
-                f"({ranks_per_engine} per engine), but world_size={world_size}: at most {max_engines} engines"
-            )
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s={timeout_s}: must be > 0")
-        self.engine_urls = [u.rstrip("/") for u in engine_urls]
-        self.ranks_per_engine = ranks_per_engine
-        self.rank = rank
-        self.world_size = world_size
-        self.timeout_s = timeout_s
-        self.check_equal = check_equal
-        self._headers = bearer(api_key)
-        self._global = [dist.get_global_rank(group, r) if group is not None else r for r in range(world_size)]
-        # Control-plane groups on gloo: strings and flags travel on CPU whatever the training backend is.
+    def __post_init__(self) -> None:
+        if self.ranks_per_engine < 1:
+            raise ValueError(f"ranks_per_engine={self.ranks_per_engine}: must be >= 1 (the engine TP size)")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s={self.timeout_s}: must be > 0")
+
+
+class WeightUpdater(ABC):
+    """A refit transport. `update` pushes every weight of a model to the engines (or to some of them, e.g.
+    restarted ones) inside a weight-update session and verifies them; it is collective over the training ranks,
+    which all raise together on any failure. `engines_restarted` tells it which engines are new processes."""
+
+    def __init__(self, setup: RefitSetup) -> None:
+        self.engine_urls = [u.rstrip("/") for u in setup.engine_urls]
+        self.ranks_per_engine = setup.ranks_per_engine
+        self.rank, self.world_size = setup.rank, setup.world_size
+        self.timeout_s, self.check_equal = setup.timeout_s, setup.check_equal
+        self._headers = bearer(setup.api_key)
+        group = setup.group
+        self._global = [
+            dist.get_global_rank(group, r) if group is not None else r for r in range(self.world_size)
+        ]
+        # Control plane on gloo: strings and flags travel on CPU whatever the training backend is.
         # new_group is collective over the default group: every rank creates every group, in the same order.
         self._ctrl = dist.new_group(self._global, backend="gloo")
-        self._engine_groups = [
-            dist.new_group(self._global[e * ranks_per_engine : (e + 1) * ranks_per_engine], backend="gloo")
-            for e in range(len(engine_urls))
-        ]
-        e = rank // ranks_per_engine
-        self.engine_index: int | None = e if e < len(engine_urls) else None
-        self.is_leader = self.engine_index is not None and rank % ranks_per_engine == 0
-
-    def engines_restarted(self, urls: list[str]) -> None:
-        """Engines that were restarted (new processes): handles travel with every bucket, nothing to redo."""
-        self._targets(urls)
-
-    def _targets(self, engines: list[str] | None) -> set[str]:
-        """The engines a refit goes to (None: all); each must be one of ours."""
-        if engines is None:
-            return set(self.engine_urls)
-        targets = {u.rstrip("/") for u in engines}
-        unknown = sorted(targets - set(self.engine_urls))
-        if unknown:
-            raise ValueError(f"engines {unknown} are not among this updater's {self.engine_urls}")
-        return targets
-
-    def _url_if_targeted(self, engines: list[str] | None) -> str | None:
-        """Our engine's URL when this rank is its leader and it is a target of this refit, else None."""
-        targets = self._targets(engines)
-        if self.engine_index is None or self.engine_urls[self.engine_index] not in targets:
-            return None
-        return self.engine_urls[self.engine_index]
 
     def update(
         self,
@@ -231,44 +215,91 @@ class ColocatedWeightUpdater:
         dtype: torch.dtype | None = None,
         engines: list[str] | None = None,
     ) -> int:
-        """Push all weights of ``model`` to the engines (``engines``: a subset, e.g. restarted ones; None: all)
-        inside a weight-update session, then verify them; returns the number of buckets. Collective: every rank
-        raises together on any failure."""
-        targeted = self._url_if_targeted(engines)
+        """Push all weights of ``model`` (cast to ``dtype``, in buckets of at most ``bucket_bytes``) to
+        ``engines`` (None: all) as ``weight_version``, then verify them; returns the number of buckets."""
+        return self._refit(RefitJob(model, bucket_bytes, weight_version, dtype), self._targets(engines))
+
+    @abstractmethod
+    def _refit(self, job: RefitJob, targets: list[str]) -> int:
+        """Push ``job`` to ``targets`` (some of the engines, in their order); returns the number of buckets."""
+
+    def engines_restarted(self, urls: list[str]) -> None:
+        """Engines that were restarted (new processes); by default nothing to redo (checked to be ours)."""
+        self._targets(urls)
+
+    def _targets(self, engines: list[str] | None) -> list[str]:
+        """The engines a refit goes to (None: all), in this updater's order; each must be one of ours."""
+        if engines is None:
+            return list(self.engine_urls)
+        wanted = {u.rstrip("/") for u in engines}
+        unknown = sorted(wanted - set(self.engine_urls))
+        if unknown:
+            raise ValueError(f"engines {unknown} are not among this updater's {self.engine_urls}")
+        return [u for u in self.engine_urls if u in wanted]
+
+    def _on(self, here: bool, fn: Callable[[], object]) -> None:
+        """Run ``fn`` where ``here`` holds; every rank learns every rank's error and all raise together."""
+        error = None
+        if here:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - reported to every rank below, so none hangs
+                error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        self._raise_if_any_failed(error)
+
+    def _raise_if_any_failed(self, error: str | None) -> None:
+        raise_if_any_failed(error, self.world_size, self._ctrl)
+
+
+class ColocatedWeightUpdater(WeightUpdater):
+    """Refit colocated engines through tensor handles, bucket by bucket (see the module docstring)."""
+
+    def __init__(self, setup: RefitSetup) -> None:
+        n_engines, per_engine = len(setup.engine_urls), setup.ranks_per_engine
+        max_engines = setup.world_size // per_engine
+        if n_engines > max_engines:
+            raise ValueError(
+                f"{n_engines} colocated engines need {n_engines * per_engine} training ranks "
+                f"({per_engine} per engine), but world_size={setup.world_size}: at most {max_engines} engines"
+            )
+        super().__init__(setup)
+        self._engine_groups = [
+            dist.new_group(self._global[e * per_engine : (e + 1) * per_engine], backend="gloo")
+            for e in range(n_engines)
+        ]
+        e = self.rank // per_engine
+        self.engine_index: int | None = e if e < n_engines else None
+        self.is_leader = self.engine_index is not None and self.rank % per_engine == 0
+
+    def _url_if_targeted(self, targets: list[str]) -> str | None:
+        """Our engine's URL when this rank serves it and it is one of ``targets``, else None."""
+        if self.engine_index is None or self.engine_urls[self.engine_index] not in targets:
+            return None
+        return self.engine_urls[self.engine_index]
+
+    def _refit(self, job: RefitJob, targets: list[str]) -> int:
+        version = job.weight_version
+        targeted = self._url_if_targeted(targets)
         url = targeted if self.is_leader else None
-        self._on_leaders(lambda: url and begin_sessions([url], self._headers, self.timeout_s, weight_version))
+        self._on(
+            self.is_leader, lambda: url and begin_sessions([url], self._headers, self.timeout_s, version)
+        )
         checksums: dict[str, str] | None = {} if self.check_equal and self.is_leader else None
 
         def send(bucket: Bucket, index: int, is_last: bool) -> None:
-            self._on_all(
-                lambda: (
-                    self._send_bucket(bucket, index, is_last, weight_version)
-                    if targeted is not None
-                    else None
-                )
-            )
+            self._on(targeted is not None, lambda: self._send_bucket(bucket, index, is_last, version))
 
         try:
-            n_buckets = stream_buckets(model, bucket_bytes, dtype, weight_version, checksums, send)
+            n_buckets = stream_buckets(job, checksums, send)
         finally:
-            self._on_leaders(
-                lambda: url and end_sessions([url], self._headers, self.timeout_s, weight_version)
+            self._on(
+                self.is_leader, lambda: url and end_sessions([url], self._headers, self.timeout_s, version)
             )
-        self._on_leaders(
-            lambda: url and verify_refit([url], weight_version, self._headers, self.timeout_s, checksums)
+        self._on(
+            self.is_leader,
+            lambda: url and verify_refit([url], version, self._headers, self.timeout_s, checksums),
         )
         return n_buckets
-
-    def _on_all(self, fn: Callable[[], None]) -> None:
-        error = None
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below, so none hangs
-            error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-        self._raise_if_any_failed(error)
-
-    def _on_leaders(self, fn: Callable[[], object]) -> None:
-        self._on_all(lambda: fn() if self.is_leader else None)
 
     def _send_bucket(self, bucket: Bucket, index: int, is_last: bool, weight_version: str) -> None:
         if self.engine_index is None:
@@ -296,9 +327,6 @@ class ColocatedWeightUpdater:
             self.timeout_s,
             f"refit {weight_version}, bucket {index}",
         )
-
-    def _raise_if_any_failed(self, error: str | None) -> None:
-        raise_if_any_failed(error, self.world_size, self._ctrl)
 
 
 def raise_if_any_failed(error: str | None, world_size: int, group: dist.ProcessGroup) -> None:

@@ -29,6 +29,8 @@ from miles.backends.fsdp_utils.engine_client import compare_checksums, engine_ch
 from miles.backends.fsdp_utils.update_weight_utils import (
     Bucket,
     ColocatedWeightUpdater,
+    RefitJob,
+    RefitSetup,
     _hf_tensors,
     stream_buckets,
 )
@@ -97,13 +99,13 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
     engine has no tensor parallelism, so ``ranks_per_engine`` must be 1). Collective over the training ranks.
     """
 
-    def __init__(self, engine_urls: list[str], ranks_per_engine: int, **kwargs: object) -> None:
-        if ranks_per_engine != 1:
+    def __init__(self, setup: RefitSetup) -> None:
+        if setup.ranks_per_engine != 1:
             raise ValueError(
-                f"weight windows serve embedded engines, which have one rank each, not {ranks_per_engine} "
+                f"weight windows serve embedded engines, which have one rank each, not {setup.ranks_per_engine} "
                 "(--rollout-num-gpus-per-engine)"
             )
-        super().__init__(engine_urls, ranks_per_engine, **kwargs)  # type: ignore[arg-type]
+        super().__init__(setup)
         self.window: TrainerWindow | None = None
 
     def _ensure_window(self, url: str, model: nn.Module, dtype: torch.dtype | None) -> None:
@@ -118,18 +120,11 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
             raise ValueError(f"engine {url}: weight window: {exc}") from None
         self.window = window
 
-    def update(
-        self,
-        model: nn.Module,
-        bucket_bytes: int,
-        weight_version: str,
-        dtype: torch.dtype | None = None,
-        engines: list[str] | None = None,
-    ) -> int:
+    def _refit(self, job: RefitJob, targets: list[str]) -> int:
         """Write every tensor into the targeted engines' windows and load them with one call per engine, inside
         a weight-update session; verify versions (and checksums with ``check_equal``). Returns the buckets."""
-        url = self._url_if_targeted(engines)
-        self._on_all(lambda: url and self._ensure_window(url, model, dtype))
+        url = self._url_if_targeted(targets)
+        self._on(True, lambda: url and self._ensure_window(url, job.model, job.dtype))
         checksums: dict[str, str] | None = {} if self.check_equal and url is not None else None
         error: str | None = None
 
@@ -143,9 +138,9 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
             except Exception as exc:  # noqa: BLE001 - reported to every rank below
                 error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
 
-        n_buckets = stream_buckets(model, bucket_bytes, dtype, weight_version, checksums, write)
+        n_buckets = stream_buckets(job, checksums, write)
         self._raise_if_any_failed(error)
-        self._on_all(lambda: url and self._load(url, weight_version, checksums))
+        self._on(True, lambda: url and self._load(url, job.weight_version, checksums))
         return n_buckets
 
     @torch.no_grad()

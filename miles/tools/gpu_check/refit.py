@@ -105,12 +105,12 @@ def generate_and_compare(trainer: FSDPTrainer, url: str, s: Settings) -> dict[st
 
 def check_refit(trainer: FSDPTrainer, url: str, s: Settings) -> CheckResult:
     """Refit with `ColocatedWeightUpdater` (timed), then every tensor's checksum on both sides."""
-    from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater
+    from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater, RefitSetup
 
     trainer_sums, nbytes = _trainer_checksums(trainer.model, s)
     before = _engine_checksums(url)
     differed = sum(before.get(n) != c for n, c in trainer_sums.items())
-    updater = ColocatedWeightUpdater([url], 1, 0, 1, timeout_s=600.0)
+    updater = ColocatedWeightUpdater(RefitSetup([url], 1, 0, 1, timeout_s=600.0))
     sync(s.device)
     t0 = time.perf_counter()
     buckets = updater.update(trainer.model, s.bucket_bytes, VERSION, dtype=s.dtype)
