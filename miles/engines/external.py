@@ -22,14 +22,8 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
-
-from miles.engines.sglang_engine import (
-    ADMIN_ENDPOINTS,
-    EngineActorMethods,
-    EngineHTTPError,
-    EngineStartupError,
-)
+from miles.engines.sglang_engine import EngineActorMethods, EngineCalls, EngineStartupError
+from miles.utils.engine_http import health_problem
 from miles.utils.net import node_ip
 
 logger = logging.getLogger(__name__)
@@ -89,7 +83,7 @@ def refit_path_problems(urls: list[str], use_gpu: bool, actor_world_size: int, p
     return problems
 
 
-class ExternalEngine:
+class ExternalEngine(EngineCalls):
     """A running engine server at `url` that miles uses, refits and health-checks but never starts or stops."""
 
     kind = "external"
@@ -101,24 +95,22 @@ class ExternalEngine:
         admin_api_key: str | None = None,
         startup_timeout: float = 600.0,
     ) -> None:
-        self.url = engine_url(url)
+        self._url = engine_url(url)
         self.api_key, self.admin_api_key = api_key, admin_api_key
         self.startup_timeout = startup_timeout
-        self._client = httpx.Client(timeout=60.0, trust_env=False)
+
+    @property
+    def url(self) -> str:
+        return self._url
 
     def launch(self) -> ExternalEngine:
         """Wait (at most `startup_timeout` s) until the engine answers /health; starts nothing."""
         deadline = time.monotonic() + self.startup_timeout
-        problem = "no answer yet"
         while True:
-            try:
-                resp = self._client.get(self.url + "/health", timeout=5.0)
-                if resp.status_code == 200:
-                    logger.info("external engine %s is up (miles does not own it)", self.url)
-                    return self
-                problem = f"/health answered {resp.status_code}"
-            except httpx.HTTPError as e:
-                problem = f"{type(e).__name__}: {e}"
+            problem = health_problem(self.url)
+            if problem is None:
+                logger.info("external engine %s is up (miles does not own it)", self.url)
+                return self
             if time.monotonic() > deadline:
                 raise EngineStartupError(
                     f"external engine {self.url} ({FLAG}) not healthy after {self.startup_timeout:.0f}s "
@@ -126,23 +118,6 @@ class ExternalEngine:
                     "start it, or fix the address"
                 )
             time.sleep(0.5)
-
-    def _headers(self, path: str) -> dict[str, str]:
-        key = self.admin_api_key if path in ADMIN_ENDPOINTS and self.admin_api_key else self.api_key
-        return {"Authorization": f"Bearer {key}"} if key else {}
-
-    def _check(self, resp: httpx.Response) -> Any:
-        if resp.status_code >= 400:
-            raise EngineHTTPError(resp.request.method, str(resp.request.url), resp.status_code, resp.text)
-        return resp.json() if resp.content else None
-
-    def post(self, path: str, json: Any = None, timeout: float = 600.0) -> Any:
-        return self._check(
-            self._client.post(self.url + path, json=json, timeout=timeout, headers=self._headers(path))
-        )
-
-    def get(self, path: str, timeout: float = 60.0) -> Any:
-        return self._check(self._client.get(self.url + path, timeout=timeout, headers=self._headers(path)))
 
     @property
     def pid(self) -> int | None:

@@ -13,21 +13,18 @@ names a running router; otherwise straight to the engines (see `miles.rollout.en
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
+import signal
 import sys
-import tempfile
 import time
-from typing import Any
 
-import httpx
-
-from miles.engines.sglang_engine import EngineStartupError
+from miles.engines.managed_server import EngineStartupError, ManagedServer
+from miles.utils.engine_http import EngineCallError, health_problem, request
 from miles.utils.net import free_port
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_POLICY = "round_robin"  # the launched router's policy when --router-policy is not set
+CALL_TIMEOUT_S = 30.0  # one worker-management call
 
 
 def generation_via_router(router_policy: str | None, running_router: bool) -> bool:
@@ -68,8 +65,11 @@ def resilience_args(request_timeout: float) -> list[str]:
     ]  # fmt: skip
 
 
-class Router:
-    """One sglang-router process and a client for its worker-management API."""
+class Router(ManagedServer):
+    """One sglang-router process (a `ManagedServer`) and a client for its worker-management API."""
+
+    server_name = "sglang-router"
+    log_prefix = "miles-router"
 
     def __init__(
         self,
@@ -87,6 +87,7 @@ class Router:
 
         if policy not in router_policies():
             raise ValueError(f"router policy {policy!r} not supported; allowed: {list(router_policies())}")
+        super().__init__(log_path)
         self.running = False
         self._added: list[str] = []  # workers this object registered with a running router
         self.worker_urls = list(worker_urls or [])
@@ -94,11 +95,7 @@ class Router:
         self.port = port
         self.policy = policy
         self.extra_args = list(extra_args or [])
-        self.log_path = log_path
         self.startup_timeout = startup_timeout
-        self.proc: subprocess.Popen | None = None
-        self._log_file: Any = None
-        self._client = httpx.Client(timeout=30.0, trust_env=False)
 
     @classmethod
     def running_at(cls, host: str, port: int, timeout: float = 60.0) -> Router:
@@ -106,8 +103,8 @@ class Router:
         starts or stops it."""
         router = cls(host=host, port=port, startup_timeout=timeout)
         router.running = True
-        router._wait(
-            lambda: router._client.get(router.url + "/health", timeout=5).status_code == 200,
+        router.wait_until(
+            lambda: health_problem(router.url) is None,
             time.monotonic() + timeout,
             "/health of the running router (--sglang-router-ip/--sglang-router-port)",
         )
@@ -151,14 +148,7 @@ class Router:
             raise RuntimeError(f"router already launched at {self.url}")
         if self.port is None:
             self.port = free_port(self.host)
-        if self.log_path is None:
-            fd, self.log_path = tempfile.mkstemp(prefix=f"miles-router-{self.port}-", suffix=".log")
-            os.close(fd)
-        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the process lifetime
-        logger.info("launching sglang-router: %s (log: %s)", " ".join(self.command()), self.log_path)
-        self.proc = subprocess.Popen(
-            self.command(), stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        self.start(self.command(), self.port)
         try:
             self._wait_started()
         except BaseException:
@@ -168,61 +158,46 @@ class Router:
 
     def _wait_started(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
-        self._wait(
-            lambda: self._client.get(self.url + "/health", timeout=5).status_code == 200, deadline, "/health"
-        )
+        self.wait_until(lambda: health_problem(self.url) is None, deadline, "/health")
         for url in self.worker_urls:
-            self._wait(lambda u=url: u in self.list_workers(), deadline, f"registration of worker {url}")
+            self.wait_until(lambda u=url: u in self.list_workers(), deadline, f"registration of worker {url}")
 
-    def _log_tail(self, n_chars: int = 4000) -> str:
-        if not self.log_path or not os.path.exists(self.log_path):
-            return "<no log>"
-        with open(self.log_path, "rb") as f:
-            f.seek(max(0, os.path.getsize(self.log_path) - n_chars))
-            return f.read().decode(errors="replace")
-
-    def _wait(self, ready: Any, deadline: float, phase: str) -> None:
-        while True:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise EngineStartupError(
-                    f"sglang-router exited with code {self.proc.returncode} (phase: {phase}). "
-                    f"Log tail:\n{self._log_tail()}"
-                )
-            try:
-                if ready():
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise EngineStartupError(
-                    f"sglang-router at {self.url} not ready (phase: {phase}) before the deadline. "
-                    f"Log tail:\n{self._log_tail()}"
-                )
-            time.sleep(0.25)
+    def _workers(self) -> list[dict]:
+        answer = request("GET", self.url, "workers", "listing workers", CALL_TIMEOUT_S, server="router")
+        workers = answer.json_object().get("workers", [])
+        if not isinstance(workers, list):
+            raise RuntimeError(f"router {self.url}: GET /workers answered {workers!r}, not a worker list")
+        return workers
 
     def list_workers(self) -> list[str]:
         """URLs of the workers the router knows."""
-        resp = self._client.get(self.url + "/workers")
-        resp.raise_for_status()
-        return [w["url"] for w in resp.json().get("workers", [])]
+        return [w["url"] for w in self._workers()]
 
     def add_worker(self, url: str, timeout: float = 60.0) -> None:
         """Register a worker and wait until the router lists it (registration is asynchronous)."""
-        resp = self._client.post(self.url + "/workers", json={"url": url})
-        if resp.status_code >= 400:
-            raise RuntimeError(f"router refused worker {url}: HTTP {resp.status_code}: {resp.text[:500]}")
-        self._wait(lambda: url in self.list_workers(), time.monotonic() + timeout, f"registration of {url}")
+        what = f"registering worker {url}"
+        request("POST", self.url, "workers", what, CALL_TIMEOUT_S, body={"url": url}, server="router")
+        self.wait_until(
+            lambda: url in self.list_workers(), time.monotonic() + timeout, f"registration of {url}"
+        )
 
     def remove_worker(self, url: str, timeout: float = 60.0) -> None:
         """Unregister a worker and wait until the router no longer lists it (removal is asynchronous)."""
-        resp = self._client.get(self.url + "/workers")
-        resp.raise_for_status()
-        ids = [w["id"] for w in resp.json().get("workers", []) if w["url"] == url]
+        ids = [w["id"] for w in self._workers() if w["url"] == url]
         if not ids:
             raise ValueError(f"worker {url} not registered; known: {self.list_workers()}")
         for wid in ids:
-            self._client.delete(f"{self.url}/workers/{wid}").raise_for_status()
-        self._wait(lambda: url not in self.list_workers(), time.monotonic() + timeout, f"removal of {url}")
+            request(
+                "DELETE",
+                self.url,
+                f"workers/{wid}",
+                f"removing worker {url}",
+                CALL_TIMEOUT_S,
+                server="router",
+            )
+        self.wait_until(
+            lambda: url not in self.list_workers(), time.monotonic() + timeout, f"removal of {url}"
+        )
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Terminate the router, then kill it if it lingers; a running router only loses the workers this
@@ -232,20 +207,10 @@ class Router:
             for url in added:
                 try:
                     self.remove_worker(url, timeout)
-                except (httpx.HTTPError, ValueError, EngineStartupError) as e:
+                except (EngineCallError, ValueError, EngineStartupError) as e:
                     logger.warning("could not unregister %s from the router %s: %s", url, self.url, e)
             return
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
+        self.stop(signal.SIGTERM, timeout)
 
     def __enter__(self) -> Router:
         return self.launch() if self.proc is None else self

@@ -10,17 +10,17 @@ import functools
 import importlib.util
 import logging
 import os
-import subprocess
+import signal
 import sys
-import tempfile
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any, TypedDict
+from typing import Any, TypedDict
 
-import httpx
-
+from miles.engines.managed_server import EngineStartupError, ManagedServer
 from miles.engines.sglang_launch import ADMIN_API_KEY_ENV, API_KEY_ENV
+from miles.utils.engine_http import EngineStatusError, engine_headers, health_problem, request
 from miles.utils.net import free_port, node_ip
 from miles.utils.types import JSON
 
@@ -33,17 +33,10 @@ ENGINE_KINDS = ("auto", "sglang", "local")
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
 
-class EngineStartupError(RuntimeError):
-    """The server process died or did not become healthy in time."""
+__all__ = ["EngineHTTPError", "EngineProcess", "EngineStartupError"]
 
-
-class EngineHTTPError(RuntimeError):
-    """An engine answered with an HTTP error status."""
-
-    def __init__(self, method: str, url: str, status: int, body: str):
-        super().__init__(f"{method} {url} -> HTTP {status}: {body[:2000]}")
-        self.status = status
-        self.body = body
+# An engine answered with an HTTP error status (`.status`, `.body`): the shared client's error.
+EngineHTTPError = EngineStatusError
 
 
 def resolve_engine_kind(requested: str) -> str:
@@ -86,18 +79,6 @@ def _flag_args(args: FlagValues | None) -> list[str]:
     return out
 
 
-# Endpoints SGLang marks ADMIN_OPTIONAL (sglang/srt/entrypoints/http_server.py): an admin key unlocks them.
-ADMIN_ENDPOINTS = frozenset(
-    "/" + name
-    for name in (
-        "abort_request", "pause_generation", "continue_generation", "flush_cache", "update_weights_from_tensor",
-        "update_weights_from_disk", "update_weights_from_distributed", "init_weights_update_group",
-        "destroy_weights_update_group", "begin_weight_update", "end_weight_update", "release_memory_occupation",
-        "resume_memory_occupation", "get_weights_by_name", "weights_checker", "update_weight_version",
-    )
-)  # fmt: skip
-
-
 class EngineLaunchKwargs(TypedDict):
     """The per-engine keyword arguments of `EngineProcess` that `engine_launch_kwargs` makes."""
 
@@ -134,8 +115,31 @@ def engine_launch_kwargs(
     return {"sglang_args": sglang, "local_args": local, "env": env}
 
 
-class EngineProcess:
-    """One rollout engine server: its process, its URL and a small HTTP client.
+class EngineCalls(ABC):
+    """An engine's control calls, keyed by SGLang's rule (`miles.utils.engine_http.engine_headers`); errors
+    name the engine, the endpoint and the phase (`EngineHTTPError` on an error status)."""
+
+    api_key: str | None
+    admin_api_key: str | None
+
+    @property
+    @abstractmethod
+    def url(self) -> str:
+        """The engine's base URL, e.g. http://127.0.0.1:31000."""
+
+    def post(self, path: str, json: object = None, timeout: float = 600.0) -> JSON:
+        """POST JSON to the engine; returns the decoded answer (None when empty)."""
+        headers = engine_headers(path, self.api_key, self.admin_api_key)
+        return request("POST", self.url, path, "", timeout, headers, json).json()
+
+    def get(self, path: str, timeout: float = 60.0) -> JSON:
+        """GET from the engine; returns the decoded answer (None when empty)."""
+        headers = engine_headers(path, self.api_key, self.admin_api_key)
+        return request("GET", self.url, path, "", timeout, headers).json()
+
+
+class EngineProcess(EngineCalls, ManagedServer):
+    """One rollout engine server: its process (a `ManagedServer`), its URL and its control calls.
 
     `admin_api_key` is the server's `--admin-api-key` (required on the admin endpoints only: generation
     stays open, so the router and rollout requests carry no key); `api_key` is its `--api-key`, which guards
@@ -144,6 +148,8 @@ class EngineProcess:
     started through `miles.engines.sglang_launch`, which moves them onto its in-process argv.
     `python` runs the server (default: this interpreter).
     """
+
+    log_prefix = "miles-engine"
 
     def __init__(
         self,
@@ -167,6 +173,7 @@ class EngineProcess:
             )
         if kind == "local" and tp_size != 1:
             raise ValueError(f"tp_size={tp_size}: the embedded engine supports only tp_size=1")
+        super().__init__(log_path)
         self.model_path = str(model_path)
         self.kind = kind
         self.host = host
@@ -178,11 +185,8 @@ class EngineProcess:
         self.admin_api_key = admin_api_key
         self.python = python or sys.executable
         self.env = dict(env or {})
-        self.log_path = log_path
         self.startup_timeout = startup_timeout
-        self.proc: subprocess.Popen | None = None
-        self._log_file: IO[bytes] | None = None
-        self._client = httpx.Client(timeout=60.0, trust_env=False)
+        self.server_name = f"{kind} engine"
 
     @property
     def url(self) -> str:
@@ -224,15 +228,7 @@ class EngineProcess:
             raise RuntimeError(f"engine already launched at {self.url}")
         if self.port is None:
             self.port = free_port(self.host if self.host != "0.0.0.0" else "127.0.0.1")
-        if self.log_path is None:
-            fd, self.log_path = tempfile.mkstemp(prefix=f"miles-engine-{self.port}-", suffix=".log")
-            os.close(fd)
-        env = self.launch_env()
-        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the process lifetime
-        logger.info("launching %s engine: %s (log: %s)", self.kind, " ".join(self.command()), self.log_path)
-        self.proc = subprocess.Popen(
-            self.command(), stdout=self._log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        self.start(self.command(), self.port, self.launch_env())
         try:
             self.wait_healthy(self.startup_timeout)
         except BaseException:
@@ -240,54 +236,11 @@ class EngineProcess:
             raise
         return self
 
-    def log_tail(self, n_chars: int = 4000) -> str:
-        """The end of the server's log."""
-        if not self.log_path or not os.path.exists(self.log_path):
-            return "<no log>"
-        with open(self.log_path, "rb") as f:
-            f.seek(max(0, os.path.getsize(self.log_path) - n_chars))
-            return f.read().decode(errors="replace")
-
     def wait_healthy(self, timeout: float) -> None:
         """Poll GET /health until it answers 200; EngineStartupError if the process dies or time runs out."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise EngineStartupError(
-                    f"{self.kind} engine process exited with code {self.proc.returncode} while starting "
-                    f"(phase: waiting for {self.url}/health). Log tail:\n{self.log_tail()}"
-                )
-            try:
-                if self._client.get(self.url + "/health", timeout=5.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise EngineStartupError(
-                    f"{self.kind} engine at {self.url} not healthy after {timeout:.0f} s "
-                    f"(phase: waiting for /health). Log tail:\n{self.log_tail()}"
-                )
-            time.sleep(0.25)
-
-    def _headers(self, path: str) -> dict[str, str]:
-        """SGLang's rule: an admin endpoint takes the admin key when one is set, every other one the API key."""
-        key = self.admin_api_key if path in ADMIN_ENDPOINTS and self.admin_api_key else self.api_key
-        return {"Authorization": f"Bearer {key}"} if key else {}
-
-    def _check(self, resp: httpx.Response) -> JSON:
-        if resp.status_code >= 400:
-            raise EngineHTTPError(resp.request.method, str(resp.request.url), resp.status_code, resp.text)
-        return resp.json() if resp.content else None
-
-    def post(self, path: str, json: object = None, timeout: float = 600.0) -> JSON:
-        """POST JSON to the engine; returns the decoded answer, EngineHTTPError on an error status."""
-        return self._check(
-            self._client.post(self.url + path, json=json, timeout=timeout, headers=self._headers(path))
+        self.wait_until(
+            lambda: health_problem(self.url) is None, time.monotonic() + timeout, "waiting for /health"
         )
-
-    def get(self, path: str, timeout: float = 60.0) -> JSON:
-        """GET from the engine; returns the decoded answer, EngineHTTPError on an error status."""
-        return self._check(self._client.get(self.url + path, timeout=timeout, headers=self._headers(path)))
 
     @property
     def pid(self) -> int | None:
@@ -296,44 +249,17 @@ class EngineProcess:
 
     def shutdown(self, timeout: float = 15.0) -> None:
         """Terminate the server (SIGTERM to its process group), then kill it if it lingers."""
-        self._stop(signal_first=15, timeout=timeout)
+        self.stop(signal.SIGTERM, timeout)
 
     def kill(self, timeout: float = 15.0) -> None:
         """SIGKILL the server's process group at once (it may be stopped or hung) and reap it."""
-        self._stop(signal_first=9, timeout=timeout)
+        self.stop(signal.SIGKILL, timeout)
 
     def restart(self) -> EngineProcess:
         """Kill the server and start a fresh one on the same host and port (so its URL does not change); waits
         for /health like `launch`. The fresh server holds the weights of `model_path`: refit it before use."""
         self.kill()
         return self.launch()
-
-    def _stop(self, signal_first: int, timeout: float) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal_first)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                logger.warning(
-                    "engine %s ignored signal %d for %.0f s; killing", self.url, signal_first, timeout
-                )
-                try:
-                    os.killpg(proc.pid, 9)
-                except ProcessLookupError:
-                    pass
-                proc.wait(timeout)
-        elif proc is not None:
-            try:  # the server died on its own: take down anything it left in its group
-                os.killpg(proc.pid, 9)
-            except ProcessLookupError:
-                pass
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
 
     def __enter__(self) -> EngineProcess:
         return self.launch() if self.proc is None else self

@@ -16,11 +16,10 @@ from __future__ import annotations
 import logging
 import os
 
-import httpx
-
 from miles.ray.engine_health import HealthMonitor, HealthSettings
 from miles.ray.placement import Placement
 from miles.ray.utils import ray_get
+from miles.utils.engine_http import EngineUnreachable, bearer, health_problem, request
 
 logger = logging.getLogger(__name__)
 
@@ -154,13 +153,7 @@ class EngineFleet:
 
     # ----------------------------------------------------------------------------------------------- health
     def _check_health(self, url: str, timeout: float) -> str | None:
-        try:
-            resp = httpx.get(f"{url}/health_generate", timeout=timeout, trust_env=False)
-        except httpx.TimeoutException:
-            return f"no answer to /health_generate within {timeout:.0f}s"
-        except httpx.HTTPError as e:
-            return f"/health_generate: {type(e).__name__}: {e}"
-        return None if resp.status_code == 200 else f"/health_generate answered {resp.status_code}"
+        return health_problem(url, "/health_generate", timeout)
 
     def _take_out(self, url: str) -> None:
         if url in self.router.list_workers():
@@ -197,26 +190,16 @@ class EngineFleet:
 
     # ----------------------------------------------------------------------------------------------- control
     def _post_all(self, path: str, body: dict | None = None) -> None:
-        headers = {}
-        if self.config.engine.engine_api_key:
-            headers["Authorization"] = f"Bearer {self.config.engine.engine_api_key}"
-        with httpx.Client(timeout=self.timeout, headers=headers) as client:
-            for url in self.engine_urls:
-                try:
-                    resp = client.post(f"{url}{path}", json=body or {})
-                except httpx.TimeoutException as e:
-                    raise TimeoutError(
-                        f"engine control: {url}{path} gave no answer within {self.timeout:.0f}s"
-                    ) from e
-                except httpx.TransportError as e:  # refused, reset: the engine process is gone
-                    raise ConnectionError(
-                        f"engine control: cannot reach engine {url} for {path} ({type(e).__name__}: {e}); "
-                        "a dead engine ends the run unless --use-fault-tolerance restarts it"
-                    ) from e
-                if resp.status_code != 200:
-                    raise RuntimeError(
-                        f"engine control: {url}{path} answered {resp.status_code}: {resp.text[:500]}"
-                    )
+        headers = bearer(self.config.engine.engine_api_key)
+        for url in self.engine_urls:
+            try:
+                request("POST", url, path, "engine control", self.timeout, headers, body or {})
+            except EngineUnreachable as e:  # refused, reset: the engine process is gone
+                raise EngineUnreachable(
+                    url, e.endpoint, e.what, e.phase,
+                    f"cannot reach the engine ({e.__cause__!r}); a dead engine ends the run unless "
+                    "--use-fault-tolerance restarts it",
+                ) from e  # fmt: skip
 
     def release_memory(self, tags: list[str] | None = None) -> None:
         self._post_all("/release_memory_occupation", {"tags": tags})

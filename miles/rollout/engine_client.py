@@ -44,6 +44,8 @@ from types import TracebackType
 
 import httpx
 
+from miles.utils.engine_http import bearer
+
 logger = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -166,7 +168,7 @@ class EngineClient:
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
         self.timeout = float(timeout)
         self.concurrency = max(1, int(concurrency))
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = bearer(api_key)
         self._http: httpx.AsyncClient | None = None
         self._limiter: asyncio.Semaphore | None = None
         self._stopped = False

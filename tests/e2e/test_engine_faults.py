@@ -111,6 +111,6 @@ def test_without_fault_tolerance_the_fault_is_named(tiny, fault, monkeypatch):
     assert fault_log.exists(), message[-3000:]
     url = fault_log.read_text().split(" to engine ")[1].split()[0]
     assert url in message, message[-3000:]
-    phases = ("rollout generate (rollout1)", "engine control: cannot reach engine")
+    phases = ("rollout generate (rollout1)", "engine control, phase request: cannot reach the engine")
     assert any(phase in message for phase in phases), message[-3000:]
     assert failed_at - fault_log.stat().st_mtime < 20 + 60, message[-3000:]

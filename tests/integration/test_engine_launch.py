@@ -113,7 +113,7 @@ def test_admin_api_key_guards_admin_endpoints_only(keyed_engine):
 def test_startup_deadline(keyed_engine):
     eng = EngineProcess(keyed_engine.model_path, kind="local", startup_timeout=0.5)
     try:
-        with pytest.raises(EngineStartupError, match=r"not healthy after .*phase: waiting for /health"):
+        with pytest.raises(EngineStartupError, match=r"not ready after .*phase: waiting for /health"):
             eng.launch()
         assert eng.proc is None  # the half-started server was shut down
     finally:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from _util import free_port, run_distributed, save_tiny_qwen3
 from safetensors.torch import load_file
 
+from miles.backends.fsdp_utils.broadcast_refit import DistributedWeightUpdater
 from miles.backends.fsdp_utils.model import (
     build_fsdp_model,
     build_optimizer,
@@ -25,12 +26,12 @@ from miles.backends.fsdp_utils.offload import load_to_device, offload_to_cpu
 from miles.backends.fsdp_utils.parallel import ParallelDims, init_distributed
 from miles.backends.fsdp_utils.update_weight_utils import (
     ColocatedWeightUpdater,
-    DistributedWeightUpdater,
-    init_weights_update_group,
+    RefitSetup,
     iter_weight_buckets,
     plan_weight_buckets,
 )
 from miles.utils.serialization import deserialize
+from miles.utils.side_group import init_side_group
 
 VOCAB = 96
 
@@ -232,25 +233,27 @@ def _refit_body(rank: int, world_size: int, path: str, url: str) -> None:
         assert [n for n, _ in bucket] == names
         assert sum(t.numel() * 4 for _, t in bucket) <= bucket_bytes or len(bucket) == 1
 
-    one_per_rank = ColocatedWeightUpdater([f"{url}/e0", f"{url}/e1"], 1, rank, world_size, api_key="k")
+    one_per_rank = ColocatedWeightUpdater(
+        RefitSetup([f"{url}/e0", f"{url}/e1"], 1, rank, world_size, api_key="k")
+    )
     assert one_per_rank.update(model, bucket_bytes, weight_version="v1") == len(expected)
-    tp2 = ColocatedWeightUpdater([f"{url}/e2"], 2, rank, world_size, timeout_s=30)
+    tp2 = ColocatedWeightUpdater(RefitSetup([f"{url}/e2"], 2, rank, world_size, timeout_s=30))
     assert tp2.update(model, bucket_bytes, weight_version="v2") == len(expected)
 
-    bad = ColocatedWeightUpdater([f"{url}/bad"], 2, rank, world_size)
+    bad = ColocatedWeightUpdater(RefitSetup([f"{url}/bad"], 2, rank, world_size))
     with pytest.raises(
         RuntimeError,
         match=r"engine .*/bad, update_weights_from_tensor, refit v3, bucket 0, phase response: success=false",
     ):
         bad.update(model, bucket_bytes, weight_version="v3")
-    hung = ColocatedWeightUpdater([f"{url}/hung"], 2, rank, world_size, timeout_s=0.5)
+    hung = ColocatedWeightUpdater(RefitSetup([f"{url}/hung"], 2, rank, world_size, timeout_s=0.5))
     with pytest.raises(  # the refit deadline names the engine, the call, the refit and the bucket
         RuntimeError,
         match=r"engine .*/hung, update_weights_from_tensor, refit v4, bucket 0, phase request: ReadTimeout",
     ):
         hung.update(model, bucket_bytes, weight_version="v4")
     with pytest.raises(ValueError, match="at most 1 engines"):
-        ColocatedWeightUpdater([f"{url}/e0", f"{url}/e1"], 2, rank, world_size)
+        ColocatedWeightUpdater(RefitSetup([f"{url}/e0", f"{url}/e1"], 2, rank, world_size))
 
 
 def test_bucketed_refit_to_colocated_engines(tmp_path) -> None:
@@ -303,7 +306,7 @@ def _fake_distributed_engine(port: int, out: str, ready) -> None:
                 ok = False
             elif endpoint == "init_weights_update_group":
                 seen["init"] = body
-                seen["group"] = init_weights_update_group(
+                seen["group"] = init_side_group(
                     body["master_address"], body["master_port"], body["rank_offset"], body["world_size"],
                     body["group_name"], body["backend"], timeout_s=60,
                 )  # fmt: skip
@@ -336,7 +339,9 @@ def _fake_distributed_engine(port: int, out: str, ready) -> None:
 def _distributed_refit_body(rank: int, world_size: int, path: str, url: str, master_port: int) -> None:
     state = init_distributed("gloo", timeout_s=60)
     model = build_fsdp_model(path, state.fsdp_mesh)
-    updater = DistributedWeightUpdater([url], 1, rank, world_size, "127.0.0.1", master_port, timeout_s=60)
+    updater = DistributedWeightUpdater(
+        RefitSetup([url], 1, rank, world_size, timeout_s=60), "127.0.0.1", master_port
+    )
     updater.connect()
     n = updater.update(model, 8192, weight_version="v7")
     assert n == len(plan_weight_buckets(model, 8192))

@@ -373,8 +373,8 @@ def test_update_weights_from_disk(engine, hf_model, tmp_path):
 def test_update_weights_from_distributed(engine, hf_model):
     import torch.distributed as dist
 
-    from miles.backends.fsdp_utils.update_weight_utils import init_weights_update_group
     from miles.utils.net import free_port
+    from miles.utils.side_group import init_side_group
 
     base = greedy(engine, PROMPTS[2], n=10)["output_ids"]
     port, group = free_port(), "miles_refit_test"
@@ -389,7 +389,7 @@ def test_update_weights_from_distributed(engine, hf_model):
     }
     t = threading.Thread(target=lambda: results.update(init=engine.post("/init_weights_update_group", body)))
     t.start()
-    pg = init_weights_update_group("127.0.0.1", port, 0, 2, group, "gloo", 60.0)  # the trainer's side
+    pg = init_side_group("127.0.0.1", port, 0, 2, group, "gloo", 60.0)  # the trainer's side
     t.join(30)
     assert results["init"]["success"]
     named = [(n, p.detach().clone()) for n, p in hf_model.named_parameters()]

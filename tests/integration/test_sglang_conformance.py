@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from miles.engines.sglang_engine import EngineProcess, engine_launch_kwargs
+from miles.utils.engine_http import bearer
 from tests.integration._util import free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +68,7 @@ def engine(request):
 
 
 def _admin() -> dict[str, str]:
-    return {"Authorization": f"Bearer {KEY}"}
+    return bearer(KEY)
 
 
 def _post(engine: EngineProcess, path: str, body: dict, key: bool = True) -> httpx.Response:
@@ -170,13 +171,15 @@ def _tensor_body(rank: int, world: int, url: str, model_dir: str) -> None:
     """ColocatedWeightUpdater alone (no release/resume): its buckets must travel inside a weight-update session."""
     from transformers import AutoModelForCausalLM
 
-    from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater
+    from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater, RefitSetup
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(0.5)
-    updater = ColocatedWeightUpdater([url], 1, rank, world, api_key=KEY, timeout_s=60, check_equal=True)
+    updater = ColocatedWeightUpdater(
+        RefitSetup([url], 1, rank, world, api_key=KEY, timeout_s=60, check_equal=True)
+    )
     updater.update(model, bucket_bytes=4096, weight_version="tensor-1")
     assert httpx.get(f"{url}/model_info").json()["weight_version"] == "tensor-1"
     name, tensor = next(iter(model.named_parameters()))
@@ -195,11 +198,13 @@ def _colocated_body(rank: int, world: int, url: str, model_dir: str) -> None:
     and ColocatedWeightUpdater (with checksums); SGLang's bookkeeping must end with nothing released."""
     from transformers import AutoModelForCausalLM
 
-    from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater
+    from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater, RefitSetup
     from miles.ray.colocate import MemoryChoreography
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    updater = ColocatedWeightUpdater([url], 1, rank, world, api_key=KEY, timeout_s=60, check_equal=True)
+    updater = ColocatedWeightUpdater(
+        RefitSetup([url], 1, rank, world, api_key=KEY, timeout_s=60, check_equal=True)
+    )
 
     class Trainer:
         def update_weights(self, urls: list[str], version: str) -> None:
@@ -248,15 +253,15 @@ def test_colocated_startup_and_cycle_tensor_path(sglang, model_dir):
 def _broadcast_body(rank: int, world: int, url: str, model_dir: str, port: int) -> None:
     from transformers import AutoModelForCausalLM
 
-    from miles.backends.fsdp_utils.update_weight_utils import DistributedWeightUpdater
+    from miles.backends.fsdp_utils.broadcast_refit import DistributedWeightUpdater
+    from miles.backends.fsdp_utils.update_weight_utils import RefitSetup
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(-1.0)
-    updater = DistributedWeightUpdater(
-        [url], 1, rank, world, "127.0.0.1", port, backend="gloo", api_key=KEY, timeout_s=60, check_equal=True
-    )
+    setup = RefitSetup([url], 1, rank, world, api_key=KEY, timeout_s=60, check_equal=True)
+    updater = DistributedWeightUpdater(setup, "127.0.0.1", port, backend="gloo")
     updater.connect()
     try:
         updater.update(model, bucket_bytes=4096, weight_version="bcast-1")

@@ -6,8 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from miles.backends.fsdp_utils.broadcast_refit import DistributedWeightUpdater
 from miles.backends.fsdp_utils.update_weight_utils import (
-    DistributedWeightUpdater,
+    RefitSetup,
     hf_name,
     iter_weight_buckets,
     plan_weight_buckets,
@@ -65,6 +66,8 @@ def test_names_and_errors() -> None:
     with pytest.raises(ValueError, match="bucket_bytes=0"):
         plan_weight_buckets(torch.nn.Linear(2, 2), 0)
     with pytest.raises(ValueError, match="engine_urls is empty"):
-        DistributedWeightUpdater([], 1, 0, 1, "127.0.0.1", 1234)
+        DistributedWeightUpdater(RefitSetup([], 1, 0, 1), "127.0.0.1", 1234)
     with pytest.raises(ValueError, match="ranks_per_engine=0"):
-        DistributedWeightUpdater(["http://x"], 0, 0, 1, "127.0.0.1", 1234)
+        RefitSetup(["http://x"], 0, 0, 1)
+    with pytest.raises(ValueError, match="timeout_s=0"):
+        RefitSetup(["http://x"], 1, 0, 1, timeout_s=0)

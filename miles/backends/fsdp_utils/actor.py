@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,9 @@ from miles.backends.base import TrainBackend
 from miles.backends.fsdp_utils import rollout_batch as rb
 from miles.utils.progress import progress_bar
 from miles.utils.types import Sample
+
+if TYPE_CHECKING:
+    from miles.backends.fsdp_utils.update_weight_utils import WeightUpdater
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +97,7 @@ class FSDPTrainer(TrainBackend):
         # rb.old_log_probs_from_training_forward); tests switch it off to compare against the separate pass
         self.reuse_training_forward = True
         self._offloaded = False
-        self._weight_updater = None
+        self._weight_updater: WeightUpdater | None = None
         start = 0
         if cfg.checkpoint.load:
             state = load_checkpoint(cfg.checkpoint.load, self.model, self.optimizer, self.lr_scheduler)
@@ -329,17 +332,16 @@ class FSDPTrainer(TrainBackend):
 
         return MergedView(self.model)
 
-    def _make_weight_updater(self, engine_urls: list[str]) -> Any:
+    def _make_weight_updater(self, engine_urls: list[str]) -> WeightUpdater:
         """The refit transport of --update-weight-transfer-mode: tensor handles (CUDA IPC / shared memory; a
         shared-memory weight window when colocated on CPU and every engine is embedded) or a broadcast group
         (NCCL on GPU, gloo on CPU)."""
-        from miles.backends.fsdp_utils.update_weight_utils import (
-            ColocatedWeightUpdater,
-            DistributedWeightUpdater,
-        )
+        from miles.backends.fsdp_utils.broadcast_refit import DistributedWeightUpdater
+        from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater, RefitSetup
 
         cfg = self.config
-        common = dict(
+        setup = RefitSetup(
+            engine_urls,
             ranks_per_engine=cfg.cluster.rollout_num_gpus_per_engine,
             rank=self.ps.rank,
             world_size=self.ps.world_size,
@@ -351,27 +353,23 @@ class FSDPTrainer(TrainBackend):
             if cfg.cluster.colocate and not self.ps.is_cuda and self._all_engines_have_windows(engine_urls):
                 from miles.backends.fsdp_utils.weight_window import WindowWeightUpdater
 
-                return WindowWeightUpdater(engine_urls, **common)
-            return ColocatedWeightUpdater(engine_urls, **common)
+                return WindowWeightUpdater(setup)
+            return ColocatedWeightUpdater(setup)
         # rank 0 hosts the update group; MASTER_ADDR is its node's address (what the engines can reach)
         address = [os.environ["MASTER_ADDR"] if self.ps.rank == 0 else None]
         dist.broadcast_object_list(address, src=0)
-        updater = DistributedWeightUpdater(
-            engine_urls,
-            master_address=address[0],
-            backend="nccl" if self.ps.is_cuda else "gloo",
-            **common,
-        )
+        updater = DistributedWeightUpdater(setup, address[0], backend="nccl" if self.ps.is_cuda else "gloo")
         updater.connect()
         return updater
 
     def _all_engines_have_windows(self, engine_urls: list[str]) -> bool:
         """Rank 0 asks every engine for its window layout; all ranks get the answer (a collective)."""
         from miles.backends.fsdp_utils.weight_window import engines_have_windows
+        from miles.utils.engine_http import bearer
 
         answer = [None]
         if self.ps.rank == 0:
-            headers = {"Authorization": f"Bearer {k}"} if (k := self.config.engine.engine_api_key) else {}
+            headers = bearer(self.config.engine.engine_api_key)
             answer = [engines_have_windows(engine_urls, headers, self.config.train.refit_timeout)]
         dist.broadcast_object_list(answer, src=0)
         return bool(answer[0])

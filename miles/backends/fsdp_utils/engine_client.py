@@ -1,52 +1,17 @@
 """The trainer's HTTP calls to rollout engines during a refit: session, buckets, verification.
 
-Every call names the engine, the endpoint and what it was doing when it fails. The rules are SGLang 0.5.23's
-(docs/sglang-contract.md): a refit runs inside ``/begin_weight_update`` ... ``/end_weight_update``; the weight
-version an engine serves is the ``weight_version`` of ``/model_info``; ``/weights_checker`` with action
-``checksum`` answers per-tensor checksums (`miles.utils.weight_checksum`).
+Calls go through `miles.utils.engine_http`, so every failure names the engine, the endpoint, what it was doing
+and the phase. The rules are SGLang 0.5.23's (docs/sglang-contract.md): a refit runs inside
+``/begin_weight_update`` ... ``/end_weight_update``; the weight version an engine serves is the
+``weight_version`` of ``/model_info``; ``/weights_checker`` with action ``checksum`` answers per-tensor checksums
+(`miles.utils.weight_checksum`).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
 
-import httpx
-
-_CLIENT: httpx.Client | None = None
-_CLIENT_LOCK = threading.Lock()
-
-
-def http_client() -> httpx.Client:
-    """The process's one HTTP client for engine control calls (its connection pool and TLS context are built
-    once, not per call); each call passes its own timeout and headers."""
-    global _CLIENT
-    with _CLIENT_LOCK:
-        if _CLIENT is None:
-            _CLIENT = httpx.Client()
-        return _CLIENT
-
-
-def post_engine(
-    url: str, endpoint: str, body: dict, headers: dict[str, str], timeout_s: float, what: str
-) -> dict:
-    """POST ``body`` to ``{url}/{endpoint}`` and require ``success``; errors name the engine, ``what`` and the
-    phase (request: no answer in time / connection; status: non-200; response: not JSON or success=false)."""
-    where = f"engine {url}, {endpoint}, {what}"
-    try:
-        resp = http_client().post(f"{url}/{endpoint}", json=body, headers=headers, timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        raise RuntimeError(f"{where}, phase request: {type(exc).__name__}: {exc}") from exc
-    if resp.status_code != 200:
-        raise RuntimeError(f"{where}, phase status: HTTP {resp.status_code}: {resp.text[:500]}")
-    try:
-        answer = resp.json()
-    except ValueError as exc:
-        raise RuntimeError(f"{where}, phase response: not JSON: {resp.text[:500]!r}") from exc
-    if not isinstance(answer, dict) or not answer.get("success", False):
-        message = answer.get("message", answer) if isinstance(answer, dict) else answer
-        raise RuntimeError(f"{where}, phase response: success=false: {message}")
-    return answer
+from miles.utils.engine_http import get_engine_json, post_engine
 
 
 def begin_sessions(urls: list[str], headers: dict[str, str], timeout_s: float, version: str) -> list[str]:
@@ -79,22 +44,11 @@ def end_sessions(
     return errors
 
 
-def get_engine_json(url: str, path: str, headers: dict[str, str], timeout_s: float, what: str) -> dict:
-    """GET ``{url}{path}`` as JSON; errors name the engine and ``what``."""
-    try:
-        resp = http_client().get(f"{url}{path}", headers=headers, timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        raise RuntimeError(f"engine {url}, GET {path}, {what}: {type(exc).__name__}: {exc}") from exc
-    if resp.status_code != 200:
-        raise RuntimeError(f"engine {url}, GET {path}, {what}: HTTP {resp.status_code}: {resp.text[:500]}")
-    return resp.json()
-
-
 def verify_versions(urls: list[str], version: str, headers: dict[str, str], timeout_s: float) -> None:
     """Every engine must serve ``version`` (``weight_version`` of ``/model_info``)."""
     wrong = []
     for url in urls:
-        got = get_engine_json(url, "/model_info", headers, timeout_s, f"weight check after refit {version}")
+        got = get_engine_json(url, "model_info", headers, timeout_s, f"weight check after refit {version}")
         if str(got.get("weight_version")) != version:
             wrong.append(f"{url} reports {got.get('weight_version')!r}")
     if wrong:
@@ -128,3 +82,15 @@ def compare_checksums(url: str, trainer: dict[str, str], engine: dict[str, str],
             f"trainer's (checksum), e.g. {differ[:5]}"
         )
     return len(common)
+
+
+def verify_refit(
+    urls: list[str], version: str, headers: dict[str, str], timeout_s: float, checksums: dict[str, str] | None
+) -> None:
+    """After a refit: every engine serves ``version``; with ``checksums`` (``check_equal``), each engine's
+    per-tensor checksums equal these trainer-side ones."""
+    verify_versions(urls, version, headers, timeout_s)
+    if checksums is None:
+        return
+    for url in urls:
+        compare_checksums(url, checksums, engine_checksums(url, headers, timeout_s, version), version)

@@ -22,33 +22,30 @@ import tempfile
 import uuid
 import weakref
 
-import httpx
 import torch
 from torch import nn
 
-from miles.backends.fsdp_utils.engine_client import compare_checksums, engine_checksums, post_engine
+from miles.backends.fsdp_utils.engine_client import compare_checksums, engine_checksums
 from miles.backends.fsdp_utils.update_weight_utils import (
+    Bucket,
     ColocatedWeightUpdater,
-    _buckets_with_progress,
+    RefitJob,
+    RefitSetup,
     _hf_tensors,
-    _plan,
+    stream_buckets,
 )
 from miles.engines.local.window import WINDOW_PREFIX, WindowLayout
-from miles.utils.weight_checksum import tensor_checksum
+from miles.utils.engine_http import EngineStatusError, post_engine, request
 
 LAYOUT_ENDPOINT = "weight_window_layout"
 
 
 def engines_have_windows(urls: list[str], headers: dict[str, str], timeout_s: float) -> bool:
     """Whether every engine serves the window endpoints (the embedded engine does, SGLang answers 404)."""
-    from miles.backends.fsdp_utils.engine_client import http_client
-
     for url in urls:
         try:
-            resp = http_client().post(f"{url}/{LAYOUT_ENDPOINT}", json={}, headers=headers, timeout=timeout_s)
-        except httpx.HTTPError as exc:
-            raise RuntimeError(f"engine {url}, {LAYOUT_ENDPOINT}, phase request: {exc}") from exc
-        if resp.status_code != 200:
+            request("POST", url, LAYOUT_ENDPOINT, "window probe", timeout_s, headers, {})
+        except EngineStatusError:
             return False
     return True
 
@@ -102,13 +99,13 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
     engine has no tensor parallelism, so ``ranks_per_engine`` must be 1). Collective over the training ranks.
     """
 
-    def __init__(self, engine_urls: list[str], ranks_per_engine: int, **kwargs: object) -> None:
-        if ranks_per_engine != 1:
+    def __init__(self, setup: RefitSetup) -> None:
+        if setup.ranks_per_engine != 1:
             raise ValueError(
-                f"weight windows serve embedded engines, which have one rank each, not {ranks_per_engine} "
+                f"weight windows serve embedded engines, which have one rank each, not {setup.ranks_per_engine} "
                 "(--rollout-num-gpus-per-engine)"
             )
-        super().__init__(engine_urls, ranks_per_engine, **kwargs)  # type: ignore[arg-type]
+        super().__init__(setup)
         self.window: TrainerWindow | None = None
 
     def _ensure_window(self, url: str, model: nn.Module, dtype: torch.dtype | None) -> None:
@@ -123,42 +120,36 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
             raise ValueError(f"engine {url}: weight window: {exc}") from None
         self.window = window
 
-    def update(
-        self,
-        model: nn.Module,
-        bucket_bytes: int,
-        weight_version: str,
-        dtype: torch.dtype | None = None,
-        engines: list[str] | None = None,
-    ) -> int:
+    def _refit(self, job: RefitJob, targets: list[str]) -> int:
         """Write every tensor into the targeted engines' windows and load them with one call per engine, inside
         a weight-update session; verify versions (and checksums with ``check_equal``). Returns the buckets."""
-        n_buckets = len(_plan(_hf_tensors(model, dtype), bucket_bytes))
-        url = self._url_if_targeted(engines)
-        self._on_all(lambda: url and self._ensure_window(url, model, dtype))
-        checksums: dict[str, str] = {}
+        url = self._url_if_targeted(targets)
+        self._on(True, lambda: url and self._ensure_window(url, job.model, job.dtype))
+        checksums: dict[str, str] | None = {} if self.check_equal and url is not None else None
         error: str | None = None
-        # every rank consumes every bucket (the gathers are collective); a failed write is reported after
-        for bucket in _buckets_with_progress(model, bucket_bytes, dtype, n_buckets, weight_version):
+
+        def write(bucket: Bucket, index: int, is_last: bool) -> None:
+            # every rank consumes every bucket (the gathers are collective); a failed write is reported after
+            nonlocal error
             if url is None or error is not None:
-                continue
+                return
             try:
-                self._write(bucket, checksums)
+                self._write(bucket)
             except Exception as exc:  # noqa: BLE001 - reported to every rank below
                 error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+
+        n_buckets = stream_buckets(job, checksums, write)
         self._raise_if_any_failed(error)
-        self._on_all(lambda: url and self._load(url, weight_version, checksums))
+        self._on(True, lambda: url and self._load(url, job.weight_version, checksums))
         return n_buckets
 
     @torch.no_grad()
-    def _write(self, bucket: list[tuple[str, torch.Tensor]], checksums: dict[str, str]) -> None:
+    def _write(self, bucket: Bucket) -> None:
         assert self.window is not None
         for name, tensor in bucket:
             self.window.views[name].copy_(tensor)
-            if self.check_equal:
-                checksums[name] = tensor_checksum(tensor)
 
-    def _load(self, url: str, weight_version: str, checksums: dict[str, str]) -> None:
+    def _load(self, url: str, weight_version: str, checksums: dict[str, str] | None) -> None:
         """One call loads the window (its own weight-update session on the engine); the answer names the version
         the engine now serves, which must be ours; with ``check_equal`` the checksums are compared too."""
         assert self.window is not None
@@ -175,6 +166,10 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
             raise RuntimeError(
                 f"engine {url} serves weight version {answer.get('weight_version')!r} after refit {weight_version}"
             )
-        if self.check_equal:
-            engine = engine_checksums(url, self._headers, self.timeout_s, weight_version)
-            compare_checksums(url, checksums, engine, weight_version)
+        if checksums is not None:
+            compare_checksums(
+                url,
+                checksums,
+                engine_checksums(url, self._headers, self.timeout_s, weight_version),
+                weight_version,
+            )

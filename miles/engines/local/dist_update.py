@@ -3,20 +3,20 @@
 The group is created the way SGLang creates it, so one trainer-side helper serves both engine kinds: a TCP
 rendezvous at `tcp://master_address:master_port` with `world_size` members (trainer = rank 0, engine = rank
 `rank_offset`), the store prefixed with `group_name`, then a process group named `group_name` on it, without
-touching the default group of either process. The trainer side is
-`miles.backends.fsdp_utils.update_weight_utils.init_weights_update_group`; the engine test joins the two.
+touching the default group of either process: `miles.utils.side_group.init_side_group`, which the trainer side
+(`miles.backends.fsdp_utils.broadcast_refit`) joins too.
 Tensors arrive by `broadcast(src=0)`, one per name, in the order of `names`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from miles.engines.local.weights import WeightStore
+from miles.utils.side_group import init_side_group
 from miles.utils.types import JSON
 
 _DTYPES = {
@@ -25,41 +25,6 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
 }
-
-
-def init_custom_process_group(
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    group_name: str,
-    backend: str = "gloo",
-    timeout_s: float = 300.0,
-) -> dist.ProcessGroup:
-    """Join a process group that lives beside (not inside) the default group; every member calls this."""
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
-
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend {backend!r} not supported; allowed: 'gloo', 'nccl'")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} outside world_size {world_size}")
-    timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
-    )
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)  # as SGLang does: keys live under the group name
-    pg, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout
-    )
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
 
 
 def _int(body: dict[str, JSON], key: str) -> int:
@@ -104,7 +69,7 @@ def init_update_group(request: GroupRequest, timeout_s: float = 30.0) -> dist.Pr
         raise ValueError(
             f"backend {request.backend!r}: the embedded engine runs on CPU and supports only 'gloo'"
         )
-    return init_custom_process_group(
+    return init_side_group(
         request.master_address,
         request.master_port,
         request.rank_offset,

@@ -13,10 +13,10 @@ import random
 import time
 from typing import TYPE_CHECKING
 
-import httpx
 import torch
 
 from miles.tools.gpu_check.common import POWER, CheckResult, Settings, sync
+from miles.utils.engine_http import request
 
 if TYPE_CHECKING:
     from miles.backends.fsdp_utils.actor import FSDPTrainer
@@ -87,11 +87,9 @@ def generate_and_compare(trainer: FSDPTrainer, url: str, s: Settings) -> dict[st
         "sampling_params": {"temperature": s.temperature, "max_new_tokens": s.gen_tokens, "ignore_eos": True},
         "return_logprob": True,
     }
-    resp = httpx.post(f"{url}/generate", json=body, timeout=600.0)
-    if resp.status_code != 200:
-        raise RuntimeError(f"engine {url}, /generate: HTTP {resp.status_code}: {resp.text[:500]}")
+    resp = request("POST", url, "generate", "gpu check generation", 600.0, body=body)
     rows, engine_lp = [], []
-    for prompt, out in zip(prompts, resp.json()):
+    for prompt, out in zip(prompts, resp.response.json()):
         ids = [int(x) for x in out["output_ids"]]
         rows.append({"tokens": prompt + ids, "response_length": len(ids)})
         engine_lp.append([float(e[0]) for e in out["meta_info"]["output_token_logprobs"]])
@@ -107,12 +105,12 @@ def generate_and_compare(trainer: FSDPTrainer, url: str, s: Settings) -> dict[st
 
 def check_refit(trainer: FSDPTrainer, url: str, s: Settings) -> CheckResult:
     """Refit with `ColocatedWeightUpdater` (timed), then every tensor's checksum on both sides."""
-    from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater
+    from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater, RefitSetup
 
     trainer_sums, nbytes = _trainer_checksums(trainer.model, s)
     before = _engine_checksums(url)
     differed = sum(before.get(n) != c for n, c in trainer_sums.items())
-    updater = ColocatedWeightUpdater([url], 1, 0, 1, timeout_s=600.0)
+    updater = ColocatedWeightUpdater(RefitSetup([url], 1, 0, 1, timeout_s=600.0))
     sync(s.device)
     t0 = time.perf_counter()
     buckets = updater.update(trainer.model, s.bucket_bytes, VERSION, dtype=s.dtype)

@@ -1,0 +1,187 @@
+"""The one synchronous HTTP layer miles talks to engine servers (and sglang-router) with: keys, deadlines,
+success checks and errors.
+
+- Keys: `bearer` builds the Authorization header from a key, `engine_headers` applies SGLang's rule for which
+  key an endpoint takes (the admin key on `ADMIN_ENDPOINTS` when one is set, the API key everywhere else).
+- One long-lived `httpx.Client` per process (`http_client`: its connection pool and TLS context are built once,
+  not per call); every call passes its own deadline (`timeout_s`) and headers. It ignores proxy variables
+  (`trust_env=False`): engines are reached directly.
+- Errors: every failure is an `EngineCallError` naming the server URL, the endpoint, what the call was for and
+  the phase: `request` (no answer within the deadline: `EngineTimeout`; no connection: `EngineUnreachable`),
+  `status` (an error status: `EngineStatusError`, with `.status` and `.body`) or `response` (not JSON, or
+  SGLang's `success` field false where `require_success` asks for it).
+
+The rollout's async client (`miles.rollout.engine_client`) keeps its own pooled `httpx.AsyncClient` for
+generation and takes its header from `bearer`. Torch-free.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import httpx
+
+from miles.utils.types import JSON
+
+# Endpoints SGLang marks ADMIN_OPTIONAL (sglang/srt/entrypoints/http_server.py): an admin key unlocks them.
+ADMIN_ENDPOINTS = frozenset(
+    "/" + name
+    for name in (
+        "abort_request", "pause_generation", "continue_generation", "flush_cache", "update_weights_from_tensor",
+        "update_weights_from_disk", "update_weights_from_distributed", "init_weights_update_group",
+        "destroy_weights_update_group", "begin_weight_update", "end_weight_update", "release_memory_occupation",
+        "resume_memory_occupation", "get_weights_by_name", "weights_checker", "update_weight_version",
+    )
+)  # fmt: skip
+
+_CLIENT: httpx.Client | None = None
+_CLIENT_LOCK = threading.Lock()
+
+
+def bearer(key: str | None) -> dict[str, str]:
+    """The Authorization header that presents `key` (no header without a key)."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def engine_headers(endpoint: str, api_key: str | None, admin_api_key: str | None) -> dict[str, str]:
+    """SGLang's rule: an admin endpoint takes the admin key when one is set, every other one the API key."""
+    path = "/" + endpoint.lstrip("/")
+    return bearer(admin_api_key if path in ADMIN_ENDPOINTS and admin_api_key else api_key)
+
+
+def http_client() -> httpx.Client:
+    """The process's one HTTP client for engine and router calls (built on first use)."""
+    global _CLIENT
+    with _CLIENT_LOCK:
+        if _CLIENT is None:
+            _CLIENT = httpx.Client(trust_env=False)
+        return _CLIENT
+
+
+class EngineCallError(RuntimeError):
+    """A call to an engine (or the router: `server`) failed: `url`, `endpoint` (no leading slash), `what` it
+    was for, `phase`."""
+
+    def __init__(
+        self, url: str, endpoint: str, what: str, phase: str, detail: str, server: str = "engine"
+    ) -> None:
+        self.url, self.endpoint, self.what, self.phase, self.server = url, endpoint, what, phase, server
+        self._args: tuple[object, ...] = (url, endpoint, what, phase, detail, server)
+        where = f"{server} {url}, {endpoint}" + (f", {what}" if what else "")
+        super().__init__(f"{where}, phase {phase}: {detail}")
+
+    def __reduce__(self) -> tuple[type[EngineCallError], tuple[object, ...]]:
+        """Rebuilt from the constructor's arguments (Ray ships errors between processes by pickle)."""
+        return type(self), self._args
+
+
+class EngineTimeout(EngineCallError, TimeoutError):
+    """No answer within the call's deadline (phase request)."""
+
+
+class EngineUnreachable(EngineCallError, ConnectionError):
+    """No connection, or the connection dropped (phase request): the server process is likely gone."""
+
+
+class EngineStatusError(EngineCallError):
+    """The server answered an error status (phase status); `status` and `body` are its answer."""
+
+    def __init__(
+        self, url: str, endpoint: str, what: str, status: int, body: str, server: str = "engine"
+    ) -> None:
+        super().__init__(url, endpoint, what, "status", f"HTTP {status}: {body[:2000]}", server)
+        self.status, self.body = status, body
+        self._args = (url, endpoint, what, status, body, server)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A 2xx answer (`response`) and the call it answers, so that decoding errors name the call too."""
+
+    response: httpx.Response
+    url: str
+    endpoint: str
+    what: str
+    server: str
+
+    def _error(self, detail: str) -> EngineCallError:
+        return EngineCallError(self.url, self.endpoint, self.what, "response", detail, self.server)
+
+    def json(self, require_success: bool = False) -> JSON:
+        """The JSON body (None when empty: SGLang answers some control calls with no body); with
+        `require_success`, it must be an object whose `success` is true (SGLang's control endpoints report
+        refusals that way, with a `message`). Phase response errors otherwise."""
+        answer: JSON = None
+        if self.response.content.strip():
+            try:
+                answer = self.response.json()
+            except ValueError as exc:
+                raise self._error(f"not JSON: {self.response.text[:500]!r}") from exc
+        if require_success and (not isinstance(answer, dict) or not answer.get("success", False)):
+            message = answer.get("message", answer) if isinstance(answer, dict) else answer
+            raise self._error(f"success=false: {message}")
+        return answer
+
+    def json_object(self, require_success: bool = False) -> dict[str, JSON]:
+        """`json` that must be a JSON object."""
+        answer = self.json(require_success)
+        if not isinstance(answer, dict):
+            raise self._error(f"not a JSON object: {answer!r}")
+        return answer
+
+
+def request(
+    method: str,
+    url: str,
+    endpoint: str,
+    what: str,
+    timeout_s: float,
+    headers: Mapping[str, str] | None = None,
+    body: object = None,
+    client: httpx.Client | None = None,
+    server: str = "engine",
+) -> Answer:
+    """`method` `{url}/{endpoint}` (JSON `body`) within `timeout_s`; returns the answer when its status is 2xx,
+    raises `EngineTimeout`, `EngineUnreachable` or `EngineStatusError` otherwise. `client`: default
+    `http_client()` (tests pass one on an `httpx.MockTransport`); `server`: how errors name it."""
+    name = endpoint.lstrip("/")
+    try:
+        resp = (client or http_client()).request(
+            method, f"{url}/{name}", json=body, headers=dict(headers or {}), timeout=timeout_s
+        )
+    except httpx.TimeoutException as exc:
+        detail = f"{type(exc).__name__}: {exc} (no answer within {timeout_s:g} s)"
+        raise EngineTimeout(url, name, what, "request", detail, server) from exc
+    except httpx.HTTPError as exc:
+        raise EngineUnreachable(url, name, what, "request", f"{type(exc).__name__}: {exc}", server) from exc
+    if not resp.is_success:
+        raise EngineStatusError(url, name, what, resp.status_code, resp.text, server)
+    return Answer(resp, url, name, what, server)
+
+
+def post_engine(
+    url: str, endpoint: str, body: dict, headers: Mapping[str, str], timeout_s: float, what: str
+) -> dict[str, JSON]:
+    """POST `body` to one of SGLang's control endpoints and require `success`; returns the answer."""
+    return request("POST", url, endpoint, what, timeout_s, headers, body).json_object(require_success=True)
+
+
+def get_engine_json(
+    url: str, endpoint: str, headers: Mapping[str, str], timeout_s: float, what: str
+) -> dict[str, JSON]:
+    """GET a JSON object (e.g. `/model_info`)."""
+    return request("GET", url, endpoint, what, timeout_s, headers).json_object()
+
+
+def health_problem(url: str, endpoint: str = "/health", timeout_s: float = 5.0) -> str | None:
+    """Why `GET {url}{endpoint}` did not answer 200 within `timeout_s` (None: it did), for health checks that
+    poll rather than fail."""
+    try:
+        resp = http_client().get(f"{url}{endpoint}", timeout=timeout_s)
+    except httpx.TimeoutException:
+        return f"no answer to {endpoint} within {timeout_s:.0f}s"
+    except httpx.HTTPError as exc:
+        return f"{endpoint}: {type(exc).__name__}: {exc}"
+    return None if resp.status_code == 200 else f"{endpoint} answered {resp.status_code}"

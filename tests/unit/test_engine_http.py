@@ -1,0 +1,126 @@
+"""The shared engine HTTP client (`miles.utils.engine_http`) against a mock transport: keys, deadlines, success
+checks and errors that name the server, the endpoint, what the call was for and the phase."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import httpx
+import pytest
+
+from miles.utils import engine_http as eh
+
+
+def _client(handler) -> httpx.Client:
+    return httpx.Client(transport=httpx.MockTransport(handler))
+
+
+def test_bearer_and_sglang_key_rule():
+    assert eh.bearer(None) == {} and eh.bearer("") == {}
+    assert eh.bearer("k") == {"Authorization": "Bearer k"}
+    # admin endpoints take the admin key when one is set, everything else the API key
+    assert eh.engine_headers("/flush_cache", "api", "adm") == {"Authorization": "Bearer adm"}
+    assert eh.engine_headers("flush_cache", "api", "adm") == {"Authorization": "Bearer adm"}  # slash optional
+    assert eh.engine_headers("/generate", "api", "adm") == {"Authorization": "Bearer api"}
+    assert eh.engine_headers("/flush_cache", "api", None) == {"Authorization": "Bearer api"}
+    assert eh.engine_headers("/generate", None, "adm") == {}
+
+
+def test_request_sends_body_headers_and_deadline():
+    seen = {}
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        seen.update(
+            url=str(req.url), auth=req.headers.get("authorization"), body=json.loads(req.content),
+            timeout=req.extensions["timeout"]["read"],
+        )  # fmt: skip
+        return httpx.Response(200, json={"success": True, "x": 1})
+
+    answer = eh.request(
+        "POST", "http://e:1", "/update_weights_from_tensor", "refit v1", 7.5, eh.bearer("k"), {"a": 1},
+        client=_client(handler),
+    ).json(require_success=True)  # fmt: skip
+    assert answer == {"success": True, "x": 1}
+    assert seen == {
+        "url": "http://e:1/update_weights_from_tensor", "auth": "Bearer k", "body": {"a": 1}, "timeout": 7.5
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("handler", "error", "phase", "detail"),
+    [
+        (lambda r: httpx.Response(500, text="boom"), eh.EngineStatusError, "status", "HTTP 500: boom"),
+        (lambda r: httpx.Response(200, text="<html>"), eh.EngineCallError, "response", "not JSON"),
+        (lambda r: httpx.Response(200, json={"success": False, "message": "no session"}), eh.EngineCallError,
+         "response", "success=false: no session"),
+        (lambda r: httpx.Response(200, json=[1]), eh.EngineCallError, "response", "success=false: [1]"),
+    ],
+)  # fmt: skip
+def test_errors_name_engine_endpoint_what_and_phase(handler, error, phase, detail):
+    with pytest.raises(error) as info:
+        eh.request("POST", "http://e:1", "begin_weight_update", "refit v2", 5.0, {}, {},
+                   client=_client(handler)).json(require_success=True)  # fmt: skip
+    message = str(info.value)
+    assert message.startswith(f"engine http://e:1, begin_weight_update, refit v2, phase {phase}: "), message
+    assert detail in message
+    assert (info.value.url, info.value.endpoint, info.value.phase) == (
+        "http://e:1",
+        "begin_weight_update",
+        phase,
+    )
+
+
+def test_status_error_keeps_status_and_body():
+    client = _client(lambda r: httpx.Response(400, text="temperature must be >= 0"))
+    with pytest.raises(eh.EngineStatusError, match="temperature") as info:
+        eh.request("POST", "http://e:1", "/generate", "", 5.0, client=client)
+    assert info.value.status == 400 and info.value.body == "temperature must be >= 0"
+    assert str(info.value).startswith(
+        "engine http://e:1, generate, phase status: HTTP 400"
+    )  # no empty `what`
+
+
+def test_request_phase_errors_are_timeout_and_connection_errors():
+    def slow(req: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("timed out", request=req)
+
+    def refused(req: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=req)
+
+    with pytest.raises(eh.EngineTimeout, match=r"phase request: ReadTimeout: .*no answer within 2 s") as t:
+        eh.request("POST", "http://e:1", "flush_cache", "engine control", 2.0, client=_client(slow))
+    assert isinstance(t.value, TimeoutError)
+    with pytest.raises(eh.EngineUnreachable, match="phase request: ConnectError: connection refused") as c:
+        eh.request("GET", "http://r:2", "workers", "listing", 2.0, client=_client(refused), server="router")
+    assert isinstance(c.value, ConnectionError) and str(c.value).startswith(
+        "router http://r:2, workers, listing"
+    )
+
+
+def test_empty_answer_is_none_and_get_requires_an_object(monkeypatch):
+    empty = _client(lambda r: httpx.Response(200))
+    assert eh.request("POST", "http://e:1", "abort_request", "", 1.0, client=empty).json() is None
+    monkeypatch.setattr(
+        eh, "_CLIENT", _client(lambda r: httpx.Response(200, json=[1, 2]))
+    )  # the process's client
+    with pytest.raises(eh.EngineCallError, match="model_info, check, phase response: not a JSON object"):
+        eh.get_engine_json("http://e:1", "model_info", {}, 1.0, "check")
+
+
+def test_errors_survive_pickling():
+    """Ray ships an actor's errors to the driver by pickle: the class, message and fields must come back."""
+    errors = [
+        eh.EngineStatusError("http://e:1", "generate", "x", 503, "busy"),
+        eh.EngineUnreachable("http://e:1", "flush_cache", "engine control", "request", "refused"),
+        eh.EngineCallError("http://r:1", "workers", "", "response", "not JSON", server="router"),
+    ]
+    for error in errors:
+        back = pickle.loads(pickle.dumps(error))
+        assert type(back) is type(error) and str(back) == str(error) and back.phase == error.phase
+    assert pickle.loads(pickle.dumps(errors[0])).status == 503
+
+
+def test_one_client_per_process():
+    assert eh.http_client() is eh.http_client()
+    assert eh.http_client().trust_env is False  # engines are reached directly, never through a proxy

@@ -1,0 +1,59 @@
+"""The managed-server base shared by the engine and router launchers, on tiny Python processes: a server that
+dies while starting, one that never gets ready, and one that ignores SIGTERM."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from miles.engines.managed_server import EngineStartupError, ManagedServer
+
+
+class _Server(ManagedServer):
+    server_name = "test server"
+    log_prefix = "miles-test-server"
+
+    @property
+    def url(self) -> str:
+        return "http://127.0.0.1:1"
+
+
+def _start(tmp_path, code: str) -> _Server:
+    server = _Server(str(tmp_path / "server.log"))
+    server.start([sys.executable, "-c", code], port=1)
+    return server
+
+
+def test_a_server_that_dies_fails_at_once_with_its_log(tmp_path):
+    server = _start(tmp_path, "import sys; print('model not found', flush=True); sys.exit(3)")
+    t0 = time.monotonic()
+    with pytest.raises(EngineStartupError) as info:
+        server.wait_until(lambda: False, time.monotonic() + 60, "waiting for /health")
+    assert time.monotonic() - t0 < 30  # the exit is noticed, not the deadline
+    message = str(info.value)
+    assert "test server process exited with code 3 while starting (phase: waiting for /health)" in message
+    assert "model not found" in message  # the log tail
+    server.stop()
+    assert server.proc is None
+
+
+def test_a_late_server_names_the_phase_and_is_stopped(tmp_path):
+    server = _start(tmp_path, "import time; time.sleep(60)")
+    proc = server.proc
+    with pytest.raises(EngineStartupError, match=r"test server at http://127.0.0.1:1 not ready after \d+ s "
+                       r"\(phase: registration of worker x\)"):  # fmt: skip
+        server.wait_until(lambda: False, time.monotonic() + 0.3, "registration of worker x")
+    server.stop(timeout=10)
+    assert proc is not None and proc.poll() is not None and server.proc is None
+
+
+def test_stop_kills_a_server_that_ignores_sigterm(tmp_path):
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    server = _start(tmp_path, code)
+    proc = server.proc
+    server.wait_until(lambda: "up" in server.log_tail(), time.monotonic() + 30, "startup")
+    t0 = time.monotonic()
+    server.stop(timeout=0.5)
+    assert proc is not None and proc.returncode == -9 and time.monotonic() - t0 < 10
