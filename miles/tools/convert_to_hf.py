@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
+from pathlib import Path
+
+from miles.tools._cli import console_script, run_tool
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,33 +39,60 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (e.g. 5GB, 500MB)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument(
+        "--lora-export",
+        default=None,
+        choices=("merged", "adapter"),
+        help="LoRA checkpoints only: the merged model (default) or the adapter alone (peft layout); with "
+        "merged, --hf-checkpoint overrides the base model named in the checkpoint",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from miles.backends.fsdp_utils.hf_export import convert_checkpoint, dtype_from_name, parse_size
+    from miles.backends.fsdp_utils.hf_export import (
+        convert_checkpoint,
+        dtype_from_name,
+        parse_size,
+        resolve_dcp_checkpoint,
+    )
+    from miles.backends.fsdp_utils.lora_export import convert_lora_checkpoint, is_lora_checkpoint
 
-    try:
-        out = convert_checkpoint(
+    def work() -> Path:
+        dtype = None if args.dtype == "auto" else dtype_from_name(args.dtype)
+        max_shard_bytes = parse_size(args.max_shard_size)
+        iter_dir = resolve_dcp_checkpoint(args.checkpoint)
+        if iter_dir is not None and is_lora_checkpoint(iter_dir):
+            return convert_lora_checkpoint(
+                iter_dir,
+                args.out,
+                args.lora_export or "merged",
+                dtype=dtype,
+                base=args.hf_checkpoint,
+                max_shard_bytes=max_shard_bytes,
+                overwrite=args.overwrite,
+            )
+        if args.lora_export is not None:
+            raise ValueError(
+                f"--lora-export: {args.checkpoint} is not a LoRA checkpoint (it holds no adapters)"
+            )
+        return convert_checkpoint(
             args.checkpoint,
             args.out,
-            dtype=None if args.dtype == "auto" else dtype_from_name(args.dtype),
+            dtype=dtype,
             hf_source=args.hf_checkpoint,
-            max_shard_bytes=parse_size(args.max_shard_size),
+            max_shard_bytes=max_shard_bytes,
             overwrite=args.overwrite,
         )
-    except ValueError as e:
-        print(f"convert_to_hf: {e}", file=sys.stderr)
-        return 2
-    print(out)
-    return 0
+
+    return run_tool("convert_to_hf", work)
 
 
 def cli() -> None:
     """The console script."""
-    sys.exit(main())
+    console_script(main)
 
 
 if __name__ == "__main__":

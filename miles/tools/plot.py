@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from miles.tools._cli import console_script, run_tool
 from miles.utils.tracking import METRICS_FILE, read_metrics, record_step
 from miles.utils.types import JSON
 
@@ -267,24 +267,22 @@ def main(argv: list[str] | None = None) -> int:
         "--smooth", type=int, default=None, help="trailing-mean window; default: about 1/10 of the run"
     )
     args = p.parse_args(argv)
-    try:
+
+    def work() -> Path:
         runs = [load_run(d) for d in args.run_dirs]
         names = [r.name for r in runs]
         if len(set(names)) != len(names):  # same directory names under different parents: use the paths
             for r, d in zip(runs, args.run_dirs):
                 r.name = str(d)
         default = Path(args.run_dirs[0]) / REPORT_FILE if len(runs) == 1 else Path("runs.png")
-        out = plot_runs(runs, args.out or default, window=args.smooth)
-    except ValueError as e:
-        print(f"plot: {e}", file=sys.stderr)
-        return 2
-    print(out)
-    return 0
+        return plot_runs(runs, args.out or default, window=args.smooth)
+
+    return run_tool("plot", work)
 
 
 def cli() -> None:
     """The console script."""
-    sys.exit(main())
+    console_script(main)
 
 
 if __name__ == "__main__":

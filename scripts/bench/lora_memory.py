@@ -3,9 +3,11 @@
     python scripts/bench/lora_memory.py                       # ~25M-parameter Qwen3, 3 train steps each
     python scripts/bench/lora_memory.py --hidden 512 --layers 8 --lora-rank 16
 
-Each mode runs in its own process (one FSDP2 rank, gloo on CPU or NCCL on a GPU) so its peak is its own: peak RSS
-on CPU, `torch.cuda.max_memory_allocated` on a GPU. Prints both peaks, the trainable parameter counts and the
-ratio LoRA / full; nothing is asserted (the number depends on the model shape, the rank and the batch).
+Each mode runs in its own process (one FSDP2 rank, gloo on CPU or NCCL on a GPU) so its peaks are its own: peak
+RSS on CPU (VmHWM, restarted after init), `torch.cuda.max_memory_allocated` on a GPU. Prints each mode's peak
+during init (loading and sharding the model: the same work in both modes) and during training, the trainable
+parameter counts and the ratios LoRA / full; nothing is asserted (the numbers depend on the model shape, the
+rank and the batch).
 """
 
 from __future__ import annotations
@@ -32,12 +34,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=16, help="samples per rollout (one optimizer step)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sample (half prompt, half response)")
     p.add_argument("--steps", type=int, default=3, help="train calls per mode")
+    p.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        default=1 << 20,
+        help="CPU: glibc MALLOC_MMAP_THRESHOLD_ of the runs (bytes; 0: glibc's default, a growing threshold)",
+    )
     p.add_argument("--child", choices=("full", "lora"), help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     for name in ("hidden", "layers", "vocab", "lora_rank", "samples", "seq_len", "steps"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.malloc_mmap_threshold < 0:
+        p.error("--malloc-mmap-threshold must be >= 0")
     if a.hidden % 64:
         p.error("--hidden must be a multiple of 64 (head_dim 64)")
     return a
@@ -78,12 +88,28 @@ def _samples(a: argparse.Namespace) -> list:
     return out
 
 
+def _status_gb(field: str) -> float:
+    """A memory field of /proc/self/status (VmHWM: the resident high-water mark, VmRSS: resident now), GiB."""
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+    return kib / 1024**2
+
+
+def _rss_peak_gb() -> float:
+    return _status_gb("VmHWM")
+
+
+def _reset_rss_peak() -> None:
+    """Restart VmHWM from the current RSS (Linux: writing 5 to clear_refs), so the next peak is one phase's."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def child(a: argparse.Namespace) -> None:
     import torch
 
     from miles.backends.fsdp_utils.actor import FSDPTrainer
     from miles.config import parse_config
-    from miles.utils import perf
 
     argv = ["--hf-checkpoint", a.model_dir, "--prompt-data", "unused.jsonl", "--num-rollout", str(a.steps),
             "--rollout-batch-size", str(a.samples // 4), "--n-samples-per-prompt", "4",
@@ -91,17 +117,26 @@ def child(a: argparse.Namespace) -> None:
             "--run-dir", tempfile.mkdtemp(prefix="lora-bench-")]  # fmt: skip
     if a.child == "lora":
         argv += ["--lora-rank", str(a.lora_rank), "--lora-alpha", str(2 * a.lora_rank)]
+    cuda = torch.cuda.is_available()
     trainer = FSDPTrainer(parse_config(argv), 0, 1)
     trainer.init("actor", with_ref=False)
+    # the peak of init (loading the HF model, sharding, broadcasting it) is apart from the training peak: both
+    # modes load the same full model, and a process-lifetime high-water mark would hide what training adds
+    init_peak = torch.cuda.max_memory_allocated() / 1024**3 if cuda else _rss_peak_gb()
+    after_init = torch.cuda.memory_allocated() / 1024**3 if cuda else _status_gb("VmRSS")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        _reset_rss_peak()
     for step in range(a.steps):
         trainer.train(step, _samples(a))
-    cuda = torch.cuda.is_available()
-    peak = torch.cuda.max_memory_allocated() / 1024**3 if cuda else perf.peak_rss_gb()
+    train_peak = torch.cuda.max_memory_allocated() / 1024**3 if cuda else _rss_peak_gb()
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     states = sum(
         t.numel() for s in trainer.optimizer.state.values() for t in s.values() if torch.is_tensor(t)
     )
-    print(json.dumps({"peak_gb": peak, "device": "cuda" if cuda else "cpu", "trainable": trainable,
+    print(json.dumps({"init_peak_gb": init_peak, "after_init_gb": after_init, "train_peak_gb": train_peak,
+                      "device": "cuda" if cuda else "cpu", "trainable": trainable,
                       "optimizer_state_numel": states}))  # fmt: skip
 
 
@@ -111,9 +146,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_mode(mode: str, model_dir: str, argv: list[str]) -> dict:
+def run_mode(mode: str, model_dir: str, argv: list[str], a: argparse.Namespace) -> dict:
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port()), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}  # fmt: skip
+    if a.malloc_mmap_threshold:
+        # glibc serves blocks above this from mmap and unmaps them on free; by default its threshold grows to
+        # 32 MiB, so freed activations stay in the heap and RSS shows the allocator's high-water mark
+        env["MALLOC_MMAP_THRESHOLD_"] = str(a.malloc_mmap_threshold)
     cmd = [sys.executable, __file__, *argv, "--child", mode, "--model-dir", model_dir]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
@@ -130,13 +169,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="lora-bench-model-") as model_dir:
         n = build_model(model_dir, a)
         print(f"model: random Qwen3, {n / 1e6:.1f}M parameters (hidden {a.hidden}, {a.layers} layers)")
-        full = run_mode("full", model_dir, argv)
-        lora = run_mode("lora", model_dir, argv)
+        full = run_mode("full", model_dir, argv, a)
+        lora = run_mode("lora", model_dir, argv, a)
     unit = "GPU max allocated" if full["device"] == "cuda" else "peak RSS"
     for name, r in (("full fine-tuning", full), (f"LoRA rank {a.lora_rank}", lora)):
-        print(f"{name:>18}: {unit} {r['peak_gb']:.3f} GiB, trainable {r['trainable'] / 1e6:.2f}M, "
-              f"optimizer state {r['optimizer_state_numel'] / 1e6:.2f}M values")  # fmt: skip
-    print(f"ratio LoRA / full ({unit}): {lora['peak_gb'] / full['peak_gb']:.3f}")
+        print(f"{name:>18}: {unit} init {r['init_peak_gb']:.3f} GiB, after init {r['after_init_gb']:.3f} GiB, "
+              f"training {r['train_peak_gb']:.3f} GiB (+{r['train_peak_gb'] - r['after_init_gb']:.3f}); "
+              f"trainable {r['trainable'] / 1e6:.2f}M, optimizer state {r['optimizer_state_numel'] / 1e6:.2f}M values")  # fmt: skip
+    for phase in ("init", "train"):
+        key = f"{phase}_peak_gb"
+        print(f"ratio LoRA / full ({unit}, {phase}): {lora[key] / full[key]:.3f}")
     return 0
 
 

@@ -202,3 +202,69 @@ def test_lora_checkpoint_resumes(tmp_path):
     )
     model_keys = {k for k in keys if k.startswith("model.")}
     assert model_keys and all(k.endswith(("lora_A", "lora_B")) for k in model_keys), sorted(model_keys)[:5]
+
+
+def _export_body(rank: int, world: int, model_dir: str, save_dir: str, out: str) -> None:
+    from miles.backends.fsdp_utils.actor import FSDPTrainer
+    from miles.backends.fsdp_utils.update_weight_utils import iter_weight_buckets
+
+    samples = _rollout(model_dir)
+    trainer = FSDPTrainer(_config(model_dir, world, LORA + ["--save", save_dir]), rank, world)
+    trainer.init("actor", with_ref=False)
+    trainer.train(0, samples)
+    trainer.train(1, samples)
+    trainer.save(1)
+    # what a refit of the trained policy sends (fp32): the merged export must hold exactly these tensors
+    sent = {
+        n: t.clone()
+        for b in iter_weight_buckets(trainer._refit_source(), 1 << 20, torch.float32)
+        for n, t in b
+    }
+    if rank == 0:
+        torch.save(sent, out)
+
+
+def test_lora_hf_export_merged_and_adapter(tmp_path, capsys):
+    """convert_to_hf of a LoRA checkpoint: --lora-export merged (default) and adapter."""
+    from transformers import AutoModelForCausalLM
+
+    from miles.backends.fsdp_utils.lora import merge
+    from miles.backends.fsdp_utils.lora_export import read_adapter
+    from miles.tools.convert_to_hf import main as convert
+
+    model_dir = str(tmp_path / "model")
+    save_tiny_qwen3(model_dir, vocab_size=VOCAB)
+    ckpt = tmp_path / "ckpt"
+    run_distributed(_export_body, 1, model_dir, str(ckpt), str(tmp_path / "sent.pt"), init_pg=False)
+    sent = torch.load(tmp_path / "sent.pt")
+
+    # merged: a plain HF model whose weights are bit-equal to the trainer's merged (refit) weights
+    assert convert(["--checkpoint", str(ckpt), "--out", str(tmp_path / "merged"), "--dtype", "float32"]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    base = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    assert set(sent) <= set(merged)
+    for name, t in sent.items():
+        assert torch.equal(merged[name], t), name
+    assert any(not torch.equal(merged[k], base[k]) for k in sent)  # the adapters moved the weights
+
+    # adapter: peft's layout and config; read back, it rebuilds the merged weights from the base
+    out = tmp_path / "adapter"
+    assert convert(["--checkpoint", str(ckpt), "--out", str(out), "--lora-export", "adapter"]) == 0
+    assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors"]
+    config, adapters = read_adapter(out)
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
+    assert config["base_model_name_or_path"] == os.path.abspath(model_dir)
+    assert set(config["target_modules"]) == {n.rsplit(".", 1)[-1] for n in adapters}
+    assert len(adapters) == sum(1 for k in sent if k.endswith("proj.weight"))
+    for module, (a, b) in adapters.items():
+        assert a.shape[0] == b.shape[1] == 4
+        w = base[f"{module}.weight"]
+        assert torch.equal(merge(w, a, b, config["lora_alpha"] / config["r"]), merged[f"{module}.weight"]), (
+            module
+        )
+
+    # without its adapter_config.json the checkpoint's lora_alpha is unknown: a clear refusal, not a guess
+    os.remove(ckpt / "iter_0000001" / "adapter_config.json")
+    capsys.readouterr()
+    assert convert(["--checkpoint", str(ckpt), "--out", str(tmp_path / "x")]) == 2
+    assert "adapter_config.json" in capsys.readouterr().err

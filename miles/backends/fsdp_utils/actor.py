@@ -263,6 +263,10 @@ class FSDPTrainer(TrainBackend):
             from miles.backends.fsdp_utils.hf_export import write_checkpoint_hf_files
 
             write_checkpoint_hf_files(final, self.config.model.hf_checkpoint, self.param_dtype)
+            if self.lora:  # the adapters' settings and base, so the checkpoint merges/exports on its own
+                from miles.backends.fsdp_utils.lora_export import write_adapter_config
+
+                write_adapter_config(final, self.model, self.config.lora, self.config.model.hf_checkpoint)
         dist.barrier()
 
     def save_hf(self, rollout_id: int) -> None:

@@ -87,7 +87,8 @@ def hf_metadata_files(source: str | os.PathLike) -> list[Path]:
     )
 
 
-def _copy_metadata(source: str | os.PathLike, dst: Path, dtype: torch.dtype) -> None:
+def copy_metadata(source: str | os.PathLike, dst: Path, dtype: torch.dtype) -> None:
+    """Copy the non-weight files of HF dir `source` into `dst`, with `dtype` in config.json."""
     for path in hf_metadata_files(source):
         shutil.copyfile(path, dst / path.name)
     config = json.loads((dst / "config.json").read_text())
@@ -97,7 +98,7 @@ def _copy_metadata(source: str | os.PathLike, dst: Path, dtype: torch.dtype) -> 
     (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _commit_dir(tmp: Path, final: Path) -> None:
+def commit_dir(tmp: Path, final: Path) -> None:
     """Move the finished `tmp` directory to `final`, replacing an older `final` (never leaving neither)."""
     old = final.with_name(final.name + ".old")
     if final.exists():
@@ -107,7 +108,8 @@ def _commit_dir(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _fresh_tmp(final: Path) -> Path:
+def fresh_tmp(final: Path) -> Path:
+    """An empty ``<final>.tmp`` directory to build `final` in (see `commit_dir`)."""
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # leftover of a crashed export
     tmp.mkdir(parents=True)
@@ -120,9 +122,9 @@ def write_checkpoint_hf_files(
     """Store the config, tokenizer and generation config of `source` in `ckpt_dir/hf/` (atomically), with the
     training dtype in config.json, so the checkpoint converts to HF on its own. Call on one rank."""
     final = Path(ckpt_dir) / CKPT_HF_DIR
-    tmp = _fresh_tmp(final)
-    _copy_metadata(source, tmp, dtype)
-    _commit_dir(tmp, final)
+    tmp = fresh_tmp(final)
+    copy_metadata(source, tmp, dtype)
+    commit_dir(tmp, final)
     return final
 
 
@@ -196,7 +198,7 @@ def export_sharded_model(
     writer, error = None, None
     if rank == 0:
         try:
-            writer = ShardWriter(_fresh_tmp(final), max_shard_bytes)
+            writer = ShardWriter(fresh_tmp(final), max_shard_bytes)
         except OSError as e:
             error = f"{final}: {e}"
     for bucket in iter_weight_buckets(model, bucket_bytes, dtype):
@@ -210,8 +212,8 @@ def export_sharded_model(
     if rank == 0 and error is None:
         try:
             num_shards = writer.finish()
-            _copy_metadata(source, writer.out, dtype)
-            _commit_dir(writer.out, final)
+            copy_metadata(source, writer.out, dtype)
+            commit_dir(writer.out, final)
             logger.info("saved HF model %s (%d shards, %s)", final, num_shards, dtype_name(dtype))
         except (OSError, ValueError) as e:
             error = f"{final}: {e}"
@@ -274,7 +276,8 @@ def export_tensor_names(config) -> list[_Tensor]:
     return out
 
 
-def _source_dtype(source: Path) -> torch.dtype:
+def source_dtype(source: Path) -> torch.dtype:
+    """The dtype that HF dir `source`'s config.json names (float32 when it names none)."""
     config = json.loads((source / "config.json").read_text())
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
     return _DTYPES.get(str(name), torch.float32)
@@ -310,7 +313,7 @@ def convert_checkpoint(
     final = Path(out_dir)
     if final.exists() and any(final.iterdir()) and not overwrite:
         raise ValueError(f"--out={str(out_dir)!r} exists and is not empty; pass --overwrite to replace it")
-    out_dtype = dtype if dtype is not None else _source_dtype(source)
+    out_dtype = dtype if dtype is not None else source_dtype(source)
 
     from torch.distributed.checkpoint import FileSystemReader
     from transformers import AutoConfig
@@ -331,7 +334,7 @@ def convert_checkpoint(
             + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
         )
 
-    writer = ShardWriter(_fresh_tmp(final), max_shard_bytes)
+    writer = ShardWriter(fresh_tmp(final), max_shard_bytes)
     for group in _groups_by_bytes(tensors, stored, max_shard_bytes):
         state = {
             "model": {
@@ -343,8 +346,8 @@ def convert_checkpoint(
             value = state["model"][t.name]
             writer.add(t.name, value.to(out_dtype) if value.is_floating_point() else value)
     num_shards = writer.finish()
-    _copy_metadata(source, writer.out, out_dtype)
-    _commit_dir(writer.out, final)
+    copy_metadata(source, writer.out, out_dtype)
+    commit_dir(writer.out, final)
     logger.info("converted %s -> %s (%d shards, %s)", iter_dir, final, num_shards, dtype_name(out_dtype))
     return final
 

@@ -37,18 +37,22 @@ class LoRALinear(nn.Linear):
         rank: int,
         alpha: float,
         dropout: float,
-        device: Any = None,
-        dtype: Any = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         if rank < 1:
             raise ValueError(f"--lora-rank={rank}: must be >= 1 for an adapter")
         self.rank = rank
         self.scaling = alpha / rank
-        self.lora_A = nn.Parameter(torch.empty(rank, in_features, device=device, dtype=dtype))
-        self.lora_B = nn.Parameter(torch.zeros(out_features, rank, device=device, dtype=dtype))
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.adapter_enabled = True
+        self._new_adapters(device, dtype)
+
+    def _new_adapters(self, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+        """Fresh adapters: A kaiming-uniform (left empty on the meta device), B zero."""
+        self.lora_A = nn.Parameter(torch.empty(self.rank, self.in_features, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, self.rank, device=device, dtype=dtype))
         if self.lora_A.device.type != "meta":
             nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
 
@@ -56,18 +60,12 @@ class LoRALinear(nn.Linear):
     def wrap(cls, base: nn.Linear, rank: int, alpha: float, dropout: float) -> LoRALinear:
         """A LoRALinear holding `base`'s own weight/bias parameters (shared, not copied), frozen."""
         w = base.weight
-        layer = cls(
-            base.in_features,
-            base.out_features,
-            base.bias is not None,
-            rank,
-            alpha,
-            dropout,
-            w.device,
-            w.dtype,
-        )
+        # built on the meta device, so no throwaway base weight is allocated and initialised; then it takes
+        # `base`'s parameters and gets its adapters where `base` lives
+        layer = cls(base.in_features, base.out_features, base.bias is not None, rank, alpha, dropout, "meta")
         layer.weight = base.weight
         layer.bias = base.bias
+        layer._new_adapters(w.device, w.dtype)
         layer.weight.requires_grad_(False)
         if layer.bias is not None:
             layer.bias.requires_grad_(False)
@@ -138,14 +136,17 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
-def merged_weight(layer: LoRALinear) -> torch.Tensor:
-    """``W + scaling * B @ A`` as a NEW full fp32-accumulated tensor in W's dtype (W itself is never written).
-    Collective when the layer is sharded (three all-gathers in a fixed order)."""
-    w = _full(layer.weight)
-    a = _full(layer.lora_A)
-    b = _full(layer.lora_B)
-    delta = torch.matmul(b.float(), a.float()) * layer.scaling
+def merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``w + scaling * b @ a`` as a NEW tensor in w's dtype, accumulated in fp32 (w is never written). The one
+    formula of refits, --save-hf and the HF converter's merged export, so all three give the same bits."""
+    delta = torch.matmul(b.float(), a.float()) * scaling
     return torch.add(w.float(), delta).to(w.dtype)
+
+
+def merged_weight(layer: LoRALinear) -> torch.Tensor:
+    """`merge` of a layer's full tensors. Collective when the layer is sharded (three all-gathers in a fixed
+    order)."""
+    return merge(_full(layer.weight), _full(layer.lora_A), _full(layer.lora_B), layer.scaling)
 
 
 class _LazyMerged:
@@ -186,3 +187,27 @@ class MergedView:
                 continue
             out[name] = merged.get(name, t)
         return out
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+# peft's file and field names, so that the adapter export loads in peft
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+
+
+def adapter_config(model: nn.Module, rank: int, alpha: float, dropout: float, base: str) -> dict[str, object]:
+    """The LoRA settings a checkpoint needs to be merged or exported without the run's flags: peft's
+    `adapter_config.json` fields, `target_modules` as the module names actually adapted."""
+    targets = sorted(
+        {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    )
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+    }
