@@ -8,7 +8,7 @@ for the in-flight generation to finish, so weights never change in the middle of
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from miles.train import eval_before_train, finish_step, maybe_save, num_rollouts, run_driver, train_rollout
 from miles.utils.perf import sample_counts
@@ -29,7 +29,7 @@ def run_async_loop(cfg: Config, system: System) -> None:
     num = num_rollouts(cfg)
     deadline = system.rollout_deadline  # the whole rollout's, not one request's
 
-    def launch(rollout_id: int) -> Any:
+    def launch(rollout_id: int) -> ray.ObjectRef | None:
         return system.rollout.generate.remote(rollout_id) if rollout_id < num else None
 
     eval_before_train(cfg, system)

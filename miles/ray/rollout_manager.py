@@ -7,7 +7,8 @@ and engine URLs. Samples leave it as `Sample` records (Ray pickles them), never 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from miles.utils.types import Sample
 
@@ -20,7 +21,7 @@ class RolloutManager:
     engines': the constructor needs only the config; `connect` gives it the engines once they answer."""
 
     # config_dict: Config.to_dict(), nested plain values that Config.from_dict checks
-    def __init__(self, config_dict: dict[str, Any]) -> None:
+    def __init__(self, config_dict: Mapping[str, object]) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoTokenizer
 

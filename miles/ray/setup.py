@@ -215,7 +215,13 @@ def resume_rollout_side(
     assert train_group is not None, "only trainers resume a checkpoint (start > 0)"
     extra = train_group.resume_state()
     if ROLLOUT_STATE_KEY in extra:
-        state = json.loads(extra[ROLLOUT_STATE_KEY])
+        raw = extra[ROLLOUT_STATE_KEY]
+        if not isinstance(raw, str):
+            raise ValueError(
+                f"--load={cfg.checkpoint.load}: the checkpoint's {ROLLOUT_STATE_KEY} is a "
+                f"{type(raw).__name__}, not the JSON text miles writes there"
+            )
+        state = json.loads(raw)
         ray_get(rollout.load_state_dict.remote(state), timeout, "restoring the data cursor")
         ds = state["data_source"]
         how = (

@@ -7,14 +7,22 @@ The actor is thin: it exports the process-group environment and delegates to the
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import ray
 
 from miles.ray.placement import Placement
 from miles.ray.utils import PhaseTimeoutError, get_node_ip, ray_get
 from miles.utils.net import free_port
-from miles.utils.types import Sample
+from miles.utils.types import JSON, Sample
+
+if TYPE_CHECKING:
+    from miles.backends.base import TrainBackend
+    from miles.config import Config
+
+# the critic's values of one rank's samples: one list of floats per sample (per response token)
+SampleValues: TypeAlias = list[list[float]]
 
 
 class TrainWorker:
@@ -28,7 +36,7 @@ class TrainWorker:
         self.config = Config.from_dict(config_dict)
         self.rank = rank
         self.world_size = world_size
-        self.backend = None
+        self.backend: TrainBackend | None = None
 
     def master_address(self) -> tuple[str, int]:
         return get_node_ip(), free_port("")
@@ -49,28 +57,36 @@ class TrainWorker:
         self.backend = cls(self.config, self.rank, self.world_size)
         return self.backend.init(role, with_ref)
 
-    def train(self, rollout_id: int, samples: list[Sample], values: Any = None) -> Any:
+    @property
+    def _backend(self) -> TrainBackend:
+        if self.backend is None:
+            raise RuntimeError(f"training worker rank {self.rank}: called before init()")
+        return self.backend
+
+    def train(
+        self, rollout_id: int, samples: list[Sample], values: SampleValues | None = None
+    ) -> Mapping[str, object]:
         if values is None:
-            return self.backend.train(rollout_id, samples)
-        return self.backend.train(rollout_id, samples, values)
+            return self._backend.train(rollout_id, samples)
+        return self._backend.train(rollout_id, samples, values)
 
-    def save(self, rollout_id: int, extra_state: dict[str, Any] | None = None) -> None:
-        self.backend.save(rollout_id, extra_state)
+    def save(self, rollout_id: int, extra_state: dict[str, JSON] | None = None) -> None:
+        self._backend.save(rollout_id, extra_state)
 
-    def resume_state(self) -> dict[str, Any]:
-        return self.backend.resume_state()
+    def resume_state(self) -> dict[str, JSON]:
+        return self._backend.resume_state()
 
     def save_hf(self, rollout_id: int) -> None:
-        self.backend.save_hf(rollout_id)
+        self._backend.save_hf(rollout_id)
 
     def sleep(self) -> None:
-        self.backend.sleep()
+        self._backend.sleep()
 
     def wake_up(self) -> None:
-        self.backend.wake_up()
+        self._backend.wake_up()
 
     def update_weights(self, engine_urls: list[str], weight_version: str) -> None:
-        self.backend.update_weights(engine_urls, weight_version)
+        self._backend.update_weights(engine_urls, weight_version)
 
 
 class RayTrainGroup:
@@ -78,7 +94,7 @@ class RayTrainGroup:
 
     def __init__(
         self,
-        config: Any,
+        config: Config,
         placement: Placement,
         num_workers: int,
         env_vars: dict[str, str],
@@ -102,10 +118,10 @@ class RayTrainGroup:
     def dp_size(self) -> int:
         return self.num_workers // self.cp_size
 
-    def _all(self, phase: str, method: str, *args: Any) -> list[Any]:
+    def _all(self, phase: str, method: str, *args: object) -> list[object]:
         return self._gather([getattr(w, method).remote(*args) for w in self.workers], phase)
 
-    def _gather(self, refs: list[Any], phase: str) -> list[Any]:
+    def _gather(self, refs: Sequence[ray.ObjectRef], phase: str) -> list[object]:
         """Wait for one call per rank; a dead worker is named by its rank and the phase, a deadline by the ranks
         that had not answered."""
         try:
@@ -130,13 +146,13 @@ class RayTrainGroup:
         addr, port = ray_get(
             self.workers[0].master_address.remote(), self.timeout, "train init: master address"
         )
-        starts = self._all(f"{self.role} init", "init", addr, port, self.role, with_ref)
+        starts = cast(list[int], self._all(f"{self.role} init", "init", addr, port, self.role, with_ref))
         if len(set(starts)) != 1:
             raise RuntimeError(f"training ranks disagree on the resume rollout id: {starts}")
         return starts[0]
 
     def train(
-        self, rollout_id: int, per_dp_rank: list[list[Sample]], values: list[Any] | None = None
+        self, rollout_id: int, per_dp_rank: list[list[Sample]], values: list[SampleValues] | None = None
     ) -> dict[str, float]:
         """Train on one rollout; `per_dp_rank[d]` goes to every CP rank of data-parallel rank d (with `values[d]`,
         the critic's values of those samples, for --advantage-estimator ppo)."""
@@ -151,11 +167,11 @@ class RayTrainGroup:
             ],
             f"{self.role} train rollout {rollout_id}",
         )
-        return results[0]
+        return cast(dict[str, float], results[0])
 
     def train_critic(
         self, rollout_id: int, per_dp_rank: list[list[Sample]]
-    ) -> tuple[dict[str, float], list[Any]]:
+    ) -> tuple[dict[str, float], list[SampleValues]]:
         """The critic role's train: (metrics, values per DP rank), values[d] in the order of per_dp_rank[d]."""
         if len(per_dp_rank) != self.dp_size:
             raise ValueError(f"expected data for {self.dp_size} DP ranks, got {len(per_dp_rank)}")
@@ -164,14 +180,15 @@ class RayTrainGroup:
             [w.train.remote(rollout_id, refs[rank // self.cp_size]) for rank, w in enumerate(self.workers)],
             f"critic train rollout {rollout_id}",
         )
-        values = [results[d * self.cp_size]["values"] for d in range(self.dp_size)]
-        return results[0]["metrics"], values
+        answers = cast(list[dict[str, dict[str, float] | SampleValues]], results)  # the critic's train answer
+        values = [cast(SampleValues, answers[d * self.cp_size]["values"]) for d in range(self.dp_size)]
+        return cast(dict[str, float], answers[0]["metrics"]), values
 
-    def save(self, rollout_id: int, extra_state: dict[str, Any] | None = None) -> None:
+    def save(self, rollout_id: int, extra_state: dict[str, JSON] | None = None) -> None:
         """Checkpoint on every rank; `extra_state` (plain data, e.g. the data cursor) is stored with it."""
         self._all(f"save checkpoint {rollout_id}", "save", rollout_id, extra_state)
 
-    def resume_state(self) -> dict[str, Any]:
+    def resume_state(self) -> dict[str, JSON]:
         """The extra state of the checkpoint the ranks resumed from (rank 0's); {} for a fresh start."""
         return ray_get(
             self.workers[0].resume_state.remote(), self.timeout, "read the resumed checkpoint's state"

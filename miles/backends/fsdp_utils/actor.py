@@ -19,18 +19,25 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from miles.backends.base import TrainBackend
 from miles.backends.fsdp_utils import rollout_batch as rb
-from miles.utils.progress import progress_bar
-from miles.utils.types import Sample
+from miles.utils.progress import ProgressBar, progress_bar
+from miles.utils.types import JSON, Sample
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from miles.backends.fsdp_utils.lora import MergedView
+    from miles.backends.fsdp_utils.parallel import ParallelState
     from miles.backends.fsdp_utils.update_weight_utils import WeightUpdater
+    from miles.config import Config
+    from miles.config.sections import LoraConfig
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +208,7 @@ class FSDPTrainer(TrainBackend):
         step_packs: list[rb.Pack],
         metrics: rb.MetricSum,
         first_step: bool,
-        bar: Any = None,
+        bar: ProgressBar | None = None,
         fill_old: bool = False,
     ) -> None:
         """One optimizer step over `step_packs`. `fill_old`: each micro-batch's detached log-probs become its
@@ -243,7 +250,7 @@ class FSDPTrainer(TrainBackend):
         metrics.add_value("grad_norm", float(grad_norm))
 
     # ------------------------------------------------------------------------------------------------ save
-    def save(self, rollout_id: int, extra_state: dict[str, Any] | None = None) -> None:
+    def save(self, rollout_id: int, extra_state: dict[str, JSON] | None = None) -> None:
         from miles.backends.fsdp_utils.checkpoint import save_checkpoint
 
         cfg = self.config.checkpoint
@@ -328,7 +335,7 @@ class FSDPTrainer(TrainBackend):
             return "tensor" if self.config.cluster.colocate or not self.ps.is_cuda else "broadcast"
         return mode
 
-    def _refit_source(self) -> Any:
+    def _refit_source(self) -> torch.nn.Module | MergedView:
         """What refits and HF exports read: the model, or with LoRA its merged view (base names, W + s*B@A)."""
         if not self.lora:
             return self.model
@@ -384,7 +391,7 @@ def _perf_metrics(
     batch: rb.RankBatch,
     no_grad_passes: int,
     seconds: float,
-    ps: Any,
+    ps: ParallelState,
     dtype: torch.dtype,
 ) -> dict[str, float]:
     """`perf/train_peak_rss_gb` (and on CUDA `perf/train_peak_gpu_mem_gb`), the largest over the training ranks;
@@ -411,7 +418,7 @@ def _perf_metrics(
     return out
 
 
-def _lora_transform(lora: Any) -> Any:
+def _lora_transform(lora: LoraConfig) -> Callable[[torch.nn.Module], None]:
     from miles.backends.fsdp_utils.lora import apply_lora
 
     def transform(model: torch.nn.Module) -> None:
@@ -458,7 +465,7 @@ def hf_export_dir(save_hf: str, rollout_id: int) -> str:
     return os.path.join(save_hf, f"iter_{rollout_id:07d}")
 
 
-def _build_reference(cfg: Any, mesh: Any, model_kwargs: dict[str, Any]) -> torch.nn.Module:
+def _build_reference(cfg: Config, mesh: DeviceMesh, model_kwargs: dict[str, object]) -> torch.nn.Module:
     """The frozen reference: --ref-load as a HF directory, or a DCP checkpoint (a --save dir or one iter_N)
     loaded into the --hf-checkpoint architecture; None: --hf-checkpoint itself."""
     import os
@@ -481,7 +488,7 @@ def _build_reference(cfg: Any, mesh: Any, model_kwargs: dict[str, Any]) -> torch
     return model
 
 
-def _set_cpu_threads(ps: Any) -> None:
+def _set_cpu_threads(ps: ParallelState) -> None:
     """On CPU, split the cores between the training ranks (they run side by side)."""
     if ps.is_cuda:
         return

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
+
+if TYPE_CHECKING:
+    from miles.backends.fsdp_utils.context_parallel import CPContext
 
 __all__ = [
     "VARLEN_ATTENTION",
@@ -172,7 +175,7 @@ def varlen_attention_forward(
     cu_seq_lens_k: torch.Tensor | None = None,
     max_length_q: int | None = None,
     position_ids: torch.Tensor | None = None,
-    miles_cp: Any = None,
+    miles_cp: CPContext | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """HF attention-interface function: query [B, H, T, D], key/value [B, Hkv, T, D] -> ([B, T, H, D], None).

@@ -31,8 +31,9 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -49,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from miles.backends.fsdp_utils.lr_scheduler import LRScheduler
+from miles.utils.types import JSON
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,13 @@ def _rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+class ResumeInfo(TypedDict):
+    """What `load_checkpoint` returns: where the run goes on, and the state saved with the checkpoint."""
+
+    next_rollout_id: int
+    extra_state: dict[str, JSON]
 
 
 def _barrier() -> None:
@@ -227,7 +236,7 @@ def save_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     lr_scheduler: LRScheduler | None,
-    extra_state: dict[str, Any] | None = None,
+    extra_state: dict[str, JSON] | None = None,
     keep_last: int | None = None,
 ) -> Path:
     """Write checkpoint ``rollout_id`` atomically; returns its final directory. Collective over all ranks.
@@ -275,7 +284,7 @@ def save_checkpoint(
     return final
 
 
-def _run_save_step(step: Any, final: Path, tmp: Path, rank: int) -> None:
+def _run_save_step(step: Callable[[], object], final: Path, tmp: Path, rank: int) -> None:
     """Run one save step on this rank; if it failed on any rank, remove the partial files and raise on all."""
     error: BaseException | None = None
     try:
@@ -343,7 +352,7 @@ def load_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     lr_scheduler: LRScheduler | None,
-) -> dict[str, Any] | None:
+) -> ResumeInfo | None:
     """Restore the checkpoint named by the tracker file; None when ``load_dir`` has no tracker.
 
     Returns ``{"next_rollout_id": int, "extra_state": dict}``. Restores model (and optimizer, scheduler when

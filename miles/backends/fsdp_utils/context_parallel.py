@@ -24,13 +24,16 @@ includes the CP dimension therefore gives the CP=1 (per DP rank: DP-mean) gradie
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from miles.backends.fsdp_utils.attention import _import_flash_varlen, use_flash_kernel
+
+if TYPE_CHECKING:
+    from torch.autograd.function import FunctionCtx
 
 __all__ = ["CPContext", "CPShard", "all_gather_autograd", "cp_attention", "cp_key_layout", "shard_for_cp"]
 
@@ -39,7 +42,7 @@ __all__ = ["CPContext", "CPShard", "all_gather_autograd", "cp_attention", "cp_ke
 class CPContext:
     """One rank's view of its context-parallel group."""
 
-    group: Any  # torch.distributed ProcessGroup of the CP ranks (None: the default world group)
+    group: dist.ProcessGroup | None  # the CP ranks' group (None: the default world group)
     rank: int  # rank within the CP group
     size: int  # CP group size
 
@@ -111,7 +114,7 @@ class _AllGather(torch.autograd.Function):
     """Concatenate equal-shaped tensors from all group ranks along `dim`; backward sums and scatters."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, cp: CPContext, dim: int) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, x: torch.Tensor, cp: CPContext, dim: int) -> torch.Tensor:
         ctx.cp, ctx.dim = cp, dim
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(cp.size)]
@@ -119,7 +122,7 @@ class _AllGather(torch.autograd.Function):
         return torch.cat(parts, dim=dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         cp, dim = ctx.cp, ctx.dim
         chunks = [c.contiguous() for c in grad.chunk(cp.size, dim=dim)]
         if dist.get_backend(cp.group) == "nccl":

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,12 @@ from miles.backends.fsdp_utils.actor import (
     _select_attention_kernel,
     _set_cpu_threads,
 )
-from miles.utils.types import Sample
+from miles.utils.types import JSON, Sample
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from torch.distributed import ProcessGroup
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +118,9 @@ class FSDPCritic(FSDPTrainer):
         self.reduction = rb.loss_reduction(cfg.algo)
         return start
 
-    def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, Any]:  # type: ignore[override]
+    def train(  # type: ignore[override]
+        self, rollout_id: int, samples: list[Sample]
+    ) -> dict[str, dict[str, float] | list[list[float]]]:
         """Train the value model on this rank's samples. Returns ``{"metrics": {...}, "values": B x [L_i]}``:
         the values before this call's update (lists of floats, in `samples` order), which GAE used."""
         from miles.algo import AdvantageInputs, compute_advantages
@@ -189,7 +196,7 @@ class FSDPCritic(FSDPTrainer):
         self.lr_scheduler.step()
         metrics.add_value("grad_norm", float(grad_norm))
 
-    def save(self, rollout_id: int, extra_state: dict[str, Any] | None = None) -> None:
+    def save(self, rollout_id: int, extra_state: dict[str, JSON] | None = None) -> None:
         from miles.backends.fsdp_utils.checkpoint import save_checkpoint
 
         cfg = self.config.checkpoint
@@ -213,7 +220,7 @@ class FSDPCritic(FSDPTrainer):
         raise ValueError("the critic does not refit rollout engines")
 
 
-def _critic_init_source(critic_load: str | None, hf_checkpoint: str) -> tuple[str, Any]:
+def _critic_init_source(critic_load: str | None, hf_checkpoint: str) -> tuple[str, Path | None]:
     """(HF directory to build the architecture from, DCP iter dir to load over it or None)."""
     from miles.backends.fsdp_utils.hf_export import resolve_dcp_checkpoint
 
@@ -230,7 +237,7 @@ def _critic_init_source(critic_load: str | None, hf_checkpoint: str) -> tuple[st
     return hf_checkpoint, dcp_dir
 
 
-def _critic_metrics(metrics: rb.MetricSum, dp_group: Any) -> dict[str, float]:
+def _critic_metrics(metrics: rb.MetricSum, dp_group: ProcessGroup | None) -> dict[str, float]:
     """critic/value_loss, critic/value_clipfrac, critic/grad_norm, critic/explained_variance over the DP group."""
     from miles.algo import stack_metrics, unstack_metrics
     from miles.algo.value_loss import explained_variance

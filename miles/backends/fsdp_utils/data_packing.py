@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,10 @@ from miles.utils.seqlen_balancing import (
     get_minimum_num_micro_batch_size,
     partition_to_packs,
 )
+from miles.utils.types import Sample
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "PER_TOKEN_FIELDS",
@@ -93,7 +97,7 @@ class PackedBatch:
         return self.response_token_positions() - 1
 
 
-def _as_list(value: Any, name: str, index: int) -> list:
+def _as_list(value: object, name: str, index: int) -> list[float]:
     if isinstance(value, torch.Tensor):
         return value.reshape(-1).tolist()
     if isinstance(value, Sequence):
@@ -101,15 +105,15 @@ def _as_list(value: Any, name: str, index: int) -> list:
     raise ValueError(f"sample {index}: {name} must be a list or a 1-D tensor, got {type(value).__name__}")
 
 
-def _sample_view(sample: Any, index: int) -> Mapping[str, Any]:
+def _sample_view(sample: object, index: int) -> Mapping[str, object]:
     if isinstance(sample, Mapping):
         return sample
-    if hasattr(sample, "to_dict"):
+    if isinstance(sample, Sample):
         return sample.to_dict()
     raise ValueError(f"sample {index} must be a dict (or a Sample), got {type(sample).__name__}")
 
 
-def _validated(samples: Sequence[Any]) -> list[dict[str, Any]]:
+def _validated(samples: Sequence[object]) -> list[dict[str, Any]]:
     """Check each sample's lengths and per-token fields; return normalised dicts with plain lists."""
     out = []
     for i, raw in enumerate(samples):
@@ -117,7 +121,10 @@ def _validated(samples: Sequence[Any]) -> list[dict[str, Any]]:
         if "tokens" not in s or "response_length" not in s:
             raise ValueError(f"sample {i} needs 'tokens' and 'response_length'; got keys {sorted(s)}")
         tokens = _as_list(s["tokens"], "tokens", i)
-        resp = int(s["response_length"])
+        length = s["response_length"]
+        if not isinstance(length, int | float | torch.Tensor) or isinstance(length, bool):
+            raise ValueError(f"sample {i}: response_length must be an integer, got {type(length).__name__}")
+        resp = int(length)
         if not 0 <= resp < len(tokens):
             raise ValueError(
                 f"sample {i}: response_length={resp} with {len(tokens)} tokens; allowed 0 <= response_length "
@@ -179,7 +186,7 @@ def _build_pack(samples: list[dict[str, Any]], indices: Sequence[int]) -> Packed
 
 
 def pack_sequences(
-    samples: Sequence[Mapping[str, Any]],
+    samples: Sequence[Mapping[str, object] | Sample],
     num_packs: int | None = None,
     max_tokens_per_pack: int | None = None,
 ) -> list[PackedBatch]:
@@ -308,7 +315,7 @@ def plan_micro_batches(
     return plan
 
 
-def dist_allreduce_max(group: Any = None) -> Callable[[int], int]:
+def dist_allreduce_max(group: ProcessGroup | None = None) -> Callable[[int], int]:
     """An `allreduce_max` for `plan_micro_batches` over a torch.distributed process group (default: world).
 
     Uses a CPU tensor for gloo groups and a tensor on the current CUDA device otherwise (NCCL).

@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from torch import nn
@@ -176,12 +175,12 @@ class MergedView:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
-    def state_dict(self, keep_vars: bool = False) -> dict[str, Any]:
+    def state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor | _LazyMerged]:
         merged = {}
         for name, module in self.model.named_modules():
             if isinstance(module, LoRALinear):
                 merged[f"{name}.weight" if name else "weight"] = _LazyMerged(module)
-        out: dict[str, Any] = {}
+        out: dict[str, torch.Tensor | _LazyMerged] = {}
         for name, t in self.model.state_dict(keep_vars=True).items():
             if name.endswith(("lora_A", "lora_B")):
                 continue

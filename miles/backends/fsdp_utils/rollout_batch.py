@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,9 @@ from miles.config import AlgoConfig, Config
 from miles.config.algo_names import default_policy_loss
 from miles.utils.misc import load_function
 from miles.utils.types import Sample
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 @dataclass
@@ -133,7 +136,7 @@ class Pack:
     indices: list[int]
 
 
-def plan_steps(batch: RankBatch, cfg: Any, ps: Any, steps_per_rollout: int) -> list[list[Pack]]:
+def plan_steps(batch: RankBatch, cfg: Config, ps: ParallelState, steps_per_rollout: int) -> list[list[Pack]]:
     """Optimizer steps of `global_batch_size / dp` samples, each a list of packs (agreed across DP ranks)."""
     t = cfg.train
     lengths = [len(x) for x in batch.tokens]
@@ -165,7 +168,7 @@ def plan_steps(batch: RankBatch, cfg: Any, ps: Any, steps_per_rollout: int) -> l
     return steps
 
 
-def old_log_probs_from_training_forward(num_steps: int, cfg: Any, has_ref: bool) -> bool:
+def old_log_probs_from_training_forward(num_steps: int, cfg: Config, has_ref: bool) -> bool:
     """Whether the old log-probs can be read off the training forward instead of a separate no-grad pass.
 
     They can when that pass is provably equal to the training forward (same weights, same packs, same kernels)
@@ -184,14 +187,14 @@ def old_log_probs_from_training_forward(num_steps: int, cfg: Any, has_ref: bool)
     return num_steps == 1 and not kl_in_reward and not a.custom_advantage_function_path
 
 
-def _all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
+def _all_reduce_sum(t: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(t, group=group)
     return t
 
 
 def compute_advantages_for(
-    batch: RankBatch, a: AlgoConfig, custom_fn: AdvantageFn | None, dp_group: Any
+    batch: RankBatch, a: AlgoConfig, custom_fn: AdvantageFn | None, dp_group: ProcessGroup | None
 ) -> None:
     """Fill `batch.advantages`/`returns` with `custom_fn` (``--custom-advantage-function-path``, resolved by
     `trainer_algo`) or the configured estimator. Group statistics stay within this rank's whole prompt groups."""
@@ -325,13 +328,13 @@ class MetricSum:
     def add_value(self, key: str, value: float) -> None:
         accumulate_metrics(self.pairs, {key: metric(value, 1.0)})
 
-    def reduce(self, dp_group: Any) -> dict[str, float]:
+    def reduce(self, dp_group: ProcessGroup | None) -> dict[str, float]:
         keys, stacked = stack_metrics(self.pairs)
         stacked = _all_reduce_sum(stacked, dp_group)
         return {f"train/{k}": v for k, v in finalize_metrics(unstack_metrics(keys, stacked)).items()}
 
 
-def batch_metrics(batch: RankBatch, dp_group: Any) -> dict[str, float]:
+def batch_metrics(batch: RankBatch, dp_group: ProcessGroup | None) -> dict[str, float]:
     """Advantage statistics over the DP group (loss tokens only: mask-0 positions are never read)."""
     t = _all_reduce_sum(local_moments(batch.advantages, batch.loss_masks), dp_group)
     n = max(float(t[2]), 1.0)
