@@ -31,9 +31,12 @@ from miles.utils.progress import ProgressBar, progress_bar
 from miles.utils.types import JSON, Sample
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from torch.distributed.device_mesh import DeviceMesh
 
     from miles.backends.fsdp_utils.lora import MergedView
+    from miles.backends.fsdp_utils.lr_scheduler import LRScheduler
     from miles.backends.fsdp_utils.parallel import ParallelState
     from miles.backends.fsdp_utils.update_weight_utils import WeightUpdater
     from miles.config import Config
@@ -238,26 +241,22 @@ class FSDPTrainer(TrainBackend):
                 metrics.add_value("first_mb_ppo_kl_abs_max", diff)
             if bar is not None:
                 bar.update()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.clip_grad)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        if not torch.isfinite(grad_norm):
-            logger.warning("non-finite grad norm %s: skipping this optimizer step", grad_norm.item())
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
-        metrics.add_value("grad_norm", float(grad_norm))
+        grad_norm = clipped_optimizer_step(
+            self.model, self.optimizer, self.lr_scheduler, cfg.optim.clip_grad, "actor"
+        )
+        metrics.add_value("grad_norm", grad_norm)
 
     # ------------------------------------------------------------------------------------------------ save
-    def save(self, rollout_id: int, extra_state: dict[str, JSON] | None = None) -> None:
+    def _save_checkpoint(self, subdir: str, rollout_id: int, extra_state: dict[str, JSON] | None) -> Path:
+        """Model, optimizer, LR schedule and `extra_state` as checkpoint `rollout_id` under `--save`/`subdir`
+        (every rank; keeps --keep-last); returns the checkpoint's directory."""
         from miles.backends.fsdp_utils.checkpoint import save_checkpoint
 
         cfg = self.config.checkpoint
         if not cfg.save:
             raise ValueError("save() called without --save")
-        final = save_checkpoint(
-            cfg.save,
+        return save_checkpoint(
+            os.path.join(cfg.save, subdir) if subdir else cfg.save,
             rollout_id,
             self.model,
             self.optimizer,
@@ -265,6 +264,9 @@ class FSDPTrainer(TrainBackend):
             extra_state=dict(extra_state or {}),
             keep_last=cfg.keep_last,
         )
+
+    def save(self, rollout_id: int, extra_state: dict[str, JSON] | None = None) -> None:
+        final = self._save_checkpoint("", rollout_id, extra_state)
         # config + tokenizer beside the weights: the checkpoint converts to HF on its own
         if self.ps.rank == 0:
             from miles.backends.fsdp_utils.hf_export import write_checkpoint_hf_files
@@ -384,6 +386,27 @@ class FSDPTrainer(TrainBackend):
             answer = [engines_have_windows(engine_urls, headers, self.config.train.refit_timeout)]
         dist.broadcast_object_list(answer, src=0)
         return bool(answer[0])
+
+
+def clipped_optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: LRScheduler,
+    clip_grad: float,
+    role: str,
+) -> float:
+    """Clip the gradients to `clip_grad` (global norm over all ranks' shards), step the optimizer unless that
+    norm is not finite (then the step is skipped, with a warning naming `role`), clear the gradients and step
+    the LR schedule either way. Returns the norm before clipping."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    if torch.isfinite(grad_norm):
+        optimizer.step()
+    else:
+        logger.warning("%s: non-finite grad norm %s: skipping this optimizer step", role, grad_norm.item())
+    optimizer.zero_grad(set_to_none=True)
+    lr_scheduler.step()
+    return float(grad_norm)
 
 
 def _perf_metrics(

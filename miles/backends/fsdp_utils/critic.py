@@ -34,6 +34,7 @@ from miles.backends.fsdp_utils.actor import (
     _param_dtype,
     _select_attention_kernel,
     _set_cpu_threads,
+    clipped_optimizer_step,
 )
 from miles.utils.types import JSON, Sample
 
@@ -186,31 +187,13 @@ class FSDPCritic(FSDPTrainer):
             loss, mb_metrics = compute_value_loss(inputs, cfg.critic.value_clip, reduction)
             loss.backward()
             metrics.add(mb_metrics)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.clip_grad)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        if torch.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            logger.warning("critic: non-finite grad norm %s: skipping this optimizer step", grad_norm.item())
-        self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
-        metrics.add_value("grad_norm", float(grad_norm))
+        grad_norm = clipped_optimizer_step(
+            self.model, self.optimizer, self.lr_scheduler, cfg.optim.clip_grad, "critic"
+        )
+        metrics.add_value("grad_norm", grad_norm)
 
     def save(self, rollout_id: int, extra_state: dict[str, JSON] | None = None) -> None:
-        from miles.backends.fsdp_utils.checkpoint import save_checkpoint
-
-        cfg = self.config.checkpoint
-        if not cfg.save:
-            raise ValueError("save() called without --save")
-        save_checkpoint(
-            os.path.join(cfg.save, CRITIC_SUBDIR),
-            rollout_id,
-            self.model,
-            self.optimizer,
-            self.lr_scheduler,
-            extra_state=dict(extra_state or {}),
-            keep_last=cfg.keep_last,
-        )
+        self._save_checkpoint(CRITIC_SUBDIR, rollout_id, extra_state)
         dist.barrier()
 
     def save_hf(self, rollout_id: int) -> None:
