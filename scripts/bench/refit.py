@@ -107,7 +107,11 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
 
     from miles.backends.fsdp_utils.model import build_fsdp_model
     from miles.backends.fsdp_utils.parallel import init_distributed
-    from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater, plan_weight_buckets
+    from miles.backends.fsdp_utils.update_weight_utils import (
+        ColocatedWeightUpdater,
+        RefitSetup,
+        plan_weight_buckets,
+    )
 
     trainer_threads = max(1, (os.cpu_count() or 1) // world)  # what FSDPTrainer sets on CPU
     torch.set_num_threads(trainer_threads)
@@ -116,7 +120,7 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
     from miles.backends.fsdp_utils.weight_window import WindowWeightUpdater
 
     kind = WindowWeightUpdater if a["transport"] == "window" else ColocatedWeightUpdater
-    updater = kind(urls, ranks_per_engine=1, rank=rank, world_size=world, timeout_s=600)
+    updater = kind(RefitSetup(urls, ranks_per_engine=1, rank=rank, world_size=world, timeout_s=600))
     bucket_bytes = int(a["bucket_mb"] * 2**20)
     times = []
     for i in range(a["repeats"] + 1):
