@@ -14,6 +14,7 @@ from contextlib import suppress
 from typing import Any
 
 from miles.config.schema import FIELDS, check_field, coerce
+from miles.utils.parallel_dims import ParallelDims
 
 DEFAULT = "default"
 CLI = "command line"
@@ -190,7 +191,7 @@ def _parallelism(v: Values) -> None:
     if world % cp:
         v.fail("context_parallel_size", f"must divide the actor world size {world} (nodes * gpus per node)")
         return
-    dp = world // cp
+    dp = ParallelDims(world, cp).dp_size
     with suppress(_Skip):
         if v["rollout_batch_size"] % dp:
             v.fail(

@@ -15,6 +15,7 @@ import ray
 from miles.ray.placement import Placement
 from miles.ray.utils import PhaseTimeoutError, get_node_ip, ray_get
 from miles.utils.net import free_port
+from miles.utils.parallel_dims import ParallelDims
 from miles.utils.types import JSON, Sample
 
 if TYPE_CHECKING:
@@ -104,7 +105,8 @@ class RayTrainGroup:
         self.role = role
         self.timeout = float(config.train.train_timeout)
         self.num_workers = num_workers
-        self.cp_size = int(config.train.context_parallel_size)
+        self.dims = ParallelDims(num_workers, int(config.train.context_parallel_size))
+        self.cp_size = self.dims.cp_size
         remote_cls = ray.remote(TrainWorker)
         config_dict = config.to_dict()
         self.workers = [
@@ -116,7 +118,7 @@ class RayTrainGroup:
 
     @property
     def dp_size(self) -> int:
-        return self.num_workers // self.cp_size
+        return self.dims.dp_size
 
     def _all(self, phase: str, method: str, *args: object) -> list[object]:
         return self._gather([getattr(w, method).remote(*args) for w in self.workers], phase)
@@ -162,7 +164,7 @@ class RayTrainGroup:
         vrefs = [None] * self.dp_size if values is None else [ray.put(v) for v in values]
         results = self._gather(
             [
-                w.train.remote(rollout_id, refs[rank // self.cp_size], vrefs[rank // self.cp_size])
+                w.train.remote(rollout_id, refs[self.dims.coords(rank)[0]], vrefs[self.dims.coords(rank)[0]])
                 for rank, w in enumerate(self.workers)
             ],
             f"{self.role} train rollout {rollout_id}",
@@ -177,7 +179,10 @@ class RayTrainGroup:
             raise ValueError(f"expected data for {self.dp_size} DP ranks, got {len(per_dp_rank)}")
         refs = [ray.put(d) for d in per_dp_rank]
         results = self._gather(
-            [w.train.remote(rollout_id, refs[rank // self.cp_size]) for rank, w in enumerate(self.workers)],
+            [
+                w.train.remote(rollout_id, refs[self.dims.coords(rank)[0]])
+                for rank, w in enumerate(self.workers)
+            ],
             f"critic train rollout {rollout_id}",
         )
         answers = cast(list[dict[str, dict[str, float] | SampleValues]], results)  # the critic's train answer
