@@ -170,17 +170,17 @@ class System:
         finally:
             self.progress.close()
             self.tracker.close()
+            for group in (self.train_group, self.critic_group):
+                if group is not None:  # a normal exit first: a SIGKILLed worker leaves its /dev/shm files
+                    group.shutdown(grace_s=2.0 if fast else 10.0)
             if self.owns_ray:
                 ray.shutdown()
             else:
                 self.release_ray_resources()
 
     def release_ray_resources(self) -> None:
-        """Kill this run's actors and free its placement group, leaving the Ray instance (not ours) running.
-        The engine actors are the fleet's: they go with it."""
-        groups = [g for g in (self.train_group, self.critic_group) if g is not None]
-        for group in groups:
-            group.shutdown()
+        """Kill this run's remaining actors and free its placement group, leaving the Ray instance (not ours)
+        running. The training workers have ended in `shutdown`; the engine actors are the fleet's: they go with it."""
         for actor in (self.rollout, self.fleet):
             if actor is not None:
                 ray.kill(actor)

@@ -211,6 +211,10 @@ class RayTrainGroup:
     def update_weights(self, engine_urls: list[str], weight_version: str) -> None:
         self._all(f"weight refit {weight_version}", "update_weights", engine_urls, weight_version)
 
-    def shutdown(self) -> None:
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        """End every worker: first a normal exit (its interpreter shuts down, so finalizers run: the refit's
+        shared-memory weight windows are unlinked), then, for a worker still busy after `grace_s`, SIGKILL."""
+        exits = [w.__ray_terminate__.remote() for w in self.workers]
+        ray.wait(exits, num_returns=len(exits), timeout=grace_s)
         for w in self.workers:
             ray.kill(w)
