@@ -90,10 +90,23 @@ class SystemSummary:
     startup_s: Spread
     final_reward: Spread  # reward of the last step
     response_len: Spread  # mean response length over all steps
+    response_tokens_per_s: Spread  # steady steps' response tokens / their seconds (fair when lengths drift)
     peak_rss_mib: Spread
     peak_pss_mib: Spread
     runs: int
     failed: int
+
+
+def response_token_rate(
+    step_end_s: list[float], response_lens: list[float], warmup: int, samples_per_step: int
+) -> float | None:
+    """Response tokens per second over the steady steps (step i's mean length x samples, over step i's time);
+    None when the run did not report one length per step."""
+    if len(response_lens) != len(step_end_s) or len(step_end_s) <= warmup:
+        return None
+    seconds = sum(step_intervals(step_end_s, warmup))
+    tokens = sum(response_lens[warmup:]) * samples_per_step
+    return tokens / seconds if seconds > 0 else None
 
 
 def summarize_system(records: list[RunRecord], warmup: int, samples_per_step: int) -> SystemSummary:
@@ -109,6 +122,14 @@ def summarize_system(records: list[RunRecord], warmup: int, samples_per_step: in
         startup_s=Spread.of([r.startup_s for r in ok]),
         final_reward=Spread.of([r.rewards[-1] for r in ok if r.rewards]),
         response_len=Spread.of([sum(r.response_lens) / len(r.response_lens) for r in ok if r.response_lens]),
+        response_tokens_per_s=Spread.of(
+            [
+                rate
+                for r in ok
+                if (rate := response_token_rate(r.step_end_s, r.response_lens, warmup, samples_per_step))
+                is not None
+            ]
+        ),
         peak_rss_mib=Spread.of([mib(r.peak_rss) for r in ok]),
         peak_pss_mib=Spread.of([mib(r.peak_pss) for r in ok]),
         runs=len(records),
@@ -147,6 +168,11 @@ def format_report(
         )
         # best-of: each system's fastest repeat (the least disturbed one on a shared machine)
         best = m.samples_per_s.hi / t.samples_per_s.hi if t.samples_per_s.n and m.samples_per_s.n else None
+        tok_ratio = (
+            m.response_tokens_per_s.median / t.response_tokens_per_s.median
+            if t.response_tokens_per_s.n and m.response_tokens_per_s.n
+            else None
+        )
         mem_ratio = (
             m.peak_pss_mib.median / t.peak_pss_mib.median if t.peak_pss_mib.n and m.peak_pss_mib.n else None
         )
@@ -170,6 +196,11 @@ def format_report(
             f"   miles/TRL samples/s: {r_txt} (medians; best repeat of each: {best_txt}; per A/B pair: "
             f"{pairs.fmt()}); peak PSS miles/TRL: {mem_txt}"
         )
+        if tok_ratio is not None:
+            lines.append(
+                f"   miles/TRL response tokens/s: {tok_ratio:.2f}x ({m.response_tokens_per_s.fmt()} vs "
+                f"{t.response_tokens_per_s.fmt()}; the fair measure when the systems' response lengths differ)"
+            )
         out[w.name] = {
             "workload": dataclasses.asdict(w),
             "placement": placements.get(w.name),
@@ -177,6 +208,7 @@ def format_report(
             "trl": dataclasses.asdict(t),
             "ratio_samples_per_s": ratio,
             "ratio_samples_per_s_best": best,
+            "ratio_response_tokens_per_s": tok_ratio,
             "ratio_per_pair": dataclasses.asdict(pairs),
             "ratio_peak_pss": mem_ratio,
         }

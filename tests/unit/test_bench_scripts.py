@@ -179,10 +179,17 @@ def test_spread_and_intervals() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ reports
-def _rec(system: str, repeat: int, ends: list[float], reward: float = 0.5, rc: int = 0) -> vs_trl.RunRecord:
+def _rec(
+    system: str,
+    repeat: int,
+    ends: list[float],
+    reward: float = 0.5,
+    rc: int = 0,
+    lens: list[float] | None = None,
+) -> vs_trl.RunRecord:
     return vs_trl.RunRecord(
         system=system, workload="quickstart", repeat=repeat, placement=None, returncode=rc, wall_s=ends[-1],
-        startup_s=5.0 + repeat, step_end_s=ends, rewards=[0.1, reward], response_lens=[2.0, 4.0],
+        startup_s=5.0 + repeat, step_end_s=ends, rewards=[0.1, reward], response_lens=lens or [2.0, 4.0],
         peak_rss=200 * 2**20, peak_pss=100 * 2**20 * (2 if system == "miles" else 1),
     )  # fmt: skip
 
@@ -211,6 +218,25 @@ def test_vs_trl_report_maths() -> None:
     assert summary["quickstart"]["ratio_samples_per_s_best"] == pytest.approx(64 / 128)
     assert summary["quickstart"]["ratio_peak_pss"] == pytest.approx(2.0)
     assert "miles/TRL samples/s: 0.38x" in text and "colocate2" in text
+
+
+def test_vs_trl_response_token_rate() -> None:
+    """Response tokens/s counts only the steady steps' tokens over their time, so a system whose responses get
+    shorter as it learns is not credited with more speed than it has."""
+    w = dataclasses.replace(bw.get_workload("varlen"), steps=4, warmup_steps=1)
+    m = _rec("miles", 0, [30.0, 32.0, 34.0, 36.0], lens=[100.0, 40.0, 40.0, 40.0])  # 40 * 128 / 2 s
+    t = _rec("trl", 0, [10.0, 11.0, 12.0, 14.0], lens=[100.0, 10.0, 10.0, 40.0])  # (10+10+40) * 128 / 4 s
+    for r in (m, t):
+        r.workload = "varlen"
+    sm = vs_trl.summarize_system([m], 1, 128)
+    st = vs_trl.summarize_system([t], 1, 128)
+    assert sm.response_tokens_per_s.median == pytest.approx(40 * 128 / 2)
+    assert st.response_tokens_per_s.median == pytest.approx(60 * 128 / 4)
+    text, summary = vs_trl.format_report([w], [m, t], {"varlen": "colocate2"})
+    assert summary["varlen"]["ratio_response_tokens_per_s"] == pytest.approx((40 * 128 / 2) / (60 * 128 / 4))
+    assert "response tokens/s: 1.33x" in text
+    assert vs_trl.response_token_rate([1.0, 2.0], [10.0, 11.0], 1, 8) == pytest.approx(88.0)
+    assert vs_trl.response_token_rate([1.0, 2.0], [10.0], 1, 8) is None  # a length per step is needed
 
 
 def test_refit_summary() -> None:
