@@ -12,9 +12,10 @@ window, one `/update_weights_from_window` per refit); `--transport handles` is `
 workload model of `bench_workloads.py` (default: the 25M-parameter one, ~100 MB in fp32).
 
 Each refit is timed on rank 0 between barriers (all buckets, every engine answered). Bytes = model bytes x
-engines. Then rank 0 copies a buffer of the same size (`dst.copy_(src)`, with the trainer's intra-op threads).
-Printed: refit s and GB/s (median
-[min-max] over repeats after one warm-up), memcpy GB/s, and the ratio refit/memcpy.
+engines. After each refit rank 0 copies a buffer of the same size (`dst.copy_(src)`, with the trainer's intra-op
+threads), so refits and copies alternate and a machine that gets busier or quieter mid-run moves both.
+Printed: refit s and GB/s (median [min-max] over repeats after one warm-up), memcpy GB/s, and the ratio
+refit/memcpy.
 
 Run it alone: `flock /tmp/miles-heavy.lock python scripts/bench/refit.py` on a shared machine.
 """
@@ -122,7 +123,12 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
     kind = WindowWeightUpdater if a["transport"] == "window" else ColocatedWeightUpdater
     updater = kind(RefitSetup(urls, ranks_per_engine=1, rank=rank, world_size=world, timeout_s=600))
     bucket_bytes = int(a["bucket_mb"] * 2**20)
-    times = []
+    tensors = {id(t): t for t in net.state_dict(keep_vars=True).values()}  # tied tensors once, as the updater
+    model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())  # full (DTensor) sizes
+    if rank == 0:  # the memcpy reference: the same bytes, copied between the refits (drift hits both alike)
+        src = torch.randint(0, 255, (model_bytes * len(urls),), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+    times, copies = [], []
     for i in range(a["repeats"] + 1):
         dist.barrier()
         t0 = time.perf_counter()
@@ -130,18 +136,12 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
         dist.barrier()
         if i:
             times.append(time.perf_counter() - t0)
-    tensors = {id(t): t for t in net.state_dict(keep_vars=True).values()}  # tied tensors once, as the updater
-    model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())  # full (DTensor) sizes
-    if rank == 0:
-        total = model_bytes * len(urls)
-        src = torch.randint(0, 255, (total,), dtype=torch.uint8)
-        dst = torch.empty_like(src)
-        copies = []
-        for i in range(a["repeats"] + 1):
+        if rank == 0:
             t0 = time.perf_counter()
             dst.copy_(src)
             if i:
                 copies.append(time.perf_counter() - t0)
+    if rank == 0:
         plan = plan_weight_buckets(net, bucket_bytes, torch.float32)
         assert len(plan) == n_buckets
         result = RefitResult(
@@ -161,7 +161,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--bucket-mb", type=float, default=512.0, help="refit bucket size in MiB (miles' default 512)"
     )
-    p.add_argument("--repeats", type=int, default=5, help="timed refits (after one warm-up)")
+    p.add_argument("--repeats", type=int, default=10, help="timed refits (after one warm-up)")
     p.add_argument(
         "--transport",
         default="window",

@@ -1,8 +1,10 @@
 """Bucketed weight refit from FSDP2 training ranks to SGLang-protocol rollout engines.
 
-`iter_weight_buckets` walks the model's tensors that a HF checkpoint holds, all-gathers each sharded tensor
-(a collective: every rank walks the same plan in the same order), casts it to the engine dtype and yields buckets
-of at most ``bucket_bytes``. Only one bucket of full tensors exists at a time.
+`iter_weight_buckets` walks the model's tensors that a HF checkpoint holds in buckets of at most ``bucket_bytes``,
+casts them to the engine dtype and yields each bucket's full tensors. The FSDP2 shards of a bucket travel in one
+all-gather of a flat buffer (not one collective per tensor), and a refit may name destinations (the weight
+window's views) the gathered rows are unpacked into directly. Collective: every rank walks the same plan in the
+same order. Only one bucket of full tensors exists at a time.
 
 `WeightUpdater` is what the trainer refits through, built from a `RefitSetup` (engines, ranks per engine, this
 rank, key, deadline, checksum check); each transport implements `_refit` over `stream_buckets`.
@@ -28,13 +30,13 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from miles.backends.fsdp_utils.engine_client import begin_sessions, end_sessions, verify_refit
 from miles.utils.engine_http import bearer, post_engine
@@ -100,6 +102,9 @@ def _plan(entries: list[_Entry], bucket_bytes: int) -> list[list[_Entry]]:
     return buckets
 
 
+Bucket = list[tuple[str, torch.Tensor]]  # [(hf_name, full tensor), ...]
+
+
 def _full_tensor(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """All-gather a DTensor (moving a CPU-offloaded shard to the mesh's device first) and cast floats."""
     if isinstance(t, DTensor) and t.device_mesh.size() == 1:
@@ -115,16 +120,101 @@ def _full_tensor(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t
 
 
-def _buckets_with_progress(
-    model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None, n_buckets: int, weight_version: str
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """`iter_weight_buckets` under a progress bar over the buckets (drawn by global rank 0 only)."""
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    buckets = iter_weight_buckets(model, bucket_bytes, dtype)
-    return track(buckets, n_buckets, f"refit {weight_version}", unit="bucket", enabled=rank0)
+def _out_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
 
-Bucket = list[tuple[str, torch.Tensor]]  # [(hf_name, full tensor), ...]
+def _row_sharded(t: torch.Tensor) -> DTensor | None:
+    """``t`` when it is a DTensor sharded along dim 0 over a 1-D mesh of more than one rank (what FSDP2's
+    ``fully_shard`` makes), so that its shards can join a bucket's single all-gather; None otherwise."""
+    if (
+        isinstance(t, DTensor)
+        and t.device_mesh.ndim == 1
+        and t.device_mesh.size() > 1
+        and t.placements == (Shard(0),)
+        and t.dim() > 0
+    ):
+        return t
+    return None
+
+
+_GATHER_ALIGN = 64  # bytes; every piece of a gather buffer starts aligned, so it can be viewed as any dtype
+
+
+def _aligned(n: int) -> int:
+    return (n + _GATHER_ALIGN - 1) // _GATHER_ALIGN * _GATHER_ALIGN
+
+
+def _gather_rows(
+    tensors: list[DTensor], dtype: torch.dtype | None, into: list[torch.Tensor | None]
+) -> list[torch.Tensor]:
+    """Full tensors of row-sharded DTensors on one mesh with one all-gather of a flat byte buffer.
+
+    Shard(0) splits dim 0 as ``torch.chunk`` does: rank r holds rows ``[r*c, min(n, (r+1)*c))`` with
+    ``c = ceil(n / world)``. Each rank packs its shards (cast to the output dtype) into a slot of equal size, the
+    gathered slots are unpacked row block by row block into ``into[i]`` when given (a tensor of the full shape,
+    e.g. the engine's view in a weight window: no intermediate full tensor) or into a fresh tensor. Transient
+    memory: the gathered buffer (the bucket's bytes) next to the bucket's full tensors while unpacking."""
+    mesh = tensors[0].device_mesh
+    world, me = mesh.size(), mesh.get_local_rank()
+    device = torch.device(mesh.device_type)
+    pieces = []  # (offset in a slot, rows per chunk, bytes per row, out dtype)
+    slot = 0
+    for t in tensors:
+        out_dtype = _out_dtype(t, dtype)
+        row_bytes = t.shape[1:].numel() * out_dtype.itemsize
+        chunk = -(-t.shape[0] // world)
+        pieces.append((slot, chunk, row_bytes, out_dtype))
+        slot = _aligned(slot + chunk * row_bytes)
+    send = torch.empty(slot, dtype=torch.uint8, device=device)
+    for t, (offset, chunk, row_bytes, out_dtype) in zip(tensors, pieces, strict=True):
+        local = t.to_local().detach()
+        mine = max(0, min(t.shape[0], (me + 1) * chunk) - me * chunk)
+        assert local.shape[0] == mine, (
+            f"{tuple(t.shape)} over {world} ranks: rank {me} holds {local.shape[0]}"
+        )
+        if local.numel():
+            part = send[offset : offset + local.shape[0] * row_bytes].view(out_dtype).view(local.shape)
+            part.copy_(local)  # casts; moves a CPU-offloaded shard to the mesh's device
+    gathered = torch.empty(world * slot, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(gathered, send, group=mesh.get_group())
+    del send
+    full = []
+    for t, (offset, chunk, row_bytes, out_dtype), dest in zip(tensors, pieces, into, strict=True):
+        out = dest if dest is not None else torch.empty(t.shape, dtype=out_dtype, device=device)
+        n_rows = t.shape[0]
+        for r in range(world):
+            lo, hi = min(n_rows, r * chunk), min(n_rows, (r + 1) * chunk)
+            if hi > lo:
+                start = r * slot + offset
+                block = gathered[start : start + (hi - lo) * row_bytes].view(out_dtype)
+                out[lo:hi].copy_(block.view((hi - lo, *t.shape[1:])))
+        full.append(out)
+    return full
+
+
+@torch.no_grad()  # also makes DTensor.to_local a plain view (no autograd node per tensor)
+def _gather_bucket(
+    bucket: list[_Entry], dtype: torch.dtype | None, into: Mapping[str, torch.Tensor] | None
+) -> Bucket:
+    """The full tensors of one bucket, in its order. Row-sharded DTensors on one mesh share one all-gather
+    (`_gather_rows`); a tensor named in ``into`` with the full shape and output dtype is gathered straight into
+    that tensor. Everything else goes through `_full_tensor` one by one, in the bucket's order (collective too:
+    every rank takes the same path for the same tensor)."""
+    rows: dict[int, tuple[DTensor, torch.Tensor | None]] = {}  # bucket index -> (DTensor, destination)
+    mesh = None
+    for i, e in enumerate(bucket):
+        t = _row_sharded(e.tensor)
+        if t is not None and (mesh is None or t.device_mesh == mesh):
+            mesh = t.device_mesh
+            dest = into.get(e.name) if into is not None else None
+            fits = dest is not None and dest.shape == t.shape and dest.dtype == _out_dtype(t, dtype)
+            rows[i] = (t, dest if fits else None)
+    full: dict[int, torch.Tensor] = {}
+    if rows:
+        gathered = _gather_rows([t for t, _ in rows.values()], dtype, [d for _, d in rows.values()])
+        full = dict(zip(rows, gathered, strict=True))
+    return [(e.name, full[i] if i in full else _full_tensor(e.tensor, dtype)) for i, e in enumerate(bucket)]
 
 
 @dataclass(frozen=True)
@@ -139,19 +229,25 @@ class RefitJob:
 
 
 def stream_buckets(
-    job: RefitJob, checksums: dict[str, str] | None, send: Callable[[Bucket, int, bool], None]
+    job: RefitJob,
+    checksums: dict[str, str] | None,
+    send: Callable[[Bucket, int, bool], None],
+    into: Mapping[str, torch.Tensor] | None = None,
 ) -> int:
     """Gather every bucket (collective: every rank calls this), add its tensors' checksums to ``checksums`` when
     given, and hand it to ``send(bucket, index, is_last)``; only one bucket of full tensors is alive at a time.
-    Returns the number of buckets."""
-    n_buckets = len(_plan(_hf_tensors(job.model, job.dtype), job.bucket_bytes))
-    buckets = _buckets_with_progress(job.model, job.bucket_bytes, job.dtype, n_buckets, job.weight_version)
-    for index, bucket in enumerate(buckets):
+    A sharded tensor named in ``into`` (of its full shape and output dtype) is gathered straight into that tensor,
+    which the bucket then holds. Returns the number of buckets."""
+    plan = _plan(_hf_tensors(job.model, job.dtype), job.bucket_bytes)
+    buckets = (_gather_bucket(entries, job.dtype, into) for entries in plan)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    progress = track(buckets, len(plan), f"refit {job.weight_version}", unit="bucket", enabled=rank0)
+    for index, bucket in enumerate(progress):
         if checksums is not None:
             checksums.update((name, tensor_checksum(t)) for name, t in bucket)
-        send(bucket, index, index == n_buckets - 1)
+        send(bucket, index, index == len(plan) - 1)
         del bucket  # freed before the next gather
-    return n_buckets
+    return len(plan)
 
 
 def iter_weight_buckets(
@@ -161,8 +257,8 @@ def iter_weight_buckets(
 
     Collective when the model is sharded: every rank must consume the iterator to the end, in step.
     """
-    for bucket in _plan(_hf_tensors(model, dtype), bucket_bytes):
-        yield [(e.name, _full_tensor(e.tensor, dtype)) for e in bucket]
+    for entries in _plan(_hf_tensors(model, dtype), bucket_bytes):
+        yield _gather_bucket(entries, dtype, None)
 
 
 @dataclass(frozen=True)
@@ -331,8 +427,10 @@ class ColocatedWeightUpdater(WeightUpdater):
 
 def raise_if_any_failed(error: str | None, world_size: int, group: dist.ProcessGroup) -> None:
     """Collective: every rank learns every rank's error (None: fine) and all raise together, so none hangs."""
-    errors: list[str | None] = [None] * world_size
-    dist.all_gather_object(errors, error, group=group)
+    errors: list[str | None] = [error]
+    if world_size > 1:  # one rank alone has nobody to tell: no collective
+        errors = [None] * world_size
+        dist.all_gather_object(errors, error, group=group)
     failed = [e for e in errors if e is not None]
     if failed:
         raise RuntimeError("weight update failed: " + " | ".join(failed))

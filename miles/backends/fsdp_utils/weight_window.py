@@ -3,8 +3,9 @@
 The per-bucket tensor-handle path copies every tensor into fresh shared memory, pickles handles, posts each
 bucket and lets the engine copy it again. Here the trainer owns one file in shared memory per engine, created at
 the first refit from the engine's own layout (`/weight_window_layout`, see `miles.engines.local.window`) and reused
-at every refit: each leader rank writes every gathered tensor straight into its view (the engine's fused q/k/v and
-gate/up blocks included), then posts one `/update_weights_from_window`, and the engine points its parameters at
+at every refit: each leader rank writes every tensor straight into its view (the engine's fused q/k/v and
+gate/up blocks included; FSDP2 shards are all-gathered once per bucket and unpacked directly into the views, no
+full tensor in between), then posts one `/update_weights_from_window`, and the engine points its parameters at
 the views without copying. That one call is the whole refit on the engine: its own weight-update session (no
 begin/end round trips), and its answer names the weight version the engine then serves, which must be ours;
 `check_equal` compares per-tensor checksums as on every other path.
@@ -13,6 +14,18 @@ Only the embedded engine speaks this (`miles.backends.fsdp_utils.actor` picks it
 layout endpoint); SGLang engines keep the handle path and its contract. A restarted engine has no mapping: the next
 `update_weights_from_window` names the same file, and the engine maps it again. The file lives until the trainer
 process exits (it is unlinked then).
+
+The same design on GPUs (CUDA IPC), not built: it could not be tested where it was written (no GPU).
+The window would be one device buffer the trainer allocates once per engine from the same layout; its handle
+(`torch.multiprocessing.reductions.reduce_tensor` of the flat buffer: the `cudaIpcMemHandle_t` of the allocation
+plus offset, or an expandable-segments handle) travels once, with `/update_weights_from_window` naming it instead
+of a path, and the engine opens it once (`rebuild_cuda_tensor`) and keeps its views, exactly as it keeps the
+mapped file here. Per refit the trainer's gather writes into the buffer on its stream and synchronises before
+the HTTP call (the engine then reads it on its own stream, so no CUDA event needs to cross processes); the layout
+digest and the weight version keep the same role. What differs from shared memory: the buffer must come from
+outside the caching allocator's reuse (or be kept referenced for the engine's lifetime), an engine on another
+device needs peer access, and a release (`/release_memory_occupation`) on the engine must drop its views, since
+the memory is the trainer's.
 """
 
 from __future__ import annotations
@@ -107,6 +120,9 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
             )
         super().__init__(setup)
         self.window: TrainerWindow | None = None
+        # engines whose window every rank knows to be set up (the same set on every rank, so that all skip the
+        # setup's collective together)
+        self._ready: set[str] = set()
 
     def _ensure_window(self, url: str, model: nn.Module, dtype: torch.dtype | None) -> None:
         if self.window is not None:
@@ -124,7 +140,11 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
         """Write every tensor into the targeted engines' windows and load them with one call per engine, inside
         a weight-update session; verify versions (and checksums with ``check_equal``). Returns the buckets."""
         url = self._url_if_targeted(targets)
-        self._on(True, lambda: url and self._ensure_window(url, job.model, job.dtype))
+        if not self._ready.issuperset(targets):
+            self._on(True, lambda: url and self._ensure_window(url, job.model, job.dtype))
+            self._ready.update(targets)
+        # the sharded tensors are gathered straight into our window's views (`_write` then has nothing to copy)
+        into = self.window.views if url is not None and self.window is not None else None
         checksums: dict[str, str] | None = {} if self.check_equal and url is not None else None
         error: str | None = None
 
@@ -138,7 +158,7 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
             except Exception as exc:  # noqa: BLE001 - reported to every rank below
                 error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
 
-        n_buckets = stream_buckets(job, checksums, write)
+        n_buckets = stream_buckets(job, checksums, write, into)
         self._raise_if_any_failed(error)
         self._on(True, lambda: url and self._load(url, job.weight_version, checksums))
         return n_buckets
@@ -147,7 +167,9 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
     def _write(self, bucket: Bucket) -> None:
         assert self.window is not None
         for name, tensor in bucket:
-            self.window.views[name].copy_(tensor)
+            view = self.window.views[name]
+            if tensor is not view:  # not gathered into the window already
+                view.copy_(tensor)
 
     def _load(self, url: str, weight_version: str, checksums: dict[str, str] | None) -> None:
         """One call loads the window (its own weight-update session on the engine); the answer names the version
