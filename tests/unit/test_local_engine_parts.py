@@ -246,10 +246,7 @@ def test_fused_projections_follow_refits_and_weight_release():
     again, seen, _ = drive(runner, {0: [_req("a", [3, 4, 5], 5), _req("b", [9], 4)]}, slots=2, capacity=32)
     assert {r: q.output_ids for r, q in again.items()} == {r: q.output_ids for r, q in done.items()}
     assert runner.layers[1].qkv.weight()[0].data_ptr() == attn.q_proj.weight.data_ptr()
-    assert (
-        runner.layers[0].gate_up.weight()[0].data_ptr()
-        == model.model.layers[0].mlp.gate_proj.weight.data_ptr()
-    )
+    assert runner.layers[0].up.weight()[0].data_ptr() == model.model.layers[0].mlp.up_proj.weight.data_ptr()
     _check_against_forward(model, again, seen)
 
 

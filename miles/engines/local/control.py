@@ -203,12 +203,7 @@ class WeightControl:
         if self._window_plan is None:
             store = self.weights
             shapes = {n: store.shape_dtype(n)[0] for n in store.names}
-            fused = [
-                g
-                for layer in getattr(self.runner, "layers", [])
-                for g in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-                if g is not None
-            ]
+            fused = [g for layer in getattr(self.runner, "layers", []) for g in layer.projections()]
             aliases = {a: store.resolve(a) for a in store.aliases}
             self._window_plan = plan_layout(store.params, shapes, aliases, fused, self.dtype)
         return self._window_plan

@@ -1,4 +1,4 @@
-"""Projections of the embedded engine's decoder layers, each one matmul: q/k/v together, o, gate/up together, down.
+"""Projections of the embedded engine's decoder layers, each one matmul: q/k/v together, o, gate, up, down.
 
 `FusedLinear` keeps the weights of its `nn.Linear`s as column blocks of one `[in, out]` buffer (transposed
 storage) and points each module's parameter at its block (a `[out_i, in]` view, stride `(1, out)`); biases are
