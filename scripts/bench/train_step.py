@@ -12,7 +12,7 @@ prompts of ~10 tokens, responses of exactly `max_response_len` tokens, GRPO rewa
   (the children import `miles` from there), runs interleaved over `--repeats`.
 - ``hf``: one process with all cores, the HF model in train mode, micro-batches of `micro_batch_size` right-padded
   samples (SDPA, attention mask), log-softmax of the response logits, a GRPO-shaped loss, backward, grad clip,
-  AdamW: the floor a plain trainer such as TRL pays for the same tokens.
+  fused AdamW (TRL's default): the floor a plain trainer such as TRL pays for the same tokens.
 
 Prints median seconds per step after `--warmup` steps per system and the ratio miles / hf.
 """
@@ -43,7 +43,9 @@ PROMPT_LEN = (8, 12)
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="compute", choices=sorted(WORKLOADS))
-    p.add_argument("--ranks", type=int, default=2, help="miles training ranks (the cores are split between them)")
+    p.add_argument(
+        "--ranks", type=int, default=2, help="miles training ranks (the cores are split between them)"
+    )
     p.add_argument("--steps", type=int, default=3, help="timed train steps per run, after --warmup")
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps per run")
     p.add_argument("--repeats", type=int, default=1, help="interleaved rounds over the systems")
@@ -55,7 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-hf", action="store_true", help="skip the plain HF floor")
     p.add_argument("--profile", default=None, help="py-spy raw profile of miles rank 0 in the last run")
-    p.add_argument("--torch-profile", action="store_true", help="torch.profiler table of miles rank 0's last step")
+    p.add_argument(
+        "--torch-profile", action="store_true", help="torch.profiler table of miles rank 0's last step"
+    )
     p.add_argument("--model-dir", default=None, help="reuse this built model (built there when missing)")
     p.add_argument("--child", choices=("miles", "hf"), help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -107,7 +111,7 @@ def miles_child(a: argparse.Namespace, w: Workload) -> None:
     trainer = FSDPTrainer(parse_config(argv), a.rank, world)
     trainer.init("actor", with_ref=False)
     vocab = _vocab(a.model_dir)
-    times, train_metric = [], []
+    times, cpu = [], []
     for step in range(a.warmup + a.steps):
         rows = synthetic_batch(w, vocab, seed=step)
         mine = [r for i, r in enumerate(rows) if i % world == a.rank]  # the driver's round-robin split
@@ -116,18 +120,19 @@ def miles_child(a: argparse.Namespace, w: Workload) -> None:
                    for i, r in enumerate(mine)]  # fmt: skip
         last = step == a.warmup + a.steps - 1
         prof = torch.profiler.profile() if a.torch_profile and last else contextlib.nullcontext()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with prof:
-            metrics = trainer.train(step, samples)
-        dt = time.perf_counter() - t0
+            trainer.train(step, samples)
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         if a.torch_profile and last and a.rank == 0:
-            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+            table = prof.key_averages().table(
+                sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60
+            )
             print(table, file=sys.stderr)
         if step >= a.warmup:
             times.append(dt)
-            train_metric.append(metrics.get("train/loss", float("nan")))
-    if a.rank == 0:
-        print(json.dumps({"times": times, "threads": torch.get_num_threads(), "loss": train_metric}))
+            cpu.append(dc)
+    print(json.dumps({"times": times, "cpu": cpu, "threads": torch.get_num_threads()}))
 
 
 def hf_child(a: argparse.Namespace, w: Workload) -> None:
@@ -137,12 +142,12 @@ def hf_child(a: argparse.Namespace, w: Workload) -> None:
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32, attn_implementation="sdpa")
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=w.lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=w.lr, fused=True)  # TRL's default (adamw_torch_fused)
     vocab = _vocab(a.model_dir)
-    times = []
+    times, cpu = [], []
     for step in range(a.warmup + a.steps):
         rows = synthetic_batch(w, vocab, seed=step)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         rewards = torch.tensor([r["reward"] for r in rows]).view(w.n_prompts, w.n_samples)
         adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).view(-1)
         for s in range(0, len(rows), w.micro_batch_size):
@@ -168,7 +173,8 @@ def hf_child(a: argparse.Namespace, w: Workload) -> None:
         opt.zero_grad(set_to_none=True)
         if step >= a.warmup:
             times.append(time.perf_counter() - t0)
-    print(json.dumps({"times": times, "threads": torch.get_num_threads()}))
+            cpu.append(time.process_time() - c0)
+    print(json.dumps({"times": times, "cpu": cpu, "threads": torch.get_num_threads()}))
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -187,7 +193,9 @@ def run_miles(a: argparse.Namespace, code: str, profile: str | None) -> dict:
         cmd = [sys.executable, __file__, "--child", "miles", "--rank", str(rank), "--model-dir", a.model_dir,
                "--workload", a.workload, "--ranks", str(a.ranks), "--steps", str(a.steps),
                "--warmup", str(a.warmup)] + (["--torch-profile"] if a.torch_profile else [])  # fmt: skip
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     spy = None
     if profile:
         spy = subprocess.Popen(["py-spy", "record", "--pid", str(procs[0].pid), "-r", "100", "--format", "raw",
@@ -202,7 +210,9 @@ def run_miles(a: argparse.Namespace, code: str, profile: str | None) -> dict:
     if a.torch_profile:
         table = outs[0][1]
         print(table[table.find("-----") :], flush=True)
-    return json.loads(outs[0][0].strip().splitlines()[-1])
+    ranks = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    # wall time: rank 0's (the ranks meet in collectives every step); CPU time: all ranks' together
+    return {**ranks[0], "cpu": [sum(c) for c in zip(*(r["cpu"] for r in ranks))]}
 
 
 def run_hf(a: argparse.Namespace) -> dict:
@@ -227,24 +237,26 @@ def main(argv: list[str] | None = None) -> int:
         a.model_dir = tmp.name
     if not os.path.exists(os.path.join(a.model_dir, "config.json")):
         build_model(w, a.model_dir)
-    results: dict[str, list[float]] = {}
+    walls: dict[str, list[float]] = {}
+    cpus: dict[str, list[float]] = {}
     for rep in range(a.repeats):
         systems = [f"miles@{c}" for c in codes] + ([] if a.no_hf else ["hf"])
         for name in systems if rep % 2 == 0 else systems[::-1]:
             last = rep == a.repeats - 1 and name == f"miles@{codes[-1]}"
             r = run_hf(a) if name == "hf" else run_miles(a, name[6:], a.profile if last else None)
-            results.setdefault(name, []).extend(r["times"])
-            print(f"{name}: {' '.join(f'{t:.2f}' for t in r['times'])} s ({r['threads']} threads/process)",
-                  flush=True)  # fmt: skip
+            walls.setdefault(name, []).extend(r["times"])
+            cpus.setdefault(name, []).extend(r["cpu"])
+            print(f"{name}: wall {' '.join(f'{t:.2f}' for t in r['times'])} s, CPU {' '.join(f'{t:.2f}' for t in r['cpu'])} s "
+                  f"({r['threads']} threads/process)", flush=True)  # fmt: skip
     print(f"workload {w.name}: {w.samples_per_step} samples/step, micro-batch {w.micro_batch_size}, "
-          f"miles ranks {a.ranks}")  # fmt: skip
-    med = {k: statistics.median(v) for k, v in results.items()}
-    for name, m in med.items():
-        ratio = f"  ({m / med['hf']:.2f}x hf)" if "hf" in med and name != "hf" else ""
-        print(f"  {name:<40} median {m:7.3f} s/step{ratio}")
-    if len(codes) == 2:
-        a_med, b_med = med[f"miles@{codes[0]}"], med[f"miles@{codes[1]}"]
-        print(f"  second / first: {b_med / a_med:.3f}")
+          f"miles ranks {a.ranks}; medians per step (CPU: all processes' CPU seconds, robust to other load)")  # fmt: skip
+    for label, results in (("wall", walls), ("CPU", cpus)):
+        med = {k: statistics.median(v) for k, v in results.items()}
+        for name, m in med.items():
+            ratio = f"  ({m / med['hf']:.2f}x hf)" if "hf" in med and name != "hf" else ""
+            print(f"  {label:<4} {name:<40} {m:7.3f} s{ratio}")
+        if len(codes) == 2:
+            print(f"  {label:<4} second / first: {med[f'miles@{codes[1]}'] / med[f'miles@{codes[0]}']:.3f}")
     if tmp is not None:
         tmp.cleanup()
     return 0
