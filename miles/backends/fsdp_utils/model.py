@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 _ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 _OPTIMIZERS = ("adam", "sgd")
+_FUSED_ADAM_DEVICES = ("cpu", "cuda")
 
 
 def _check_attn(attn_implementation: str) -> None:
@@ -219,14 +220,18 @@ def build_optimizer(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
 ) -> torch.optim.Optimizer:
-    """``adam`` -> AdamW (decoupled weight decay), ``sgd`` -> SGD (no momentum). Only trainable params."""
+    """``adam`` -> AdamW (decoupled weight decay), ``sgd`` -> SGD (no momentum). Only trainable params.
+
+    AdamW runs its fused kernel (one pass over each parameter's state instead of one per operation; what HF's
+    Trainer and TRL use by default): the same update up to rounding (~1 ulp), ~3x faster on CPU."""
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("build_optimizer: no parameters require grad")
     if lr < 0:
         raise ValueError(f"--lr={lr}: must be >= 0")
     if name == "adam":
-        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        fused = all(p.device.type in _FUSED_ADAM_DEVICES for p in params)
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"--optimizer={name!r} is not supported; allowed: {_OPTIMIZERS}")
