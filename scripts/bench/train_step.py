@@ -132,7 +132,8 @@ def miles_child(a: argparse.Namespace, w: Workload) -> None:
         if step >= a.warmup:
             times.append(dt)
             cpu.append(dc)
-    print(json.dumps({"times": times, "cpu": cpu, "threads": torch.get_num_threads()}))
+    print(json.dumps({"times": times, "cpu": cpu, "threads": torch.get_num_threads()}), flush=True)
+    torch.distributed.destroy_process_group()  # gloo threads left running at exit can abort the process
 
 
 def hf_child(a: argparse.Namespace, w: Workload) -> None:
