@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 _ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 _OPTIMIZERS = ("adam", "sgd")
+_FUSED_ADAM_DEVICES = ("cpu", "cuda")
 
 
 def _check_attn(attn_implementation: str) -> None:
@@ -134,7 +135,7 @@ def build_fsdp_model(
     attn_implementation: str = "sdpa",
     gradient_checkpointing: bool = False,
     device: torch.device | str = "cpu",
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
     flag: str = "--hf-checkpoint",
     transform: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
@@ -144,12 +145,17 @@ def build_fsdp_model(
     (CPU when ``cpu_offload``). ``transform`` edits the module tree on every rank before sharding (a value
     head, LoRA adapters); parameters it creates take rank 0's values. Collective: every rank of ``mesh`` must
     call it.
+
+    ``reshard_after_forward`` (None: `default_reshard_after_forward` of ``device``) frees each layer's gathered
+    parameters after its forward, so the backward gathers them again.
     """
     if mesh.ndim != 1 or mesh.size() != dist.get_world_size():
         # set_model_state_dict(broadcast_from_rank0=True) broadcasts from global rank 0 over the default group
         raise ValueError(
             f"build_fsdp_model needs a 1-D mesh over all {dist.get_world_size()} ranks, got {mesh}"
         )
+    if reshard_after_forward is None:
+        reshard_after_forward = default_reshard_after_forward(device)
     is_src = dist.get_rank() == 0
     model = load_hf_model(
         path, attn_implementation, torch.float32, gradient_checkpointing, on_meta=not is_src, flag=flag
@@ -168,6 +174,15 @@ def build_fsdp_model(
     _broadcast_buffers(model, mesh.get_group())
     del full_sd
     return model
+
+
+def default_reshard_after_forward(device: torch.device | str) -> bool:
+    """Whether a trained model frees its gathered layers after the forward: on an accelerator yes (device memory
+    is what sharding saves); on CPU no: the ranks share the host's memory, the gathered copy of a layer is
+    as large as the activations kept for its backward, and keeping it until the backward saves every layer's
+    second all-gather (measured: ~0.4 s of a 15 s step of a 25M model on 2 gloo ranks, scripts/bench/train_step.py).
+    The backward frees it either way; the numbers are the same (an all-gather is a copy)."""
+    return torch.device(device).type != "cpu"
 
 
 def build_reference_model(
@@ -189,6 +204,7 @@ def build_reference_model(
         reduce_dtype,
         cpu_offload=True,
         attn_implementation=attn_implementation,
+        reshard_after_forward=True,  # no backward: a gathered layer would stay gathered
         flag=flag,
     )
     model.eval()
@@ -204,14 +220,18 @@ def build_optimizer(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
 ) -> torch.optim.Optimizer:
-    """``adam`` -> AdamW (decoupled weight decay), ``sgd`` -> SGD (no momentum). Only trainable params."""
+    """``adam`` -> AdamW (decoupled weight decay), ``sgd`` -> SGD (no momentum). Only trainable params.
+
+    AdamW runs its fused kernel (one pass over each parameter's state instead of one per operation; what HF's
+    Trainer and TRL use by default): the same update up to rounding (~1 ulp), ~3x faster on CPU."""
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("build_optimizer: no parameters require grad")
     if lr < 0:
         raise ValueError(f"--lr={lr}: must be >= 0")
     if name == "adam":
-        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        fused = all(p.device.type in _FUSED_ADAM_DEVICES for p in params)
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"--optimizer={name!r} is not supported; allowed: {_OPTIMIZERS}")
