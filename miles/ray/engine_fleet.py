@@ -19,7 +19,7 @@ import os
 from miles.ray.engine_health import HealthMonitor, HealthSettings
 from miles.ray.placement import Placement
 from miles.ray.utils import ray_get
-from miles.utils.engine_http import EngineUnreachable, bearer, health_problem, request
+from miles.utils.engine_http import bearer, health_problem, post_to_engines
 
 logger = logging.getLogger(__name__)
 
@@ -191,15 +191,7 @@ class EngineFleet:
     # ----------------------------------------------------------------------------------------------- control
     def _post_all(self, path: str, body: dict | None = None) -> None:
         headers = bearer(self.config.engine.engine_api_key)
-        for url in self.engine_urls:
-            try:
-                request("POST", url, path, "engine control", self.timeout, headers, body or {})
-            except EngineUnreachable as e:  # refused, reset: the engine process is gone
-                raise EngineUnreachable(
-                    url, e.endpoint, e.what, e.phase,
-                    f"cannot reach the engine ({e.__cause__!r}); a dead engine ends the run unless "
-                    "--use-fault-tolerance restarts it",
-                ) from e  # fmt: skip
+        post_to_engines(self.engine_urls, path, body or {}, headers, self.timeout, "engine control")
 
     def release_memory(self, tags: list[str] | None = None) -> None:
         self._post_all("/release_memory_occupation", {"tags": tags})
