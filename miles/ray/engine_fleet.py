@@ -15,51 +15,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 
 from miles.ray.engine_health import HealthMonitor, HealthSettings
 from miles.ray.placement import Placement
 from miles.ray.utils import ray_get
-from miles.utils.engine_http import EngineCallError, EngineUnreachable, bearer, health_problem, request
-from miles.utils.types import JSON
+from miles.utils.engine_http import bearer, health_problem, post_to_engines
 
 logger = logging.getLogger(__name__)
-
-
-def _post_one(
-    url: str, path: str, body: Mapping[str, JSON], headers: Mapping[str, str], timeout_s: float
-) -> None:
-    try:
-        request("POST", url, path, "engine control", timeout_s, headers, body)
-    except EngineUnreachable as e:  # refused, reset: the engine process is gone
-        raise EngineUnreachable(
-            url, e.endpoint, e.what, e.phase,
-            f"cannot reach the engine ({e.__cause__!r}); a dead engine ends the run unless "
-            "--use-fault-tolerance restarts it",
-        ) from e  # fmt: skip
-
-
-def post_to_engines(
-    urls: list[str], path: str, body: Mapping[str, JSON], headers: Mapping[str, str], timeout_s: float
-) -> None:
-    """POST the control call `path` to every engine at once (a thread per engine, each call with its own
-    deadline `timeout_s`) and wait for every answer. Every engine gets the call even when another fails; then
-    the first failure in `urls` order is raised (an `EngineCallError` naming its engine URL, endpoint and phase),
-    with the other failures as notes."""
-    if len(urls) <= 1:
-        for url in urls:
-            _post_one(url, path, body, headers, timeout_s)
-        return
-    with ThreadPoolExecutor(len(urls), thread_name_prefix="engine-control") as pool:
-        futures = [pool.submit(_post_one, url, path, body, headers, timeout_s) for url in urls]
-    errors = [e for e in (f.exception() for f in futures) if e is not None]
-    if errors:
-        first = errors[0]
-        for other in errors[1:]:
-            where = other.url if isinstance(other, EngineCallError) else "an engine"
-            first.add_note(f"{where} failed too: {other}")
-        raise first
 
 
 class EngineFleet:
@@ -228,9 +190,8 @@ class EngineFleet:
 
     # ----------------------------------------------------------------------------------------------- control
     def _post_all(self, path: str, body: dict | None = None) -> None:
-        post_to_engines(
-            self.engine_urls, path, body or {}, bearer(self.config.engine.engine_api_key), self.timeout
-        )
+        headers = bearer(self.config.engine.engine_api_key)
+        post_to_engines(self.engine_urls, path, body or {}, headers, self.timeout, "engine control")
 
     def release_memory(self, tags: list[str] | None = None) -> None:
         self._post_all("/release_memory_occupation", {"tags": tags})

@@ -4,7 +4,9 @@
   1. keep enough prompt groups in flight to fill the batch: whenever kept + in-flight groups are fewer than
      `--rollout-batch-size`, take `--over-sampling-batch-size` more groups: first from the partial-rollout
      buffer, then fresh prompts from the data source;
-  2. each group is generated (the generate function, once per unfinished sample) and scored as a whole;
+  2. each group is generated (the generate function, once per unfinished sample) and scored as a whole; the
+     requests of one group go out as one batch request, and those of all the groups taken at once as one batch
+     request per engine when the rollout needs every one of them (no group filter, none beyond the batch);
   3. a finished group goes through the group filter (`--dynamic-sampling-filter-path`); a dropped group is
      counted by reason (`rollout/filtered_groups/<reason>`) and its prompt is spent;
   4. once `--rollout-batch-size` groups passed, generation stops: new requests are not sent and in-flight ones
@@ -22,6 +24,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections import Counter
 from collections.abc import Awaitable
@@ -34,7 +37,7 @@ from miles.rollout.base_types import (
     RolloutContext,
     RolloutOutput,
 )
-from miles.rollout.engine_client import EngineClient, EngineError, batching
+from miles.rollout.engine_client import EngineClient, EngineError, batching, batching_open
 from miles.rollout.metrics import eval_metrics
 from miles.utils.progress import progress_bar
 from miles.utils.types import Sample, SampleStatus
@@ -58,7 +61,8 @@ def _check_generated(sample: object, name: str, index: int, phase: str) -> Sampl
 
 
 async def generate_group(ctx: RolloutContext, gen_ctx: GenerateContext, group: list[Sample]) -> list[Sample]:
-    """Generate every unfinished sample of `group` in place (results checked)."""
+    """Generate every unfinished sample of `group` in place (results checked). The group's requests go out
+    together: in the batch its caller opened (`batching`: several groups), else in one of its own."""
 
     async def one(i: int, sample: Sample) -> None:
         if sample.is_finished:
@@ -67,7 +71,7 @@ async def generate_group(ctx: RolloutContext, gen_ctx: GenerateContext, group: l
         out = await ctx.generate(ctx.client, sample, ctx.settings.sampling, gen_ctx)
         group[i] = _check_generated(out, ctx.generate_name, index, gen_ctx.phase)
 
-    with batching(object()):  # the group's requests go out together (one batch request per engine turn)
+    with contextlib.nullcontext() if batching_open() else batching(object()):
         await asyncio.gather(*(one(i, s) for i, s in enumerate(group)))
     return group
 
@@ -148,12 +152,17 @@ async def generate_rollout(ctx: RolloutContext, rollout_id: int) -> RolloutOutpu
     fresh = rounds = failed = next_index = 0
 
     def launch(groups: list[list[Sample]]) -> None:
+        """Start generating and scoring `groups`. When the rollout needs every one of them (no group filter, no
+        group beyond the batch), the rollout ends only once all are back: their requests share batch requests
+        (one per engine); otherwise each group's go out alone, so a slow group never holds up the others."""
         nonlocal next_index
-        for group in groups:
-            _prepare(ctx, group, next_index, rollout_id)
-            next_index += len(group)
-            task: Awaitable[int] = _generate_and_score(ctx, gen_ctx, group)
-            pending[asyncio.ensure_future(task)] = group
+        together = ctx.group_filter is None and len(kept) + len(pending) + len(groups) <= target
+        with batching(object(), per_engine=True) if together else contextlib.nullcontext():
+            for group in groups:
+                _prepare(ctx, group, next_index, rollout_id)
+                next_index += len(group)
+                task: Awaitable[int] = _generate_and_score(ctx, gen_ctx, group)
+                pending[asyncio.ensure_future(task)] = group
 
     bar = progress_bar(target, f"rollout {rollout_id}", unit="group")
     try:
@@ -226,7 +235,8 @@ async def eval_rollout(ctx: RolloutContext, eval_sets: list[EvalSet], rollout_id
         for gi, group in enumerate(groups):
             for j, sample in enumerate(group):
                 sample.index, sample.group_index = gi * es.n_samples_per_prompt + j, gi
-        await asyncio.gather(*(generate_group(eval_ctx, gen_ctx, g) for g in groups))
+        with batching(object(), per_engine=True):  # one batch request per engine for the whole set
+            await asyncio.gather(*(generate_group(eval_ctx, gen_ctx, g) for g in groups))
         await asyncio.gather(*(scorer.score(g) for g in groups))
         flat = [smp for g in groups for smp in g]
         metrics.update(eval_metrics(es.name, flat, ctx.settings.reward_key))

@@ -24,10 +24,13 @@ doubling, at most 5 s) within its deadline. Without a router worker list (a fake
 health probe brings an engine back.
 
 Request batching: `generate` calls made under the same `batch_key` (see `batching`; the stock rollout opens one
-per prompt group) within the same event-loop turn go out as one SGLang batch request (`input_ids` a list of
-prompts, `sampling_params`, `rid` and `return_logprob` per item; the answer is a list in the same order) and each
-caller gets its own item. SGLang answers a batch when all its items are done, so only requests that are awaited
-together anyway share one: a group is scored once all its samples are back. Calls outside `batching` go alone.
+per prompt group, or one for all the groups it launches at once when it needs every one of them) within the same
+event-loop turn go out as one SGLang batch request (`input_ids` a list of prompts, `sampling_params`, `rid` and
+`return_logprob` per item; the answer is a list in the same order) and each caller gets its own item; with
+`per_engine`, as one batch request per engine that may take one (the calls cut in arrival order into that many
+near-equal contiguous chunks). SGLang answers a batch when all its items are done, so only requests that are
+awaited together anyway share one. Calls outside `batching` go alone, and so does every call through the router,
+which takes no batch form.
 """
 
 from __future__ import annotations
@@ -41,12 +44,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import TypeVar
 
 import httpx
 
 from miles.utils.engine_http import bearer
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FINISH_REASONS = ("stop", "length", "abort")
 # Answers that mean "no engine could take it right now" (the router has no live worker, a worker restarts, a
@@ -112,20 +117,43 @@ def request_seed(seed: int, rid: str) -> int:
 
 ABORTED_BEFORE_SENDING = GenerateOutput(output_ids=[], log_probs=[], text="", finish_reason="abort")
 
-_BATCH_KEY: contextvars.ContextVar[object | None] = contextvars.ContextVar(
-    "miles_engine_batch_key", default=None
-)
+
+@dataclass(frozen=True)
+class _Batch:
+    key: object
+    per_engine: bool  # split into one request per engine that may take one
+
+
+_BATCH: contextvars.ContextVar[_Batch | None] = contextvars.ContextVar("miles_engine_batch", default=None)
 
 
 @contextlib.contextmanager
-def batching(key: object) -> Iterator[None]:
+def batching(key: object, per_engine: bool = False) -> Iterator[None]:
     """`generate` calls made inside (including in tasks created inside) may share one batch request with the
-    other calls under the same `key` issued in the same event-loop turn."""
-    token = _BATCH_KEY.set(key)
+    other calls under the same `key` issued in the same event-loop turn; with `per_engine`, one batch request
+    per engine that may take one (the calls cut in arrival order into that many near-equal contiguous chunks)."""
+    token = _BATCH.set(_Batch(key, per_engine))
     try:
         yield
     finally:
-        _BATCH_KEY.reset(token)
+        _BATCH.reset(token)
+
+
+def batching_open() -> bool:
+    """Whether the calling code (or the task that created it) runs inside `batching`."""
+    return _BATCH.get() is not None
+
+
+def split_evenly(items: list[T], parts: int) -> list[list[T]]:
+    """`items` in order, cut into min(parts, len(items)) contiguous chunks whose sizes differ by at most one."""
+    parts = max(1, min(parts, len(items)))
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (i < extra)
+        out.append(items[start:end])
+        start = end
+    return out
 
 
 @dataclass
@@ -182,7 +210,7 @@ class EngineClient:
         self._set_aside: set[int] = set()  # engines that failed a request (see the module docstring)
         self._unlisted: set[int] = set()  # engines the router's worker list lacks (taken out by the monitor)
         self._listed_at = float("-inf")  # when the router's worker list was last read
-        self._queues: dict[object, list[_Queued]] = {}
+        self._queues: dict[_Batch, list[_Queued]] = {}
         self._sending: set[asyncio.Task] = set()
         self.requests_sent = 0  # POST /generate requests (a batch counts once)
 
@@ -303,7 +331,7 @@ class EngineClient:
                 return ABORTED_BEFORE_SENDING
             if rid is not None and self.seed is not None and "sampling_seed" not in sampling_params:
                 sampling_params = {**sampling_params, "sampling_seed": request_seed(self.seed, rid)}
-            key = None if self.via_router else _BATCH_KEY.get()  # the router takes no batch form
+            batch = None if self.via_router else _BATCH.get()  # the router takes no batch form
             item = _Queued(
                 list(input_ids),
                 sampling_params,
@@ -312,26 +340,33 @@ class EngineClient:
                 phase,
                 asyncio.get_running_loop().create_future(),
             )
-            if key is None:
+            if batch is None:
                 await self._send([item])
             else:
-                queue = self._queues.setdefault(key, [])
+                queue = self._queues.setdefault(batch, [])
                 queue.append(item)
                 if len(queue) == 1:  # the first of its batch: flush once no more arrive
-                    asyncio.get_running_loop().call_soon(self._flush_when_settled, key, 1)
+                    asyncio.get_running_loop().call_soon(self._flush_when_settled, batch, 1)
             return await item.future
 
-    def _flush_when_settled(self, key: object, seen: int) -> None:
-        """Send `key`'s queue once an event-loop turn passes without a new arrival."""
-        queue = self._queues.get(key, [])
+    def _flush_when_settled(self, batch: _Batch, seen: int) -> None:
+        """Send `batch`'s queue once an event-loop turn passes without a new arrival."""
+        queue = self._queues.get(batch, [])
         if len(queue) > seen:
-            asyncio.get_running_loop().call_soon(self._flush_when_settled, key, len(queue))
+            asyncio.get_running_loop().call_soon(self._flush_when_settled, batch, len(queue))
             return
-        items = self._queues.pop(key, [])
-        if items:
-            task = asyncio.ensure_future(self._send(items))
+        items = self._queues.pop(batch, [])
+        parts = self._engines_to_take() if batch.per_engine else 1
+        for chunk in split_evenly(items, parts) if items else []:
+            task = asyncio.ensure_future(self._send(chunk))
             self._sending.add(task)  # held until done (the loop keeps only weak references)
             task.add_done_callback(self._sending.discard)
+
+    def _engines_to_take(self) -> int:
+        """How many engines a batch is spread over: those neither set aside nor out of the router (at least 1:
+        with none, each request waits for one to come back)."""
+        n = len(self.engine_urls)
+        return max(1, sum(i not in self._set_aside and i not in self._unlisted for i in range(n)))
 
     async def _send(self, items: list[_Queued]) -> None:
         """POST `items` (one request, a batch when several) and resolve each item's future with its output

@@ -1,9 +1,9 @@
 """The stock single-turn generate function (the default `GenerateFn`) and helpers shared by generate functions.
 
-One generation per sample (`EngineClient.generate`; the stock rollout sends a group's requests as one batch
-request). Token ids are the currency: the prompt (and any partial response from an aborted earlier attempt) goes
-as `input_ids`, the response comes back as `output_ids` with the sampled tokens' log-probs, and nothing is
-re-tokenized.
+One generation per sample (`EngineClient.generate`; the stock rollout batches a group's requests, or those of all
+the groups it launches at once when it needs every one of them: see `default_rollout`). Token ids are the currency:
+the prompt (and any partial response from an aborted earlier attempt) goes as `input_ids`, the response comes back
+as `output_ids` with the sampled tokens' log-probs, and nothing is re-tokenized.
 """
 
 from __future__ import annotations

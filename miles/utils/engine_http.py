@@ -161,6 +161,49 @@ def request(
     return Answer(resp, url, name, what, server)
 
 
+def post_to_engines(
+    urls: list[str], endpoint: str, body: object, headers: Mapping[str, str], timeout_s: float, what: str
+) -> None:
+    """POST `body` to `endpoint` of every engine in `urls` at once (one thread per engine beyond the first),
+    each within `timeout_s`; every engine gets the call even when another fails, then the first failure in `urls`
+    order is raised (`request`'s errors, naming the engine URL, endpoint and phase) with the others as notes; an
+    engine that cannot be reached is named as ending the run (`--use-fault-tolerance` restarts dead engines
+    between calls, not during one)."""
+
+    def one(url: str) -> None:
+        try:
+            request("POST", url, endpoint, what, timeout_s, headers, body)
+        except EngineUnreachable as e:  # refused, reset: the engine process is gone
+            raise EngineUnreachable(
+                url, e.endpoint, e.what, e.phase,
+                f"cannot reach the engine ({e.__cause__!r}); a dead engine ends the run unless "
+                "--use-fault-tolerance restarts it",
+            ) from e  # fmt: skip
+
+    errors: list[BaseException | None] = [None] * len(urls)
+
+    def run(i: int) -> None:
+        try:
+            one(urls[i])
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
+            errors[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(1, len(urls))]
+    for t in threads:
+        t.start()
+    if urls:
+        run(0)
+    for t in threads:
+        t.join()
+    failed = [e for e in errors if e is not None]
+    if failed:
+        first = failed[0]
+        for other in failed[1:]:
+            where = other.url if isinstance(other, EngineCallError) else "an engine"
+            first.add_note(f"{where} failed too: {other}")
+        raise first
+
+
 def post_engine(
     url: str, endpoint: str, body: dict, headers: Mapping[str, str], timeout_s: float, what: str
 ) -> dict[str, JSON]:

@@ -11,8 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from miles.ray.engine_fleet import post_to_engines
-from miles.utils.engine_http import EngineStatusError, EngineTimeout, EngineUnreachable
+from miles.utils.engine_http import EngineStatusError, EngineTimeout, EngineUnreachable, post_to_engines
 from miles.utils.net import free_port
 
 
@@ -67,7 +66,9 @@ def engines() -> Iterator[_Engines]:
 def test_control_calls_reach_every_engine_at_once(engines: _Engines) -> None:
     urls = [f"{engines.url}/ok{i}" for i in range(3)]
     # each engine answers only while all three calls are in flight: one after another would time out there
-    post_to_engines(urls, "/release_memory_occupation", {"tags": ["weights"]}, {}, timeout_s=10)
+    post_to_engines(
+        urls, "/release_memory_occupation", {"tags": ["weights"]}, {}, timeout_s=10, what="engine control"
+    )
     assert sorted(engines.seen) == [
         (f"ok{i}/release_memory_occupation", {"tags": ["weights"]}) for i in range(3)
     ]
@@ -81,7 +82,7 @@ def test_a_failure_names_its_engine_and_the_others_still_get_the_call(engines: _
     with pytest.raises(
         EngineTimeout, match=r"engine .*/hung, resume_memory_occupation, engine control, phase request"
     ) as err:
-        post_to_engines(urls, "resume_memory_occupation", {}, {}, timeout_s=1)
+        post_to_engines(urls, "resume_memory_occupation", {}, {}, timeout_s=1, what="engine control")
     assert time.monotonic() - t0 < 2.5  # every call has its own 1 s deadline, running side by side
     notes = "\n".join(getattr(err.value, "__notes__", []))
     assert f"{engines.url}/bad failed too" in notes and "HTTP 500" in notes
@@ -91,7 +92,9 @@ def test_a_failure_names_its_engine_and_the_others_still_get_the_call(engines: _
 
 def test_one_engine_errors_keep_their_type(engines: _Engines) -> None:
     with pytest.raises(EngineStatusError, match=r"engine .*/bad, flush_cache, engine control, phase status"):
-        post_to_engines([f"{engines.url}/bad"], "flush_cache", {}, {}, timeout_s=5)
+        post_to_engines([f"{engines.url}/bad"], "flush_cache", {}, {}, timeout_s=5, what="engine control")
     dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(EngineUnreachable, match="a dead engine ends the run unless --use-fault-tolerance"):
-        post_to_engines([dead, f"{engines.url}/bad"], "flush_cache", {}, {}, timeout_s=5)
+        post_to_engines(
+            [dead, f"{engines.url}/bad"], "flush_cache", {}, {}, timeout_s=5, what="engine control"
+        )

@@ -124,3 +124,33 @@ def test_errors_survive_pickling():
 def test_one_client_per_process():
     assert eh.http_client() is eh.http_client()
     assert eh.http_client().trust_env is False  # engines are reached directly, never through a proxy
+
+
+def test_post_to_engines_posts_to_all_at_once_and_names_a_dead_one(monkeypatch):
+    """Every engine gets the POST, concurrently (each handler waits until all have been reached); the first
+    failure in URL order is raised, an unreachable engine named as ending the run."""
+    import threading
+
+    urls = ["http://e0:1", "http://e1:1", "http://e2:1"]
+    all_in = threading.Barrier(len(urls), timeout=5)
+    seen: list[tuple[str, object, str | None]] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        all_in.wait()  # breaks (an error) unless the three requests are in flight together
+        seen.append((req.url.host, json.loads(req.content), req.headers.get("authorization")))
+        return httpx.Response(200)
+
+    monkeypatch.setattr(eh, "_CLIENT", _client(handler))
+    eh.post_to_engines(urls, "/release_memory_occupation", {"tags": ["kv_cache"]}, eh.bearer("k"), 2.0, "x")
+    assert sorted(seen) == [(f"e{i}", {"tags": ["kv_cache"]}, "Bearer k") for i in range(3)]
+
+    def e1_dead(req: httpx.Request) -> httpx.Response:
+        if req.url.host == "e1":
+            raise httpx.ConnectError("connection refused", request=req)
+        return httpx.Response(500 if req.url.host == "e2" else 200, text="boom")
+
+    monkeypatch.setattr(eh, "_CLIENT", _client(e1_dead))
+    with pytest.raises(eh.EngineUnreachable, match=r"engine http://e1:1, flush_cache, .*ends the run unless"):
+        eh.post_to_engines(urls, "flush_cache", {}, {}, 2.0, "engine control")
+    with pytest.raises(eh.EngineStatusError, match="engine http://e2:1"):
+        eh.post_to_engines(urls[::2], "flush_cache", {}, {}, 2.0, "engine control")

@@ -85,13 +85,13 @@ def test_default_rollout_single_turn(tokenizer, data, tmp_path):
     assert metrics["rollout/filtered_groups"] == 0 and metrics["rollout/sampling_rounds"] == 1
     lines = (tmp_path / "dump" / "rollout_0000000.jsonl").read_text().splitlines()
     assert [json.loads(line)["index"] for line in lines] == list(range(8))
-    # one batch request per prompt group, sent straight to the single engine
-    assert engine.posts == 4 and engine.batch_sizes == [2, 2, 2, 2]
-    assert runner.generate_requests_sent == 4
+    # the wave of 4 prompt groups goes out as one batch request, straight to the single engine
+    assert engine.posts == 1 and engine.batch_sizes == [8]
+    assert runner.generate_requests_sent == 1
     # the next rollout reuses the runner's client and loop: same answers, same batching
     client = runner._engine_client
     again, _ = runner.generate(1)
-    assert runner._engine_client is client and engine.batch_sizes == [2] * 8
+    assert runner._engine_client is client and engine.batch_sizes == [8, 8]
     assert [s.response for s in again] == [str(i % 4) for i in range(8)]
     runner.close()
     runner.close()  # idempotent
@@ -354,6 +354,44 @@ async def go_bad(engine, sp, transport=None):
     async with EngineClient(url, [url], None, 5.0, 16, transport=transport or engine.transport) as c:
         with batching("g"):
             return await asyncio.gather(*(c.generate([p], sp, p, "test", rid=f"r{p}") for p in (10, 11, 12)))
+
+
+def test_engine_client_splits_one_batch_over_the_engines_that_may_take_it():
+    """A batch of 7 calls and 3 engines: 3 requests of 3, 2 and 2 calls in arrival order, one per engine; an
+    engine set aside takes none (its share goes to the others), and every caller gets its own answer."""
+    import asyncio
+
+    from miles.rollout.engine_client import EngineClient, batching
+
+    engines = [FakeEngine(lambda ids, sp, rid: Reply([ids[0]]), url=f"http://e{i}:1") for i in range(3)]
+    by_host = {httpx.URL(e.url).host: e for e in engines}
+
+    async def route(request: httpx.Request) -> httpx.Response:
+        return await by_host[request.url.host].transport.handle_async_request(request)
+
+    async def go(set_aside: set[int]) -> list[int]:
+        urls = [e.url for e in engines]
+        async with EngineClient(urls[0], urls, None, 5.0, 64, transport=httpx.MockTransport(route)) as c:
+            c._set_aside, c._listed_at = set(set_aside), float("inf")  # no /health probe brings it back
+            with batching("wave", per_engine=True):
+                outs = await asyncio.gather(
+                    *(c.generate([p], {"max_new_tokens": 1}, p, "test", rid=f"r{p}") for p in range(7))
+                )
+            return [o.output_ids[0] for o in outs]
+
+    assert asyncio.run(go(set())) == list(range(7))
+    assert [e.batch_sizes for e in engines] == [[3], [2], [2]]
+    assert [r["input_ids"] for r in engines[0].requests] == [[0], [1], [2]]
+    assert asyncio.run(go({1})) == list(range(7))
+    assert [e.batch_sizes for e in engines] == [[3, 4], [2], [2, 3]]
+
+
+def test_split_evenly():
+    from miles.rollout.engine_client import split_evenly
+
+    assert split_evenly(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert split_evenly([1, 2], 5) == [[1], [2]]
+    assert split_evenly([1, 2, 3], 1) == [[1, 2, 3]]
 
 
 def test_engine_client_spreads_batches_over_engines():
