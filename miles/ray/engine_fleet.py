@@ -1,12 +1,13 @@
-"""EngineFleet: the rollout engines (one Ray actor each), sglang-router in front of them, and engine control.
+"""EngineFleet: the rollout engines (one Ray actor each), sglang-router in front of them, and their health.
 
 `EngineFleet` is a plain class (the driver wraps it with `ray.remote`): it launches one engine Ray actor per
 engine on the placement group (or, with `--rollout-external-engine-addrs`, one `ExternalEngine` actor per running
 engine, which it neither starts nor stops), puts sglang-router in front of them (or registers them with the
-running one of `--sglang-router-ip/--sglang-router-port`), and controls them over HTTP (memory release/resume,
-cache flush). Generation does not go through it: the rollout runner's engine client sends requests to the
-engines directly, reading the router's worker list to learn which engines are admitted, or through the router
-(see `miles.engines.router.generation_via_router`).
+running one of `--sglang-router-ip/--sglang-router-port`). Memory release/resume is posted by the driver itself
+(`miles.ray.setup.RolloutEngineMemory`, through `engine_http.post_to_engines`), not through this actor.
+Generation does not go through it either: the rollout runner's engine client sends requests to the engines
+directly, reading the router's worker list to learn which engines are admitted, or through the router (see
+`miles.engines.router.generation_via_router`).
 With `--use-fault-tolerance` it runs a `HealthMonitor` while rollouts run (see `miles.ray.engine_health`); an
 external engine that fails its health check is taken out of the router and fails the run, named as external.
 """
@@ -19,7 +20,7 @@ import os
 from miles.ray.engine_health import HealthMonitor, HealthSettings
 from miles.ray.placement import Placement
 from miles.ray.utils import ray_get
-from miles.utils.engine_http import bearer, health_problem, post_to_engines
+from miles.utils.engine_http import health_problem
 
 logger = logging.getLogger(__name__)
 
@@ -187,20 +188,6 @@ class EngineFleet:
     def recoveries(self) -> int:
         """How many engine restarts the health monitor made."""
         return len(self.monitor.recoveries) if self.monitor is not None else 0
-
-    # ----------------------------------------------------------------------------------------------- control
-    def _post_all(self, path: str, body: dict | None = None) -> None:
-        headers = bearer(self.config.engine.engine_api_key)
-        post_to_engines(self.engine_urls, path, body or {}, headers, self.timeout, "engine control")
-
-    def release_memory(self, tags: list[str] | None = None) -> None:
-        self._post_all("/release_memory_occupation", {"tags": tags})
-
-    def resume_memory(self, tags: list[str] | None = None) -> None:
-        self._post_all("/resume_memory_occupation", {"tags": tags})
-
-    def flush_cache(self) -> None:
-        self._post_all("/flush_cache")
 
     def shutdown(self) -> None:
         if self.monitor is not None:

@@ -4,8 +4,9 @@ A sync function runs in a daemon thread, so the event loop keeps serving the oth
 call that never returns is abandoned at its deadline (it does not keep the loop's executor, and so interpreter
 shutdown, waiting). The daemon threads are reused: a call goes to one that waits idle, and a new one starts only
 when none does (a thread stuck in an abandoned call is never handed another); starting a thread per call cost
-the quickstart rollout ~20 ms per 128 rewards. An async function runs as a task, cancelled at its deadline. A function that raises
-`TimeoutError` itself is not mistaken for an expired deadline: only the deadline raises `DeadlineExceeded`.
+the quickstart rollout ~20 ms per 128 rewards. An async function runs as a task, cancelled at its deadline. A
+function that raises `TimeoutError` itself is not mistaken for an expired deadline: only the deadline raises
+`DeadlineExceeded`.
 """
 
 from __future__ import annotations

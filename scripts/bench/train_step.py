@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -179,14 +178,10 @@ def hf_child(a: argparse.Namespace, w: Workload) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ driver
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_miles(a: argparse.Namespace, code: str, profile: str | None) -> dict:
-    port = str(_free_port())
+    from miles.utils.net import free_port
+
+    port = str(free_port())
     procs = []
     for rank in range(a.ranks):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(a.ranks), "LOCAL_RANK": str(rank),
