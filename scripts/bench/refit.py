@@ -12,8 +12,10 @@ window, one `/update_weights_from_window` per refit); `--transport handles` is `
 workload model of `bench_workloads.py` (default: the 25M-parameter one, ~100 MB in fp32).
 
 Each refit is timed on rank 0 between barriers (all buckets, every engine answered). Bytes = model bytes x
-engines. After each refit rank 0 copies a buffer of the same size (`dst.copy_(src)`, with the trainer's intra-op
-threads), so refits and copies alternate and a machine that gets busier or quieter mid-run moves both.
+engines. After each refit rank 0 copies a buffer of the same size (`dst.copy_(src)`), so refits and copies
+alternate and a machine that gets busier or quieter mid-run moves both. The copy runs with as many intra-op threads
+as all training ranks together (each has cpu_count / trainers, as `FSDPTrainer` sets on CPU): the reference gets
+every core the refit may use, never fewer.
 Printed: refit s and GB/s (median [min-max] over repeats after one warm-up), memcpy GB/s, and the ratio
 refit/memcpy.
 
@@ -128,6 +130,7 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
     if rank == 0:  # the memcpy reference: the same bytes, copied between the refits (drift hits both alike)
         src = torch.randint(0, 255, (model_bytes * len(urls),), dtype=torch.uint8)
         dst = torch.empty_like(src)
+    copy_threads = trainer_threads * world  # every core the ranks' refit may use together
     times, copies = [], []
     for i in range(a["repeats"] + 1):
         dist.barrier()
@@ -137,15 +140,17 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
         if i:
             times.append(time.perf_counter() - t0)
         if rank == 0:
+            torch.set_num_threads(copy_threads)
             t0 = time.perf_counter()
             dst.copy_(src)
             if i:
                 copies.append(time.perf_counter() - t0)
+            torch.set_num_threads(trainer_threads)
     if rank == 0:
         plan = plan_weight_buckets(net, bucket_bytes, torch.float32)
         assert len(plan) == n_buckets
         result = RefitResult(
-            model_bytes, len(urls), n_buckets, bucket_bytes, times, copies, trainer_threads, a["transport"]
+            model_bytes, len(urls), n_buckets, bucket_bytes, times, copies, copy_threads, a["transport"]
         )
         Path(out).write_text(json.dumps(asdict(result)))
     dist.barrier()

@@ -1,5 +1,6 @@
-"""One all-gather per refit bucket: FSDP2 shards of uneven sizes (empty shards included), mixed dtypes, a cast,
-and destinations the rows are unpacked into, against DTensor's own `full_tensor`, bit for bit, on 3 gloo ranks."""
+"""One all-gather per refit bucket, and the gather-free `row_copies` (every rank copies its own rows into shared
+destinations): FSDP2 shards of uneven sizes (empty shards included), mixed dtypes, a cast, against DTensor's own
+`full_tensor`, bit for bit, on 3 gloo ranks."""
 
 from __future__ import annotations
 
@@ -10,11 +11,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from miles.backends.fsdp_utils.update_weight_utils import (
-    Bucket,
-    RefitJob,
+    _hf_tensors,
     iter_weight_buckets,
     plan_weight_buckets,
-    stream_buckets,
+    row_copies,
 )
 from tests.integration._util import run_distributed
 
@@ -33,7 +33,7 @@ class _Odd(nn.Module):
         self.register_buffer("steps", torch.arange(6, dtype=torch.int64))
 
 
-def _body(rank: int, world_size: int) -> None:
+def _body(rank: int, world_size: int, shared: str) -> None:
     torch.manual_seed(0)  # every rank starts from the same weights
     model = _Odd()
     with torch.no_grad():  # distinct values per tensor, so a misplaced row shows
@@ -57,27 +57,38 @@ def _body(rank: int, world_size: int) -> None:
                 expected = full.to(dtype) if dtype is not None and full.is_floating_point() else full
                 assert t.dtype == expected.dtype and torch.equal(t, expected), (name, dtype, bucket_bytes)
 
-    # destinations: a non-contiguous view of the right shape is written in place; a wrong shape or dtype is not
-    # used (the bucket then holds a fresh tensor)
-    store = torch.zeros(100, 8)
-    into = {
-        "a.weight": store[:7, :5],
-        "c.w": torch.zeros(4, 3, 2),
-        "b.weight": torch.zeros(3, 2),  # wrong shape
-        "low.weight": torch.zeros(5, 6, dtype=torch.float32),  # wrong dtype (no cast here)
-    }
-    seen: Bucket = []
-    job = RefitJob(model, 64, "v1", None)
-    stream_buckets(job, None, lambda bucket, i, last: seen.extend(bucket), into)
-    got = dict(seen)
-    assert got["a.weight"] is into["a.weight"] and got["c.w"] is into["c.w"]
-    assert got["b.weight"] is not into["b.weight"] and got["low.weight"] is not into["low.weight"]
-    assert torch.count_nonzero(into["b.weight"]) == 0 and torch.count_nonzero(into["low.weight"]) == 0
-    for name, t in got.items():
-        assert torch.equal(t, want[name]), name
-    assert torch.count_nonzero(store[7:]) == 0 and torch.count_nonzero(store[:, 5:]) == 0  # nothing outside
+    # row_copies: every rank writes its own rows into destinations all ranks map (a shared file), no gather; a
+    # non-contiguous view of a larger buffer included, nothing outside the views written; cast to dtype first
+    entries = _hf_tensors(model, None)
+    for k, dtype in enumerate((None, torch.bfloat16)):
+        flat = torch.from_file(f"{shared}-{k}", shared=True, size=2 * 200, dtype=torch.float64)
+        store = flat[:200].view(20, 10)
+        views, offset = [{}, {}], 0
+        for e in entries:
+            full = want[e.name]
+            if e.name == "a.weight":  # a non-contiguous destination: 7 x 5 of the 20 x 10 store
+                views[0][e.name] = store[:7, :5]
+            else:  # float64 destinations: the cast to dtype shows (bf16 values, not the fp32 ones)
+                views[0][e.name] = flat[200 + offset : 200 + offset + full.numel()].view(full.shape)
+                offset += full.numel()
+            views[1][e.name] = torch.zeros(full.shape, dtype=full.dtype)  # this rank's own: only its rows
+        dist.barrier()
+        for dst, src in row_copies(entries, dtype, views, rank, world_size):
+            dst.copy_(src)
+        dist.barrier()  # every rank wrote its rows
+        for e in entries:
+            full = want[e.name]
+            expected = full.to(dtype) if dtype is not None and full.is_floating_point() else full
+            assert torch.equal(views[0][e.name], expected.to(torch.float64)), (e.name, dtype)
+            chunk = -(-full.shape[0] // world_size)
+            mine = torch.zeros_like(full)
+            mine[rank * chunk : (rank + 1) * chunk] = expected[rank * chunk : (rank + 1) * chunk]
+            assert torch.equal(views[1][e.name], mine), (e.name, dtype)  # no rows of other ranks
+        assert torch.count_nonzero(store[7:]) == 0 and torch.count_nonzero(store[:, 5:]) == 0
+        assert torch.count_nonzero(flat[200 + offset :]) == 0
+        dist.barrier()
     dist.barrier()
 
 
-def test_bucket_gather_equals_full_tensor_on_uneven_shards() -> None:
-    run_distributed(_body, 3)
+def test_bucket_gather_equals_full_tensor_on_uneven_shards(tmp_path) -> None:
+    run_distributed(_body, 3, str(tmp_path / "shared"))

@@ -2,9 +2,9 @@
 
 `iter_weight_buckets` walks the model's tensors that a HF checkpoint holds in buckets of at most ``bucket_bytes``,
 casts them to the engine dtype and yields each bucket's full tensors. The FSDP2 shards of a bucket travel in one
-all-gather of a flat buffer (not one collective per tensor), and a refit may name destinations (the weight
-window's views) the gathered rows are unpacked into directly. Collective: every rank walks the same plan in the
-same order. Only one bucket of full tensors exists at a time.
+all-gather of a flat buffer (not one collective per tensor). Collective: every rank walks the same plan in the
+same order. Only one bucket of full tensors exists at a time. `row_copies` is the gather-free alternative for
+destinations every rank can write (a shared-memory weight window): each rank writes its own shard rows.
 
 `WeightUpdater` is what the trainer refits through, built from a `RefitSetup` (engines, ranks per engine, this
 rank, key, deadline, checksum check); each transport implements `_refit` over `stream_buckets`.
@@ -138,6 +138,8 @@ def _row_sharded(t: torch.Tensor) -> DTensor | None:
     return None
 
 
+_ROWS = (Shard(0),)  # FSDP2's placement on a 1-D mesh
+
 _GATHER_ALIGN = 64  # bytes; every piece of a gather buffer starts aligned, so it can be viewed as any dtype
 
 
@@ -145,16 +147,13 @@ def _aligned(n: int) -> int:
     return (n + _GATHER_ALIGN - 1) // _GATHER_ALIGN * _GATHER_ALIGN
 
 
-def _gather_rows(
-    tensors: list[DTensor], dtype: torch.dtype | None, into: list[torch.Tensor | None]
-) -> list[torch.Tensor]:
+def _gather_rows(tensors: list[DTensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
     """Full tensors of row-sharded DTensors on one mesh with one all-gather of a flat byte buffer.
 
     Shard(0) splits dim 0 as ``torch.chunk`` does: rank r holds rows ``[r*c, min(n, (r+1)*c))`` with
     ``c = ceil(n / world)``. Each rank packs its shards (cast to the output dtype) into a slot of equal size, the
-    gathered slots are unpacked row block by row block into ``into[i]`` when given (a tensor of the full shape,
-    e.g. the engine's view in a weight window: no intermediate full tensor) or into a fresh tensor. Transient
-    memory: the gathered buffer (the bucket's bytes) next to the bucket's full tensors while unpacking."""
+    gathered slots are unpacked row block by row block into fresh full tensors. Transient memory: the gathered
+    buffer (the bucket's bytes) next to the bucket's full tensors while unpacking."""
     mesh = tensors[0].device_mesh
     world, me = mesh.size(), mesh.get_local_rank()
     device = torch.device(mesh.device_type)
@@ -180,8 +179,8 @@ def _gather_rows(
     dist.all_gather_into_tensor(gathered, send, group=mesh.get_group())
     del send
     full = []
-    for t, (offset, chunk, row_bytes, out_dtype), dest in zip(tensors, pieces, into, strict=True):
-        out = dest if dest is not None else torch.empty(t.shape, dtype=out_dtype, device=device)
+    for t, (offset, chunk, row_bytes, out_dtype) in zip(tensors, pieces, strict=True):
+        out = torch.empty(t.shape, dtype=out_dtype, device=device)
         n_rows = t.shape[0]
         for r in range(world):
             lo, hi = min(n_rows, r * chunk), min(n_rows, (r + 1) * chunk)
@@ -194,26 +193,20 @@ def _gather_rows(
 
 
 @torch.no_grad()  # also makes DTensor.to_local a plain view (no autograd node per tensor)
-def _gather_bucket(
-    bucket: list[_Entry], dtype: torch.dtype | None, into: Mapping[str, torch.Tensor] | None
-) -> Bucket:
+def _gather_bucket(bucket: list[_Entry], dtype: torch.dtype | None) -> Bucket:
     """The full tensors of one bucket, in its order. Row-sharded DTensors on one mesh share one all-gather
-    (`_gather_rows`); a tensor named in ``into`` with the full shape and output dtype is gathered straight into
-    that tensor. Everything else goes through `_full_tensor` one by one, in the bucket's order (collective too:
-    every rank takes the same path for the same tensor)."""
-    rows: dict[int, tuple[DTensor, torch.Tensor | None]] = {}  # bucket index -> (DTensor, destination)
+    (`_gather_rows`); everything else goes through `_full_tensor` one by one, in the bucket's order (collective
+    too: every rank takes the same path for the same tensor)."""
+    rows: dict[int, DTensor] = {}  # bucket index -> DTensor
     mesh = None
     for i, e in enumerate(bucket):
         t = _row_sharded(e.tensor)
         if t is not None and (mesh is None or t.device_mesh == mesh):
             mesh = t.device_mesh
-            dest = into.get(e.name) if into is not None else None
-            fits = dest is not None and dest.shape == t.shape and dest.dtype == _out_dtype(t, dtype)
-            rows[i] = (t, dest if fits else None)
+            rows[i] = t
     full: dict[int, torch.Tensor] = {}
     if rows:
-        gathered = _gather_rows([t for t, _ in rows.values()], dtype, [d for _, d in rows.values()])
-        full = dict(zip(rows, gathered, strict=True))
+        full = dict(zip(rows, _gather_rows(list(rows.values()), dtype), strict=True))
     return [(e.name, full[i] if i in full else _full_tensor(e.tensor, dtype)) for i, e in enumerate(bucket)]
 
 
@@ -229,17 +222,13 @@ class RefitJob:
 
 
 def stream_buckets(
-    job: RefitJob,
-    checksums: dict[str, str] | None,
-    send: Callable[[Bucket, int, bool], None],
-    into: Mapping[str, torch.Tensor] | None = None,
+    job: RefitJob, checksums: dict[str, str] | None, send: Callable[[Bucket, int, bool], None]
 ) -> int:
     """Gather every bucket (collective: every rank calls this), add its tensors' checksums to ``checksums`` when
     given, and hand it to ``send(bucket, index, is_last)``; only one bucket of full tensors is alive at a time.
-    A sharded tensor named in ``into`` (of its full shape and output dtype) is gathered straight into that tensor,
-    which the bucket then holds. Returns the number of buckets."""
+    Returns the number of buckets."""
     plan = _plan(_hf_tensors(job.model, job.dtype), job.bucket_bytes)
-    buckets = (_gather_bucket(entries, job.dtype, into) for entries in plan)
+    buckets = (_gather_bucket(entries, job.dtype) for entries in plan)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     progress = track(buckets, len(plan), f"refit {job.weight_version}", unit="bucket", enabled=rank0)
     for index, bucket in enumerate(progress):
@@ -258,7 +247,60 @@ def iter_weight_buckets(
     Collective when the model is sharded: every rank must consume the iterator to the end, in step.
     """
     for entries in _plan(_hf_tensors(model, dtype), bucket_bytes):
-        yield _gather_bucket(entries, dtype, None)
+        yield _gather_bucket(entries, dtype)
+
+
+@torch.no_grad()  # DTensor.to_local: a plain view
+def row_copies(
+    entries: list[_Entry],
+    dtype: torch.dtype | None,
+    destinations: list[Mapping[str, torch.Tensor]],
+    rank: int,
+    world_size: int,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``(destination, source)`` copies by which this rank writes its share of every tensor of ``entries``
+    (cast to ``dtype`` when floating) into the tensor of its name in each of ``destinations`` (tensors of the full
+    shape that every rank writes, e.g. views of weight windows in shared memory); once every rank has made its
+    copies, the destinations hold the whole tensors (callers agree on that with a collective after):
+
+    - a DTensor row-sharded over all ``world_size`` ranks (what FSDP2 makes): its own shard's rows, straight from
+      the shard, without communication;
+    - any other tensor with rows: rows ``[r*c, min(n, (r+1)*c))`` of its full tensor, ``c = ceil(n / world)`` (a
+      DTensor is gathered with `_full_tensor` first, which is collective: every rank calls this with the same
+      entries in the same order); a 0-dim tensor: rank 0.
+
+    The values are those a gathered refit sends (the cast to ``dtype`` comes first, then the destination's own
+    dtype if it differs), so both paths give the same bytes."""
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    meshes: dict[int, tuple[int, int]] = {}  # id(mesh) -> (size, this rank's index): DeviceMesh asks are slow
+    for e in entries:
+        t = e.tensor
+        out_dtype = _out_dtype(t, dtype)
+        src: torch.Tensor | None = None
+        if isinstance(t, DTensor) and t.dim() > 0 and t.placements == _ROWS and t.device_mesh.ndim == 1:
+            mesh = t.device_mesh
+            if id(mesh) not in meshes:
+                meshes[id(mesh)] = (mesh.size(), mesh.get_local_rank())
+            size, me = meshes[id(mesh)]
+            if size == world_size:
+                src, lo = t.to_local(), me * -(-t.shape[0] // size)  # under no_grad: a plain view
+        if src is None:
+            full = _full_tensor(t, dtype)
+            if full.dim() == 0:
+                if rank == 0:
+                    copies.extend((dest[e.name], full) for dest in destinations)
+                continue
+            chunk = -(-full.shape[0] // world_size)
+            lo = min(full.shape[0], rank * chunk)
+            src = full[lo : lo + chunk]
+        rows = src.shape[0]
+        if not rows:
+            continue  # an empty shard (more ranks than rows)
+        if src.dtype != out_dtype:
+            src = src.to(out_dtype)
+        whole = lo == 0 and rows == t.shape[0]  # one rank holds all rows: no slicing
+        copies.extend((dest[e.name] if whole else dest[e.name][lo : lo + rows], src) for dest in destinations)
+    return copies
 
 
 @dataclass(frozen=True)

@@ -2,25 +2,26 @@
 
 The per-bucket tensor-handle path copies every tensor into fresh shared memory, pickles handles, posts each
 bucket and lets the engine copy it again. Here the trainer owns one file in shared memory per engine, created at
-the first refit from the engine's own layout (`/weight_window_layout`, see `miles.engines.local.window`) and reused
-at every refit: each leader rank writes every tensor straight into its view (the engine's fused q/k/v and
-gate/up blocks included; FSDP2 shards are all-gathered once per bucket and unpacked directly into the views, no
-full tensor in between), then posts one `/update_weights_from_window`, and the engine points its parameters at
+the first refit from the engine's own layout (`/weight_window_layout`, see `miles.engines.local.window`) by the
+rank serving that engine, mapped by every training rank and reused at every refit: each rank writes the rows of
+its own FSDP2 shards straight into their views in every targeted window (the engine's fused q/k/v and gate/up
+blocks included; no all-gather, no full tensor, each byte written once from the shard), the ranks agree that all
+wrote, then each engine's rank posts one `/update_weights_from_window`, and the engine points its parameters at
 the views without copying. That one call is the whole refit on the engine: its own weight-update session (no
 begin/end round trips), and its answer names the weight version the engine then serves, which must be ours;
 `check_equal` compares per-tensor checksums as on every other path.
 
 Only the embedded engine speaks this (`miles.backends.fsdp_utils.actor` picks it when every engine answers the
 layout endpoint); SGLang engines keep the handle path and its contract. A restarted engine has no mapping: the next
-`update_weights_from_window` names the same file, and the engine maps it again. The file lives until the trainer
-process exits (it is unlinked then).
+`update_weights_from_window` names the same file, and the engine maps it again. The file lives until its
+trainer process exits (it is unlinked then).
 
 The same design on GPUs (CUDA IPC), not built: it could not be tested where it was written (no GPU).
 The window would be one device buffer the trainer allocates once per engine from the same layout; its handle
 (`torch.multiprocessing.reductions.reduce_tensor` of the flat buffer: the `cudaIpcMemHandle_t` of the allocation
 plus offset, or an expandable-segments handle) travels once, with `/update_weights_from_window` naming it instead
 of a path, and the engine opens it once (`rebuild_cuda_tensor`) and keeps its views, exactly as it keeps the
-mapped file here. Per refit the trainer's gather writes into the buffer on its stream and synchronises before
+mapped file here. Per refit the trainer's write goes into the buffer on its stream and synchronises before
 the HTTP call (the engine then reads it on its own stream, so no CUDA event needs to cross processes); the layout
 digest and the weight version keep the same role. What differs from shared memory: the buffer must come from
 outside the caching allocator's reuse (or be kept referenced for the engine's lifetime), an engine on another
@@ -36,19 +37,22 @@ import uuid
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from miles.backends.fsdp_utils.engine_client import compare_checksums, engine_checksums
 from miles.backends.fsdp_utils.update_weight_utils import (
-    Bucket,
     ColocatedWeightUpdater,
     RefitJob,
     RefitSetup,
+    _Entry,
     _hf_tensors,
-    stream_buckets,
+    _plan,
+    row_copies,
 )
-from miles.engines.local.window import WINDOW_PREFIX, WindowLayout
+from miles.engines.local.window import WINDOW_PREFIX, MappedWindow, WindowLayout
 from miles.utils.engine_http import EngineStatusError, post_engine, request
+from miles.utils.weight_checksum import tensor_checksum
 
 LAYOUT_ENDPOINT = "weight_window_layout"
 
@@ -68,14 +72,24 @@ def _shm_dir() -> str:
 
 
 class TrainerWindow:
-    """The trainer's side of one engine's window: the file, its layout, and a view per accepted name."""
+    """The trainer's side of one engine's window: the file, its layout, and a view per accepted name.
 
-    def __init__(self, layout: WindowLayout, directory: str | None = None):
+    A new window file in ``directory`` (default: /dev/shm) is this window's own (unlinked when it is closed or
+    collected); with ``attach_to``, another rank's window file is mapped as the engine maps it (its owner unlinks
+    it)."""
+
+    def __init__(self, layout: WindowLayout, directory: str | None = None, attach_to: str | None = None):
         self.layout = layout
-        self.path = os.path.join(directory or _shm_dir(), f"{WINDOW_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
-        flat = torch.from_file(self.path, shared=True, size=layout.numel, dtype=layout.dtype)
-        self._finalizer = weakref.finalize(self, _unlink, self.path)
-        canonical = layout.views(flat)
+        self._finalizer: weakref.finalize | None = None
+        if attach_to is None:
+            name = f"{WINDOW_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+            self.path = os.path.join(directory or _shm_dir(), name)
+            flat = torch.from_file(self.path, shared=True, size=layout.numel, dtype=layout.dtype)
+            self._finalizer = weakref.finalize(self, _unlink, self.path)
+            canonical = layout.views(flat)
+        else:
+            self.path = attach_to
+            canonical = MappedWindow(attach_to, layout).views
         self.views = {alias: canonical[name] for alias, name in layout.aliases.items()}
         self.canonical_names = set(canonical)
 
@@ -95,7 +109,8 @@ class TrainerWindow:
             )
 
     def close(self) -> None:
-        self._finalizer()
+        if self._finalizer is not None:
+            self._finalizer()
 
 
 def _unlink(path: str) -> None:
@@ -108,8 +123,11 @@ def _unlink(path: str) -> None:
 class WindowWeightUpdater(ColocatedWeightUpdater):
     """Colocated refit of embedded engines through a weight window per engine (see the module docstring).
 
-    Same engine/rank assignment as `ColocatedWeightUpdater` (engine ``e`` is served by rank ``e``; the embedded
-    engine has no tensor parallelism, so ``ranks_per_engine`` must be 1). Collective over the training ranks.
+    Same engine/rank assignment as `ColocatedWeightUpdater` (engine ``e`` is served by rank ``e``, which creates
+    its window and posts its load; the embedded engine has no tensor parallelism, so ``ranks_per_engine`` must be
+    1). Every rank maps every engine's window and writes its own FSDP2 shard rows into each targeted one
+    (`write_rows`: nothing crosses the process group but the agreement that all ranks wrote). Collective over the
+    training ranks.
     """
 
     def __init__(self, setup: RefitSetup) -> None:
@@ -119,10 +137,10 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
                 "(--rollout-num-gpus-per-engine)"
             )
         super().__init__(setup)
+        # the window this rank created for its engine (it owns the file), and every engine's window as this rank
+        # maps it (every rank maps all of them)
         self.window: TrainerWindow | None = None
-        # engines whose window every rank knows to be set up (the same set on every rank, so that all skip the
-        # setup's collective together)
-        self._ready: set[str] = set()
+        self.windows: dict[str, TrainerWindow] = {}
 
     def _ensure_window(self, url: str, model: nn.Module, dtype: torch.dtype | None) -> None:
         if self.window is not None:
@@ -136,48 +154,64 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
             raise ValueError(f"engine {url}: weight window: {exc}") from None
         self.window = window
 
-    def _refit(self, job: RefitJob, targets: list[str]) -> int:
-        """Write every tensor into the targeted engines' windows and load them with one call per engine, inside
-        a weight-update session; verify versions (and checksums with ``check_equal``). Returns the buckets."""
+    def _map_windows(self, targets: list[str], model: nn.Module, dtype: torch.dtype | None) -> None:
+        """Each rank serving a targeted engine creates its window (once); then every rank maps every window
+        created so far (collective: all ranks call it together, when some target has no window yet)."""
         url = self._url_if_targeted(targets)
-        if not self._ready.issuperset(targets):
-            self._on(True, lambda: url and self._ensure_window(url, job.model, job.dtype))
-            self._ready.update(targets)
-        # the sharded tensors are gathered straight into our window's views (`_write` then has nothing to copy)
-        into = self.window.views if url is not None and self.window is not None else None
-        checksums: dict[str, str] | None = {} if self.check_equal and url is not None else None
+        self._on(True, lambda: url and self._ensure_window(url, model, dtype))
+        window = self.window
+        mine = None
+        if window is not None:
+            assert self.engine_index is not None  # only a rank serving an engine creates a window
+            mine = (self.engine_urls[self.engine_index], window.path, window.layout)
+        created: list[tuple[str, str, WindowLayout] | None] = [mine]
+        if self.world_size > 1:
+            created = [None] * self.world_size
+            dist.all_gather_object(created, mine, group=self._ctrl)
+
+        def attach() -> None:
+            for engine, path, layout in filter(None, created):
+                if engine not in self.windows:
+                    own = window is not None and path == window.path
+                    self.windows[engine] = window if own else TrainerWindow(layout, attach_to=path)
+
+        self._on(True, attach)
+
+    def _refit(self, job: RefitJob, targets: list[str]) -> int:
+        """Write every tensor into the targeted engines' windows (every rank its own rows) and load them with one
+        call per engine, inside a weight-update session; verify versions (and checksums with ``check_equal``).
+        Returns the number of buckets of the plan (the window needs none: nothing is gathered)."""
+        if any(u not in self.windows for u in targets):
+            self._map_windows(targets, job.model, job.dtype)
+        entries = _hf_tensors(job.model, job.dtype)
+        n_buckets = len(_plan(entries, job.bucket_bytes))
         error: str | None = None
-
-        def write(bucket: Bucket, index: int, is_last: bool) -> None:
-            # every rank consumes every bucket (the gathers are collective); a failed write is reported after
-            nonlocal error
-            if url is None or error is not None:
-                return
-            try:
-                self._write(bucket)
-            except Exception as exc:  # noqa: BLE001 - reported to every rank below
-                error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-
-        n_buckets = stream_buckets(job, checksums, write, into)
-        self._raise_if_any_failed(error)
-        self._on(True, lambda: url and self._load(url, job.weight_version, checksums))
+        try:
+            destinations = [self.windows[u].views for u in targets]
+            with torch.no_grad():
+                for dst, src in row_copies(entries, job.dtype, destinations, self.rank, self.world_size):
+                    dst.copy_(src)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        self._raise_if_any_failed(error)  # also the agreement that every rank wrote its rows
+        url = self._url_if_targeted(targets)
+        self._on(True, lambda: url and self._load(url, job.weight_version, self._checksums(url, entries)))
         return n_buckets
 
-    @torch.no_grad()
-    def _write(self, bucket: Bucket) -> None:
-        assert self.window is not None
-        for name, tensor in bucket:
-            view = self.window.views[name]
-            if tensor is not view:  # not gathered into the window already
-                view.copy_(tensor)
+    def _checksums(self, url: str, entries: list[_Entry]) -> dict[str, str] | None:
+        """With ``check_equal``: the checksum of every tensor as the engine is to read it (in our window)."""
+        if not self.check_equal:
+            return None
+        views = self.windows[url].views
+        return {e.name: tensor_checksum(views[e.name]) for e in entries}
 
     def _load(self, url: str, weight_version: str, checksums: dict[str, str] | None) -> None:
         """One call loads the window (its own weight-update session on the engine); the answer names the version
         the engine now serves, which must be ours; with ``check_equal`` the checksums are compared too."""
-        assert self.window is not None
+        window = self.windows[url]
         body = {
-            "path": self.window.path,
-            "layout_digest": self.window.layout.digest(),
+            "path": window.path,
+            "layout_digest": window.layout.digest(),
             "flush_cache": True,
             "weight_version": weight_version,
         }
