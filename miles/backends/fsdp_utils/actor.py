@@ -50,7 +50,7 @@ class FSDPTrainer(TrainBackend):
     def init(self, role: str, with_ref: bool) -> int:
         from miles.backends.fsdp_utils.checkpoint import load_checkpoint
         from miles.backends.fsdp_utils.lr_scheduler import build_lr_scheduler
-        from miles.backends.fsdp_utils.model import build_fsdp_model, build_optimizer
+        from miles.backends.fsdp_utils.model import build_fsdp_model, build_optimizer, default_defer_gradient_sync
         from miles.backends.fsdp_utils.parallel import init_distributed
 
         cfg = self.config
@@ -77,6 +77,7 @@ class FSDPTrainer(TrainBackend):
             **model_kwargs,
         )
         self.model.train()
+        self.defer_grad_sync = default_defer_gradient_sync(ps.device, cfg.train.fsdp_cpu_offload)
         self.ref_model = None
         # with LoRA the reference is the frozen base: the policy with its adapters switched off
         self.ref_is_base = with_ref and self.lora
@@ -217,11 +218,13 @@ class FSDPTrainer(TrainBackend):
         """One optimizer step over `step_packs`. `fill_old`: each micro-batch's detached log-probs become its
         old log-probs (only valid when `rb.old_log_probs_from_training_forward` holds)."""
         from miles.backends.fsdp_utils.forward import forward_packed
+        from miles.backends.fsdp_utils.model import sync_gradients_after
 
         cfg = self.config
         temperature = cfg.rollout.rollout_temperature
         settings = rb.step_settings(self.algo.loss, batch, step_packs, self.ps)
         for mb_index, pack in enumerate(step_packs):
+            sync_gradients_after(self.model, mb_index == len(step_packs) - 1, self.defer_grad_sync)
             # entropy is always reported; it enters the loss only with --entropy-coef
             log_probs, entropy = forward_packed(
                 self.model, pack.packed, temperature, cp=self._cp(), with_entropy=True
