@@ -163,8 +163,7 @@ class FSDPTrainer(TrainBackend):
                 self._train_step(
                     batch, step_packs, metrics, first_step=step_index == 0, bar=bar, fill_old=reuse
                 )
-        out = metrics.reduce(ps.dp_group)
-        out.update(rb.batch_metrics(batch, ps.dp_group))
+        out = metrics.reduce(ps.dp_group, batch)  # with the advantage statistics, one all-reduce
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
         interval = cfg.train.ref_update_interval
         if self.ref_model is not None and interval and (rollout_id + 1) % interval == 0:
@@ -238,9 +237,7 @@ class FSDPTrainer(TrainBackend):
             metrics.add(mb_metrics)
             if first_step and mb_index == 0:
                 # the weights have not moved yet: old and new log-probs must agree bit for bit
-                diff = max(
-                    float((o - n.detach()).abs().max()) for o, n in zip(inputs.old_log_probs, log_probs)
-                )
+                diff = float((torch.cat(inputs.old_log_probs) - torch.cat(log_probs).detach()).abs().max())
                 metrics.add_value("first_mb_ppo_kl_abs_max", diff)
             if bar is not None:
                 bar.update()

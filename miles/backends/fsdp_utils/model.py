@@ -108,7 +108,10 @@ def apply_fsdp2(
         raise ValueError(
             f"apply_fsdp2 expects a 1-D mesh (ParallelState.fsdp_mesh), got {mesh.ndim}-D {mesh}"
         )
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # computing in the weights' own dtype needs no cast: without a param_dtype FSDP does not walk every layer's
+    # forward arguments to cast them (the same numbers, less Python per layer call)
+    same_dtype = all(p.dtype == param_dtype for p in model.parameters())
+    mp_policy = MixedPrecisionPolicy(param_dtype=None if same_dtype else param_dtype, reduce_dtype=reduce_dtype)
     # pinned host memory needs an accelerator; a CPU-only run keeps ordinary pages
     pin = torch.cuda.is_available()
     offload_policy: OffloadPolicy = CPUOffloadPolicy(pin_memory=pin) if cpu_offload else OffloadPolicy()
