@@ -135,7 +135,9 @@ def _masked_inputs(
     log_probs: list[Tensor], old_log_probs: list[Tensor], advantages: list[Tensor], masks: list[Tensor]
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Concatenated float32 (new, old, advantages) with 0 at every mask-0 position (selected, not multiplied)."""
-    new, old, adv = (_ops.masked_cat(values, masks).float() for values in (log_probs, old_log_probs, advantages))
+    new, old, adv = (
+        _ops.masked_cat(values, masks).float() for values in (log_probs, old_log_probs, advantages)
+    )
     return new, old, adv
 
 

@@ -50,7 +50,11 @@ class FSDPTrainer(TrainBackend):
     def init(self, role: str, with_ref: bool) -> int:
         from miles.backends.fsdp_utils.checkpoint import load_checkpoint
         from miles.backends.fsdp_utils.lr_scheduler import build_lr_scheduler
-        from miles.backends.fsdp_utils.model import build_fsdp_model, build_optimizer, default_defer_gradient_sync
+        from miles.backends.fsdp_utils.model import (
+            build_fsdp_model,
+            build_optimizer,
+            default_defer_gradient_sync,
+        )
         from miles.backends.fsdp_utils.parallel import init_distributed
 
         cfg = self.config

@@ -116,7 +116,7 @@ def length_buckets(lengths: list[int], pad_work_limit: float = PAD_WORK_LIMIT) -
 class PaddedBucket:
     """One bucket of `length_buckets` as gather indices into the packed row."""
 
-    idx: torch.Tensor  # [n, L] long: row position of step j of the bucket's sequence i (pads read its first token)
+    idx: torch.Tensor  # [n, L] long: row of step j of the bucket's sequence i (pads read its first token)
     valid: torch.Tensor  # [n, L] bool: step j is a real token of sequence i
     longest: int  # L
 
@@ -144,7 +144,8 @@ def padded_layout(bounds: list[int] | tuple[int, ...], device: torch.device | st
         lens = torch.tensor([lengths[i] for i in bucket], device=device)
         steps = torch.arange(longest, device=device)
         valid = steps[None, :] < lens[:, None]  # [n, L]
-        idx = torch.where(valid, starts[:, None] + steps[None, :], starts[:, None])  # pads read the first token
+        # pads read the sequence's first token
+        idx = torch.where(valid, starts[:, None] + steps[None, :], starts[:, None])
         buckets.append(PaddedBucket(idx, valid, longest))
         token_order.append(idx[valid])
     order = torch.cat(token_order) if token_order else torch.zeros(0, dtype=torch.long, device=device)
@@ -171,8 +172,8 @@ def _sdpa_bucketed(
     gqa = query.shape[1] != key.shape[1]
     outs = []
     for b in layout.buckets:
-
-        def gather(x: torch.Tensor, idx: torch.Tensor = b.idx) -> torch.Tensor:  # [B, h, T, D] -> [B*n, h, L, D]
+        # [B, h, T, D] -> [B*n, h, L, D]
+        def gather(x: torch.Tensor, idx: torch.Tensor = b.idx) -> torch.Tensor:
             g = x[:, :, idx]  # [B, h, n, L, D]
             return g.transpose(1, 2).reshape(-1, x.shape[1], idx.shape[1], x.shape[3])
 
@@ -185,7 +186,8 @@ def _sdpa_bucketed(
             scale=scaling,
             enable_gqa=gqa,
         )  # [B*n, H, L, D]
-        o = o.reshape(query.shape[0], b.idx.shape[0], query.shape[1], b.longest, query.shape[3]).transpose(1, 2)
+        n = b.idx.shape[0]
+        o = o.reshape(query.shape[0], n, query.shape[1], b.longest, query.shape[3]).transpose(1, 2)
         outs.append(o[:, :, b.valid])  # [B, H, tokens of the bucket, D]
     return torch.cat(outs, dim=2)[:, :, layout.inverse]
 

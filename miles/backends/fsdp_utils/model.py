@@ -16,7 +16,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +117,9 @@ def apply_fsdp2(
     # computing in the weights' own dtype needs no cast: without a param_dtype FSDP does not walk every layer's
     # forward arguments to cast them (the same numbers, less Python per layer call)
     same_dtype = all(p.dtype == param_dtype for p in model.parameters())
-    mp_policy = MixedPrecisionPolicy(param_dtype=None if same_dtype else param_dtype, reduce_dtype=reduce_dtype)
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=None if same_dtype else param_dtype, reduce_dtype=reduce_dtype
+    )
     # pinned host memory needs an accelerator; a CPU-only run keeps ordinary pages
     pin = torch.cuda.is_available()
     offload_policy: OffloadPolicy = CPUOffloadPolicy(pin_memory=pin) if cpu_offload else OffloadPolicy()

@@ -332,7 +332,7 @@ class MetricSum:
         """The metrics over the DP group; with `batch`, also its advantages' mean and std over the DP group
         (loss tokens only: mask-0 positions are never read), in the same all-reduce."""
         keys, stacked = stack_metrics(self.pairs)
-        moments = local_moments(batch.advantages, batch.loss_masks) if batch is not None else stacked.new_zeros(0)
+        moments = stacked.new_zeros(0) if batch is None else local_moments(batch.advantages, batch.loss_masks)
         flat = torch.cat([stacked.reshape(-1).to(moments.device), moments.double()])  # on the batch's device
         total = _all_reduce_sum(flat, dp_group).cpu()
         stacked = total[: stacked.numel()].reshape(stacked.shape)
