@@ -136,7 +136,7 @@ def _masked_inputs(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Concatenated float32 (new, old, advantages) with 0 at every mask-0 position (selected, not multiplied)."""
     new, old, adv = (
-        _ops.cat(_ops.masked_list(values, masks)).float() for values in (log_probs, old_log_probs, advantages)
+        _ops.masked_cat(values, masks).float() for values in (log_probs, old_log_probs, advantages)
     )
     return new, old, adv
 

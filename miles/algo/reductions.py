@@ -80,7 +80,7 @@ def _token_sum(losses: list[Tensor], masks: list[Tensor]) -> Tensor:
 
 
 def _num_tokens(masks: list[Tensor]) -> float:
-    return float(sum(float(m.float().sum()) for m in masks))
+    return float(_ops.cat(masks).float().sum()) if masks else 0.0
 
 
 def _constant(constant: float | None) -> float:

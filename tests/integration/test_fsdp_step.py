@@ -20,7 +20,9 @@ from miles.backends.fsdp_utils.model import (
     build_fsdp_model,
     build_optimizer,
     build_reference_model,
+    default_defer_gradient_sync,
     load_hf_model,
+    sync_gradients_after,
 )
 from miles.backends.fsdp_utils.offload import load_to_device, offload_to_cpu
 from miles.backends.fsdp_utils.parallel import ParallelDims, init_distributed
@@ -139,6 +141,43 @@ def _dp_step_body(rank: int, world_size: int, path: str) -> None:
     moved = max((got[n] - load_hf_model(path).get_parameter(n)).abs().max().item() for n in got)
     assert moved > 5e-4, "the optimizer step did not change the weights"
     dist.barrier()
+
+
+def _deferred_sync_body(rank: int, world_size: int, path: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    state = init_distributed("gloo", timeout_s=60)
+    assert default_defer_gradient_sync(state.device, cpu_offload=False)
+    assert not default_defer_gradient_sync(state.device, cpu_offload=True)
+    # three micro-batches per rank, different on each rank
+    micro_batches = _batch(seed=3 + rank, n=6).chunk(3)
+    plain = load_hf_model(path)
+    _token_ce_sum(plain, micro_batches[0]).backward()  # this rank's own gradient of its first micro-batch
+    grads = {}
+    for defer in (False, True):
+        model = build_fsdp_model(path, state.fsdp_mesh)
+        for i, tokens in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            sync_gradients_after(model, last, defer)
+            _token_ce_sum(model, tokens).backward()
+            if last or not defer:  # reduce-scattered into sharded gradients, parameters resharded
+                done = all(isinstance(p, DTensor) and p.grad is not None for p in model.parameters())
+                assert done, (defer, i)
+            else:  # still gathered, holding this rank's own (not yet averaged) gradient
+                for name, p in model.named_parameters():
+                    assert not isinstance(p, DTensor), name
+                    if i == 0:
+                        own = plain.get_parameter(name).grad
+                        torch.testing.assert_close(p.grad, own, atol=1e-6, rtol=1e-5)
+        grads[defer] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    for name, g in grads[False].items():  # the same gradients, summed in another order
+        torch.testing.assert_close(grads[True][name], g, atol=1e-6, rtol=1e-5)
+    dist.barrier()
+
+
+def test_deferred_gradient_sync_reduces_once_per_step(tmp_path) -> None:
+    path = save_tiny_qwen3(str(tmp_path / "tiny"), vocab_size=VOCAB)
+    run_distributed(_deferred_sync_body, 2, path, init_pg=False)
 
 
 def test_parallel_dims_validation() -> None:

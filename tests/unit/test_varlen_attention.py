@@ -15,6 +15,7 @@ from miles.backends.fsdp_utils.attention import (
     VARLEN_ATTENTION,
     cu_seqlens_from_position_ids,
     length_buckets,
+    padded_layout,
     set_varlen_backend,
     varlen_attention_forward,
 )
@@ -138,6 +139,15 @@ def test_attention_function_matches_loop_reference():
     assert cu_seqlens_from_position_ids(pos).tolist() == bounds
     got_pos, _ = varlen_attention_forward(module, q, k, v, None, scaling=0.3, position_ids=pos)
     torch.testing.assert_close(got_pos, got, atol=0, rtol=0)
+    # the layout forward_packed builds once per pack gives every layer the same numbers as building it there
+    layout = padded_layout(bounds, "cpu")
+    got_layout, _ = varlen_attention_forward(
+        module, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, miles_layout=layout
+    )
+    torch.testing.assert_close(got_layout, got, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="miles_layout was built for sequence boundaries"):
+        other = padded_layout([0, 4, 4, 9, 13], "cpu")
+        varlen_attention_forward(module, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, miles_layout=other)
 
 
 @pytest.mark.parametrize(

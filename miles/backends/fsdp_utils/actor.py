@@ -50,7 +50,11 @@ class FSDPTrainer(TrainBackend):
     def init(self, role: str, with_ref: bool) -> int:
         from miles.backends.fsdp_utils.checkpoint import load_checkpoint
         from miles.backends.fsdp_utils.lr_scheduler import build_lr_scheduler
-        from miles.backends.fsdp_utils.model import build_fsdp_model, build_optimizer
+        from miles.backends.fsdp_utils.model import (
+            build_fsdp_model,
+            build_optimizer,
+            default_defer_gradient_sync,
+        )
         from miles.backends.fsdp_utils.parallel import init_distributed
 
         cfg = self.config
@@ -77,6 +81,7 @@ class FSDPTrainer(TrainBackend):
             **model_kwargs,
         )
         self.model.train()
+        self.defer_grad_sync = default_defer_gradient_sync(ps.device, cfg.train.fsdp_cpu_offload)
         self.ref_model = None
         # with LoRA the reference is the frozen base: the policy with its adapters switched off
         self.ref_is_base = with_ref and self.lora
@@ -162,8 +167,7 @@ class FSDPTrainer(TrainBackend):
                 self._train_step(
                     batch, step_packs, metrics, first_step=step_index == 0, bar=bar, fill_old=reuse
                 )
-        out = metrics.reduce(ps.dp_group)
-        out.update(rb.batch_metrics(batch, ps.dp_group))
+        out = metrics.reduce(ps.dp_group, batch)  # with the advantage statistics, one all-reduce
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
         interval = cfg.train.ref_update_interval
         if self.ref_model is not None and interval and (rollout_id + 1) % interval == 0:
@@ -217,11 +221,13 @@ class FSDPTrainer(TrainBackend):
         """One optimizer step over `step_packs`. `fill_old`: each micro-batch's detached log-probs become its
         old log-probs (only valid when `rb.old_log_probs_from_training_forward` holds)."""
         from miles.backends.fsdp_utils.forward import forward_packed
+        from miles.backends.fsdp_utils.model import sync_gradients_after
 
         cfg = self.config
         temperature = cfg.rollout.rollout_temperature
         settings = rb.step_settings(self.algo.loss, batch, step_packs, self.ps)
         for mb_index, pack in enumerate(step_packs):
+            sync_gradients_after(self.model, mb_index == len(step_packs) - 1, self.defer_grad_sync)
             # entropy is always reported; it enters the loss only with --entropy-coef
             log_probs, entropy = forward_packed(
                 self.model, pack.packed, temperature, cp=self._cp(), with_entropy=True
@@ -235,9 +241,7 @@ class FSDPTrainer(TrainBackend):
             metrics.add(mb_metrics)
             if first_step and mb_index == 0:
                 # the weights have not moved yet: old and new log-probs must agree bit for bit
-                diff = max(
-                    float((o - n.detach()).abs().max()) for o, n in zip(inputs.old_log_probs, log_probs)
-                )
+                diff = float((torch.cat(inputs.old_log_probs) - torch.cat(log_probs).detach()).abs().max())
                 metrics.add_value("first_mb_ppo_kl_abs_max", diff)
             if bar is not None:
                 bar.update()

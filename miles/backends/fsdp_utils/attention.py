@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,8 +34,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "VARLEN_ATTENTION",
+    "PaddedLayout",
     "cu_seqlens_from_position_ids",
     "enable_varlen_attention",
+    "padded_layout",
     "set_varlen_backend",
     "use_flash_kernel",
     "varlen_attention_forward",
@@ -109,15 +112,57 @@ def length_buckets(lengths: list[int], pad_work_limit: float = PAD_WORK_LIMIT) -
     return buckets
 
 
+@dataclass(frozen=True)
+class PaddedBucket:
+    """One bucket of `length_buckets` as gather indices into the packed row."""
+
+    idx: torch.Tensor  # [n, L] long: row of step j of the bucket's sequence i (pads read its first token)
+    valid: torch.Tensor  # [n, L] bool: step j is a real token of sequence i
+    longest: int  # L
+
+
+@dataclass(frozen=True)
+class PaddedLayout:
+    """How the SDPA kernel lays a packed row's sequences out as right-padded batches (one per length bucket).
+
+    It depends only on the sequence boundaries, so `forward_packed` builds it once per pack and every attention
+    layer reuses it (pass it to the model as the `miles_layout` kwarg) instead of rebuilding the indices per layer.
+    """
+
+    bounds: tuple[int, ...]  # cu_seqlens of the row
+    buckets: tuple[PaddedBucket, ...]
+    inverse: torch.Tensor  # [T] long: position in the concatenated bucket outputs of each row token
+
+
+def padded_layout(bounds: list[int] | tuple[int, ...], device: torch.device | str) -> PaddedLayout:
+    """The `PaddedLayout` of a row with sequence boundaries `bounds` (cu_seqlens), its index tensors on `device`."""
+    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    buckets, token_order = [], []
+    for bucket in length_buckets(lengths):
+        longest = lengths[bucket[0]]
+        starts = torch.tensor([bounds[i] for i in bucket], device=device)
+        lens = torch.tensor([lengths[i] for i in bucket], device=device)
+        steps = torch.arange(longest, device=device)
+        valid = steps[None, :] < lens[:, None]  # [n, L]
+        # pads read the sequence's first token
+        idx = torch.where(valid, starts[:, None] + steps[None, :], starts[:, None])
+        buckets.append(PaddedBucket(idx, valid, longest))
+        token_order.append(idx[valid])
+    order = torch.cat(token_order) if token_order else torch.zeros(0, dtype=torch.long, device=device)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=device)
+    return PaddedLayout(tuple(bounds), tuple(buckets), inverse)
+
+
 def _sdpa_bucketed(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    bounds: list[int],
+    layout: PaddedLayout,
     scaling: float | None,
     dropout: float,
 ) -> torch.Tensor:
-    """query [B, H, T, D], key/value [B, Hkv, T, D] -> [B, H, T, D], causal within each [bounds[i], bounds[i+1]).
+    """query [B, H, T, D], key/value [B, Hkv, T, D] -> [B, H, T, D], causal within each sequence of `layout`.
 
     Sequences of similar length (`length_buckets`) are gathered into one right-padded batch per bucket and run
     through one causal SDPA call: a real query attends only to keys at or before it, all of its own sequence, so
@@ -125,22 +170,10 @@ def _sdpa_bucketed(
     would, up to the kernel's summation order (<= 1e-6 in fp32).
     """
     gqa = query.shape[1] != key.shape[1]
-    device = query.device
-    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
-    outs, token_order = [], []
-    for bucket in length_buckets(lengths):
-        longest = lengths[bucket[0]]
-        starts = torch.tensor([bounds[i] for i in bucket], device=device)
-        lens = torch.tensor([lengths[i] for i in bucket], device=device)
-        steps = torch.arange(longest, device=device)
-        valid = steps[None, :] < lens[:, None]  # [n, L]
-        idx = torch.where(
-            valid, starts[:, None] + steps[None, :], starts[:, None]
-        )  # pads read the first token
-
-        def gather(
-            x: torch.Tensor, idx: torch.Tensor = idx
-        ) -> torch.Tensor:  # [B, h, T, D] -> [B*n, h, L, D]
+    outs = []
+    for b in layout.buckets:
+        # [B, h, T, D] -> [B*n, h, L, D]
+        def gather(x: torch.Tensor, idx: torch.Tensor = b.idx) -> torch.Tensor:
             g = x[:, :, idx]  # [B, h, n, L, D]
             return g.transpose(1, 2).reshape(-1, x.shape[1], idx.shape[1], x.shape[3])
 
@@ -153,13 +186,10 @@ def _sdpa_bucketed(
             scale=scaling,
             enable_gqa=gqa,
         )  # [B*n, H, L, D]
-        o = o.reshape(query.shape[0], len(bucket), query.shape[1], longest, query.shape[3]).transpose(1, 2)
-        outs.append(o[:, :, valid])  # [B, H, tokens of the bucket, D]
-        token_order.append(idx[valid])
-    order = torch.cat(token_order)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=device)
-    return torch.cat(outs, dim=2)[:, :, inverse]
+        n = b.idx.shape[0]
+        o = o.reshape(query.shape[0], n, query.shape[1], b.longest, query.shape[3]).transpose(1, 2)
+        outs.append(o[:, :, b.valid])  # [B, H, tokens of the bucket, D]
+    return torch.cat(outs, dim=2)[:, :, layout.inverse]
 
 
 def varlen_attention_forward(
@@ -176,9 +206,12 @@ def varlen_attention_forward(
     max_length_q: int | None = None,
     position_ids: torch.Tensor | None = None,
     miles_cp: CPContext | None = None,
+    miles_layout: PaddedLayout | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """HF attention-interface function: query [B, H, T, D], key/value [B, Hkv, T, D] -> ([B, T, H, D], None).
+
+    `miles_layout`: the row's `PaddedLayout`, built once per forward by the caller (built here when absent).
 
     Block-diagonal causal attention over the packed row (see the module docstring for where boundaries
     come from and which kernel runs); B is 1 for packs, or several rows sharing the same boundaries (an
@@ -248,7 +281,14 @@ def varlen_attention_forward(
             outs.append(out)
         return torch.stack(outs), None
 
-    out = _sdpa_bucketed(query, key, value, cu.tolist(), scaling, dropout)
+    bounds = tuple(cu.tolist())
+    if miles_layout is None:
+        miles_layout = padded_layout(bounds, query.device)
+    elif miles_layout.bounds != bounds:
+        raise ValueError(
+            f"miles_layout was built for sequence boundaries {miles_layout.bounds[:8]}..., the row has {bounds[:8]}..."
+        )
+    out = _sdpa_bucketed(query, key, value, miles_layout, scaling, dropout)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -52,7 +52,12 @@ class FSDPCritic(FSDPTrainer):
     def init(self, role: str, with_ref: bool) -> int:
         from miles.backends.fsdp_utils.checkpoint import load_checkpoint, read_tracker
         from miles.backends.fsdp_utils.lr_scheduler import build_lr_scheduler
-        from miles.backends.fsdp_utils.model import attach_value_head, build_fsdp_model, build_optimizer
+        from miles.backends.fsdp_utils.model import (
+            attach_value_head,
+            build_fsdp_model,
+            build_optimizer,
+            default_defer_gradient_sync,
+        )
         from miles.backends.fsdp_utils.parallel import init_distributed
 
         cfg = self.config
@@ -84,6 +89,7 @@ class FSDPCritic(FSDPTrainer):
             load_model_weights(init_dcp, self.model)
             logger.info("critic: weights of %s", init_dcp)
         self.model.train()
+        self.defer_grad_sync = default_defer_gradient_sync(ps.device, cfg.train.fsdp_cpu_offload)
         self.ref_model = None
         o, c = cfg.optim, cfg.critic
         lr = c.critic_lr if c.critic_lr is not None else o.lr
@@ -173,10 +179,12 @@ class FSDPCritic(FSDPTrainer):
     ) -> None:
         from miles.algo.value_loss import ValueLossInputs, compute_value_loss
         from miles.backends.fsdp_utils.forward import forward_values
+        from miles.backends.fsdp_utils.model import sync_gradients_after
 
         cfg = self.config
         reduction = rb.step_reduction(self.reduction, batch, step_packs, self.ps)
-        for pack in step_packs:
+        for mb_index, pack in enumerate(step_packs):
+            sync_gradients_after(self.model, mb_index == len(step_packs) - 1, self.defer_grad_sync)
             values = forward_values(self.model, pack.packed, cp=self._cp())
             inputs = ValueLossInputs(
                 values=values,

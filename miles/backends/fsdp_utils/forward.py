@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from miles.algo.logprobs import log_probs_and_entropy
-from miles.backends.fsdp_utils.attention import enable_varlen_attention
+from miles.backends.fsdp_utils.attention import enable_varlen_attention, padded_layout, use_flash_kernel
 from miles.backends.fsdp_utils.context_parallel import CPContext, CPShard, all_gather_autograd, shard_for_cp
 from miles.backends.fsdp_utils.data_packing import PackedBatch, unpack_sequences
 
@@ -87,6 +87,8 @@ def _run_packed(
     if cp is None or cp.size == 1:
         cu = packed.cu_seqlens.to(device)
         max_len = packed.max_seqlen
+        # the SDPA kernel's padded layout depends only on the boundaries: built once here, not once per layer
+        layout = None if use_flash_kernel(tokens) else padded_layout(packed.cu_seqlens.tolist(), device)
         out = model(
             input_ids=tokens[None],
             position_ids=packed.position_ids.to(device)[None],
@@ -96,6 +98,7 @@ def _run_packed(
             max_length_q=max_len,
             max_length_k=max_len,
             logits_to_keep=positions,  # the head runs on the R scored rows only, not on the whole row
+            miles_layout=layout,
         )
         return out.logits[0], tokens, positions, None
     shard = shard_for_cp(tokens, packed.position_ids.to(device), packed.cu_seqlens.to(device), cp)

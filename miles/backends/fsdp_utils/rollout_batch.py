@@ -328,20 +328,27 @@ class MetricSum:
     def add_value(self, key: str, value: float) -> None:
         accumulate_metrics(self.pairs, {key: metric(value, 1.0)})
 
-    def reduce(self, dp_group: ProcessGroup | None) -> dict[str, float]:
+    def reduce(self, dp_group: ProcessGroup | None, batch: RankBatch | None = None) -> dict[str, float]:
+        """The metrics over the DP group; with `batch`, also its advantages' mean and std over the DP group
+        (loss tokens only: mask-0 positions are never read), in the same all-reduce."""
         keys, stacked = stack_metrics(self.pairs)
-        stacked = _all_reduce_sum(stacked, dp_group)
-        return {f"train/{k}": v for k, v in finalize_metrics(unstack_metrics(keys, stacked)).items()}
+        moments = stacked.new_zeros(0) if batch is None else local_moments(batch.advantages, batch.loss_masks)
+        flat = torch.cat([stacked.reshape(-1).to(moments.device), moments.double()])  # on the batch's device
+        total = _all_reduce_sum(flat, dp_group).cpu()
+        stacked = total[: stacked.numel()].reshape(stacked.shape)
+        out = {f"train/{k}": v for k, v in finalize_metrics(unstack_metrics(keys, stacked)).items()}
+        if batch is not None:
+            out.update(_advantage_stats(total[stacked.numel() :]))
+        return out
 
 
-def batch_metrics(batch: RankBatch, dp_group: ProcessGroup | None) -> dict[str, float]:
-    """Advantage statistics over the DP group (loss tokens only: mask-0 positions are never read)."""
-    t = _all_reduce_sum(local_moments(batch.advantages, batch.loss_masks), dp_group)
-    n = max(float(t[2]), 1.0)
-    mean = float(t[0]) / n
+def _advantage_stats(moments: torch.Tensor) -> dict[str, float]:
+    """Mean and std of the advantages from their DP-reduced `local_moments` (sum, sum of squares, count)."""
+    n = max(float(moments[2]), 1.0)
+    mean = float(moments[0]) / n
     return {
         "train/advantage_mean": mean,
-        "train/advantage_std": max(float(t[1]) / n - mean * mean, 0.0) ** 0.5,
+        "train/advantage_std": max(float(moments[1]) / n - mean * mean, 0.0) ** 0.5,
     }
 
 
