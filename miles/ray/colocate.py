@@ -7,10 +7,19 @@ KV cache. Disaggregated mode keeps both resident, so every step here is a no-op 
 SGLang 0.5.23 resumes only what was released (its scheduler dies with `KeyError: 'weights'` on a resume of a tag
 it never released), so the choreography remembers which tags the engines released: the start-up refit, on
 engines that hold their freshly loaded weights, resumes nothing.
+
+Colocated on CPU (no accelerator: `trainer_offload=False`) the trainers' sleep and wake move nothing (their
+parameters live in host memory either way), so the choreography skips those calls; the engines still release
+everything while the trainer trains (their weights and KV cache are dropped, so a refit that misses a tensor
+fails) but the release runs alongside the train call (the trainer needs none of that memory), and the refit
+resumes every released tag in one call before the weights move (the trainer's footprint is the same asleep or
+awake, so resuming the KV cache before the refit raises no peak).
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Protocol
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -44,25 +53,35 @@ class MemoryChoreography:
         engines: EngineMemory,
         engine_urls: list[str],
         critic: Trainer | None = None,
+        trainer_offload: bool = True,
     ) -> None:
+        """`trainer_offload`: the trainers' sleep/wake move their state off/onto the devices the engines use
+        (GPU); False on CPU, where both are no-ops (see the module docstring)."""
         self.colocate = colocate
         self.trainer = trainer
         self.critic = critic  # --advantage-estimator ppo: trains before the actor, never awake with it
         self.engines = engines
         self.engine_urls = list(engine_urls)
+        self.trainer_offload = trainer_offload
         self.released: set[str] = set()  # fresh engines hold everything
+        self._releasing: _Background | None = None  # a release running alongside training (CPU)
 
     def before_train(self) -> None:
         """Colocated: the engines give the devices back (all tags), then the critic (when there is one, it
-        trains first) or the trainer onloads."""
-        if self.colocate:
-            self.engines.release_memory(list(MEMORY_TAGS))
-            self.released = set(MEMORY_TAGS)
-            (self.critic or self.trainer).wake_up()
+        trains first) or the trainer onloads. On CPU the release runs on while the trainer trains (see the
+        module docstring); the refit waits for it."""
+        if not self.colocate:
+            return
+        self.released = set(MEMORY_TAGS)
+        if not self.trainer_offload:
+            self._releasing = _Background(self.engines.release_memory, list(MEMORY_TAGS))
+            return
+        self.engines.release_memory(list(MEMORY_TAGS))
+        (self.critic or self.trainer).wake_up()
 
     def critic_done(self) -> None:
         """Colocated: the critic has trained; it offloads and the actor onloads (one of them awake at a time)."""
-        if self.colocate and self.critic is not None:
+        if self.colocate and self.critic is not None and self.trainer_offload:
             self.critic.sleep()
             self.trainer.wake_up()
 
@@ -74,16 +93,48 @@ class MemoryChoreography:
 
     def refit(self, weight_version: str) -> None:
         """Push the trainer's weights to the engines and leave the engines ready to generate."""
+        self._wait_release()
+        if self.colocate and not self.trainer_offload:
+            self._resume([t for t in MEMORY_TAGS if t in self.released])
+            self.trainer.update_weights(self.engine_urls, weight_version)
+            return
         if self.colocate and "weights" in self.released:
-            self.engines.resume_memory(["weights"])
-            self.released.discard("weights")
+            self._resume(["weights"])
         self.trainer.update_weights(self.engine_urls, weight_version)
         if self.colocate:
             self.trainer.sleep()
-            rest = [t for t in MEMORY_TAGS if t in self.released]
-            if rest:
-                self.engines.resume_memory(rest)
-                self.released.difference_update(rest)
+            self._resume([t for t in MEMORY_TAGS if t in self.released])
+
+    def _resume(self, tags: list[str]) -> None:
+        if tags:
+            self.engines.resume_memory(tags)
+            self.released.difference_update(tags)
+
+    def _wait_release(self) -> None:
+        """Wait for a release started by `before_train` (its error, if any, is raised here)."""
+        releasing, self._releasing = self._releasing, None
+        if releasing is not None:
+            releasing.result()
+
+
+class _Background:
+    """`fn(tags)` on a daemon thread; `result()` waits for it and re-raises its exception."""
+
+    def __init__(self, fn: Callable[[list[str]], None], tags: list[str]) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, tags), name="miles-release", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[list[str]], None], tags: list[str]) -> None:
+        try:
+            fn(tags)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the driver's thread by result()
+            self._error = e
+
+    def result(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 class TrainerOnly:
