@@ -11,15 +11,13 @@ engines that hold their freshly loaded weights, resumes nothing.
 Colocated on CPU (no accelerator: `trainer_offload=False`) the trainers' sleep and wake move nothing (their
 parameters live in host memory either way), so the choreography skips those calls; the engines still release
 everything while the trainer trains (their weights and KV cache are dropped, so a refit that misses a tensor
-fails) but the release runs alongside the train call (the trainer needs none of that memory), and the refit
-resumes every released tag in one call before the weights move (the trainer's footprint is the same asleep or
-awake, so resuming the KV cache before the refit raises no peak).
+fails), and the refit resumes every released tag in one call before the weights move (the trainer's footprint is
+the same asleep or awake, so resuming the KV cache before the refit raises no peak). Posting the release alongside
+the train call instead was measured no faster on 2 cores: the engines' work then slows the training ranks.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from typing import Protocol
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -64,20 +62,16 @@ class MemoryChoreography:
         self.engine_urls = list(engine_urls)
         self.trainer_offload = trainer_offload
         self.released: set[str] = set()  # fresh engines hold everything
-        self._releasing: _Background | None = None  # a release running alongside training (CPU)
 
     def before_train(self) -> None:
         """Colocated: the engines give the devices back (all tags), then the critic (when there is one, it
-        trains first) or the trainer onloads. On CPU the release runs on while the trainer trains (see the
-        module docstring); the refit waits for it."""
+        trains first) or the trainer onloads (not on CPU: see the module docstring)."""
         if not self.colocate:
             return
-        self.released = set(MEMORY_TAGS)
-        if not self.trainer_offload:
-            self._releasing = _Background(self.engines.release_memory, list(MEMORY_TAGS))
-            return
         self.engines.release_memory(list(MEMORY_TAGS))
-        (self.critic or self.trainer).wake_up()
+        self.released = set(MEMORY_TAGS)
+        if self.trainer_offload:
+            (self.critic or self.trainer).wake_up()
 
     def critic_done(self) -> None:
         """Colocated: the critic has trained; it offloads and the actor onloads (one of them awake at a time)."""
@@ -93,7 +87,6 @@ class MemoryChoreography:
 
     def refit(self, weight_version: str) -> None:
         """Push the trainer's weights to the engines and leave the engines ready to generate."""
-        self._wait_release()
         if self.colocate and not self.trainer_offload:
             self._resume([t for t in MEMORY_TAGS if t in self.released])
             self.trainer.update_weights(self.engine_urls, weight_version)
@@ -109,32 +102,6 @@ class MemoryChoreography:
         if tags:
             self.engines.resume_memory(tags)
             self.released.difference_update(tags)
-
-    def _wait_release(self) -> None:
-        """Wait for a release started by `before_train` (its error, if any, is raised here)."""
-        releasing, self._releasing = self._releasing, None
-        if releasing is not None:
-            releasing.result()
-
-
-class _Background:
-    """`fn(tags)` on a daemon thread; `result()` waits for it and re-raises its exception."""
-
-    def __init__(self, fn: Callable[[list[str]], None], tags: list[str]) -> None:
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn, tags), name="miles-release", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Callable[[list[str]], None], tags: list[str]) -> None:
-        try:
-            fn(tags)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the driver's thread by result()
-            self._error = e
-
-    def result(self) -> None:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
 
 
 class TrainerOnly:
