@@ -361,6 +361,7 @@ def build_system(cfg: Config) -> System:
             ),
             engine_urls,
             critic=critic_group,
+            trainer_offload=use_gpu,  # on CPU the trainers' sleep/wake move nothing
         )
         # engines start from the trainer's (possibly resumed) weights; fresh engines released nothing to resume
         choreography.refit(weight_version=str(start))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, TypeAlias, cast
+from typing import TYPE_CHECKING, TypeAlias, TypeVar, cast
 
 import ray
 
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 # the critic's values of one rank's samples: one list of floats per sample (per response token)
 SampleValues: TypeAlias = list[list[float]]
+T = TypeVar("T")
 
 
 class TrainWorker:
@@ -153,6 +154,14 @@ class RayTrainGroup:
             raise RuntimeError(f"training ranks disagree on the resume rollout id: {starts}")
         return starts[0]
 
+    def _shared(self, per_dp: Sequence[T]) -> list[ray.ObjectRef | T]:
+        """Each DP rank's argument as the train calls take it: stored once (`ray.put`) when the CP ranks of a DP
+        rank share it, else passed as it is (Ray sends a small argument inside the call, ~2.5 ms less per step
+        on the quickstart than a put, and stores a large one by itself)."""
+        if self.cp_size == 1:
+            return list(per_dp)
+        return [ray.put(d) for d in per_dp]
+
     def train(
         self, rollout_id: int, per_dp_rank: list[list[Sample]], values: list[SampleValues] | None = None
     ) -> dict[str, float]:
@@ -160,8 +169,10 @@ class RayTrainGroup:
         the critic's values of those samples, for --advantage-estimator ppo)."""
         if len(per_dp_rank) != self.dp_size:
             raise ValueError(f"expected data for {self.dp_size} DP ranks, got {len(per_dp_rank)}")
-        refs = [ray.put(d) for d in per_dp_rank]
-        vrefs = [None] * self.dp_size if values is None else [ray.put(v) for v in values]
+        refs = self._shared(per_dp_rank)
+        vrefs: list[ray.ObjectRef | SampleValues | None] = (
+            [None] * self.dp_size if values is None else self._shared(values)
+        )
         results = self._gather(
             [
                 w.train.remote(rollout_id, refs[self.dims.coords(rank)[0]], vrefs[self.dims.coords(rank)[0]])
@@ -177,7 +188,7 @@ class RayTrainGroup:
         """The critic role's train: (metrics, values per DP rank), values[d] in the order of per_dp_rank[d]."""
         if len(per_dp_rank) != self.dp_size:
             raise ValueError(f"expected data for {self.dp_size} DP ranks, got {len(per_dp_rank)}")
-        refs = [ray.put(d) for d in per_dp_rank]
+        refs = self._shared(per_dp_rank)
         results = self._gather(
             [
                 w.train.remote(rollout_id, refs[self.dims.coords(rank)[0]])

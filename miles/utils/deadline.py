@@ -7,6 +7,13 @@ when none does (a thread stuck in an abandoned call is never handed another); st
 the quickstart rollout ~20 ms per 128 rewards. An async function runs as a task, cancelled at its deadline. A
 function that raises `TimeoutError` itself is not mistaken for an expired deadline: only the deadline raises
 `DeadlineExceeded`.
+
+`call_each_with_deadline` runs a batch of calls of one sync function (the rewards of a prompt group) in one
+thread, in turn, each still bounded from its own start: one thread hand-off per batch instead of one per call
+(the quickstart's 16 groups x 8 math rewards: ~3 ms instead of ~7 ms, and no burst of 128 thread wake-ups
+fighting the event loop for the GIL).
+A call still running after `SPILL_S` sends every call not yet started to threads of their own, so slow calls
+(a remote judge, a sandbox) still run side by side, late by at most `SPILL_S`.
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ import asyncio
 import inspect
 import queue
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable, Sequence
 
 
 class DeadlineExceeded(TimeoutError):
@@ -105,3 +113,141 @@ async def call_with_deadline(fn: Callable[..., object], *args: object, timeout: 
         task.cancel()
         raise DeadlineExceeded(what)
     return task.result()
+
+
+SPILL_S = 0.02  # how long a batch's call may run before the batch's remaining calls get threads of their own
+
+
+class _Raised:
+    """A call's exception, as a batch's thread hands it over."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+_PENDING = object()
+
+
+class _InTurn:
+    """The calls of one batch, claimed in order by the daemon threads that run them; shared with the event loop
+    (everything under `lock`). A thread whose call was abandoned at its deadline stops claiming."""
+
+    def __init__(
+        self, fn: Callable[..., object], calls: Sequence[tuple[object, ...]], wake: Callable[[], None]
+    ):
+        self.fn, self.calls, self.wake = fn, list(calls), wake
+        self.lock = threading.Lock()
+        self.next = 0  # the first call no thread has claimed
+        self.started: dict[int, float] = {}  # running calls: index -> time.monotonic() at its start
+        self.outcomes: list[object] = [_PENDING] * len(self.calls)
+        self.seconds: list[float] = [0.0] * len(self.calls)  # how long each finished call ran
+        self.abandoned: set[int] = set()  # calls past their deadline
+        self.closed = False  # the awaiting side went away: claim nothing more
+
+    def add_threads(self, count: int) -> None:
+        for _ in range(count):
+            _THREADS.run(self._job)
+
+    def _job(self) -> Callable[[], None]:
+        while True:
+            with self.lock:
+                if self.closed or self.next >= len(self.calls):
+                    break
+                i, self.next = self.next, self.next + 1
+                start = self.started[i] = time.monotonic()
+            try:
+                out: object = self.fn(*self.calls[i])
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+                out = _Raised(e)
+            with self.lock:
+                del self.started[i]
+                stuck = i in self.abandoned
+                if not stuck:
+                    self.outcomes[i], self.seconds[i] = out, time.monotonic() - start
+            if stuck:  # the batch went on without this thread
+                break
+        return self.wake
+
+
+async def call_each_with_deadline(
+    fn: Callable[..., object],
+    calls: Sequence[tuple[object, ...]],
+    timeout: float,
+    what: Callable[[int], str],
+    spill_s: float = SPILL_S,
+) -> list[object]:
+    """`fn(*args)` for each `args` of `calls`, each finished within `timeout` seconds of its own start; returns
+    their outcomes in order: the result, or the exception the call raised, `DeadlineExceeded(what(i))` for call i
+    past its deadline (as `asyncio.gather(..., return_exceptions=True)` over `call_with_deadline`s would).
+
+    An async `fn` runs each call as `call_with_deadline` does, all at once. A sync one: see the module docstring
+    (in turn in one daemon thread; after `spill_s`, the rest side by side); a sync call that returns an awaitable
+    has what is left of its deadline for it."""
+    if inspect.iscoroutinefunction(fn):
+        return await asyncio.gather(
+            *(call_with_deadline(fn, *args, timeout=timeout, what=what(i)) for i, args in enumerate(calls)),
+            return_exceptions=True,
+        )
+    loop = asyncio.get_running_loop()
+    woken = asyncio.Event()
+
+    def wake() -> None:
+        try:
+            loop.call_soon_threadsafe(woken.set)
+        except RuntimeError:  # the loop closed while an abandoned call was still running
+            pass
+
+    batch = _InTurn(fn, calls, wake)
+    spilled = False
+    try:
+        batch.add_threads(min(1, len(batch.calls)))
+        while True:
+            woken.clear()  # before reading the state: a thread that changes it later sets it again
+            with batch.lock:
+                now = time.monotonic()
+                running = {i: t for i, t in batch.started.items() if i not in batch.abandoned}
+                late = [i for i, t in running.items() if now - t >= timeout]
+                for i in late:
+                    batch.abandoned.add(i)
+                    batch.outcomes[i] = _Raised(DeadlineExceeded(what(i)))
+                    del running[i]
+                unclaimed = len(batch.calls) - batch.next
+                if all(o is not _PENDING for o in batch.outcomes):
+                    break
+            if late and unclaimed:  # the late calls keep their threads: others take the calls after them
+                batch.add_threads(len(late))
+            if not spilled and unclaimed and any(now - t >= spill_s for t in running.values()):
+                spilled = True
+                batch.add_threads(unclaimed)
+            due = [t + timeout for t in running.values()]
+            if unclaimed:  # look again soon: to spill, and to time the calls that start meanwhile
+                due.append(now + spill_s)
+            try:
+                await asyncio.wait_for(woken.wait(), max(0.0, min(due) - now) if due else None)
+            except asyncio.TimeoutError:
+                pass
+    except BaseException:
+        with batch.lock:
+            batch.closed = True
+        raise
+    outcomes: list[object] = []
+    for i, out in enumerate(batch.outcomes):
+        if isinstance(out, _Raised):
+            outcomes.append(out.error)
+        elif inspect.isawaitable(out):
+            outcomes.append(await _finish(out, timeout - batch.seconds[i], what(i)))
+        else:
+            outcomes.append(out)
+    return outcomes
+
+
+async def _finish(awaitable: Awaitable[object], left: float, what: str) -> object:
+    """What a sync call's awaitable gives within the `left` seconds of its deadline (its exception as a value)."""
+    try:
+        return await call_with_deadline(_await, awaitable, timeout=max(left, 0.0), what=what)
+    except Exception as e:  # noqa: BLE001 - an outcome, as for the batch's other calls
+        return e
+
+
+async def _await(awaitable: Awaitable[object]) -> object:
+    return await awaitable

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
-from miles.utils.deadline import DeadlineExceeded, call_with_deadline
+from miles.utils.deadline import DeadlineExceeded, call_each_with_deadline, call_with_deadline
 
 
 def test_sync_calls_reuse_idle_threads_and_a_stuck_one_is_never_handed_another() -> None:
@@ -42,3 +43,73 @@ def test_sync_calls_reuse_idle_threads_and_a_stuck_one_is_never_handed_another()
     # the stuck call keeps its thread; the others reused at most 3 (the concurrent ones)
     assert threading.active_count() - before <= 4
     release.set()
+
+
+def test_a_batch_of_quick_calls_runs_in_one_thread_in_order_with_errors_as_outcomes() -> None:
+    threads: list[threading.Thread] = []
+
+    def quick(i: int) -> int:
+        threads.append(threading.current_thread())
+        if i == 2:
+            raise KeyError(i)
+        return i * 10
+
+    out = asyncio.run(call_each_with_deadline(quick, [(i,) for i in range(6)], timeout=5, what=str))
+    assert out[:2] == [0, 10] and isinstance(out[2], KeyError) and out[3:] == [30, 40, 50]
+    assert len({id(t) for t in threads}) == 1 and threads[0] is not threading.main_thread()
+
+
+def test_a_hung_call_in_a_batch_expires_alone_and_the_calls_after_it_still_run() -> None:
+    release = threading.Event()
+
+    def maybe_hang(i: int) -> int:
+        if i == 1:
+            release.wait()
+        return i
+
+    t0 = time.monotonic()
+    out = asyncio.run(
+        call_each_with_deadline(maybe_hang, [(i,) for i in range(4)], timeout=0.3, what=lambda i: f"call {i}")
+    )
+    release.set()
+    assert out[0] == 0 and out[2:] == [2, 3]
+    assert isinstance(out[1], DeadlineExceeded) and str(out[1]) == "call 1"
+    assert time.monotonic() - t0 < 2
+
+
+def test_slow_calls_of_a_batch_spill_to_threads_of_their_own() -> None:
+    """A call still running after spill_s sends the calls not yet started to their own threads: four calls of
+    0.3 s take about 0.3 s, not 1.2 s; each is still bounded from its own start."""
+
+    def slow(i: int) -> int:
+        time.sleep(0.3)
+        return i
+
+    t0 = time.monotonic()
+    out = asyncio.run(call_each_with_deadline(slow, [(i,) for i in range(4)], timeout=1.0, what=str))
+    assert out == [0, 1, 2, 3]
+    assert time.monotonic() - t0 < 0.9
+
+
+def test_a_batch_awaits_what_sync_calls_return_and_runs_async_functions_as_tasks() -> None:
+    async def later(i: int) -> int:
+        await asyncio.sleep(0.01)
+        return i + 100
+
+    def returns_awaitable(i: int):  # a sync function handing back a coroutine
+        return later(i)
+
+    async def never(i: int) -> int:
+        await asyncio.Event().wait()
+        return i
+
+    async def go() -> None:
+        assert await call_each_with_deadline(returns_awaitable, [(1,), (2,)], timeout=5, what=str) == [
+            101,
+            102,
+        ]
+        assert await call_each_with_deadline(later, [(3,)], timeout=5, what=str) == [103]
+        (late,) = await call_each_with_deadline(never, [(4,)], timeout=0.05, what=lambda i: f"never {i}")
+        assert isinstance(late, DeadlineExceeded) and str(late) == "never 0"
+
+    asyncio.run(go())

@@ -93,10 +93,10 @@ def _cfg(*extra: str):
     return parse_config(base + list(extra))
 
 
-def _run(cfg, colocate: bool, start: int = 0) -> Log:
+def _run(cfg, colocate: bool, start: int = 0, trainer_offload: bool = True) -> Log:
     log = Log()
     trainer, engines = FakeTrainGroup(log), FakeEngines(log)
-    choreo = MemoryChoreography(colocate, trainer, engines, ["http://e0"])
+    choreo = MemoryChoreography(colocate, trainer, engines, ["http://e0"], trainer_offload=trainer_offload)
     run_loop(cfg, FakeSystem(cfg, log, trainer, choreo, start))
     return log
 
@@ -119,6 +119,18 @@ def test_colocated_order():
     i = log.index(("save", 1))
     assert log[i - 1] == ("train", 1, [2, 2]) and log[i + 1][0] == "resume"
     assert [e[1] for e in log if e[0] == "log"] == [0, 1, 2]
+
+
+def test_colocated_on_cpu_skips_the_trainers_sleep_and_wake_and_resumes_once():
+    """CPU: sleep/wake move nothing, so they are not called; the engines still release everything before
+    training, and the refit resumes every tag in one call before the weights move."""
+    log = _run(_cfg(), colocate=True, trainer_offload=False)
+    assert "trainer sleep" not in [e[0] for e in log] and "trainer wake" not in [e[0] for e in log]
+    first = [
+        ("rollout", 0), ("release", ("weights", "kv_cache", "cuda_graph")), ("train", 0, [2, 2]),
+        ("resume", ("weights", "kv_cache", "cuda_graph")), ("refit", "1"), ("log", 0, STEP_LOG[1]),
+    ]  # fmt: skip
+    assert log[: len(first)] == first
 
 
 def test_disaggregated_order_with_eval():

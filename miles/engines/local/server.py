@@ -14,6 +14,7 @@ import asyncio
 import hmac
 import json
 import logging
+import threading
 from concurrent.futures import Future
 from typing import TypeVar
 
@@ -138,11 +139,48 @@ class _ClientGone(Exception):
     """The HTTP client went away before its generation finished."""
 
 
+def _when_all_done(futs: list[Future[T]]) -> asyncio.Future[list[T]]:
+    """An asyncio future of the results of `futs` (the engine thread's), set once the last of them is done: one
+    hop to the event loop per request instead of one per item of a batch (64 wake-ups of the loop, each waking
+    a gather, cost ~1 ms per batch of 64 on a busy CPU). Fails with the first error in `futs`' order."""
+    loop = asyncio.get_running_loop()
+    out: asyncio.Future[list[T]] = loop.create_future()
+    left = len(futs)
+    lock = threading.Lock()
+
+    def settle() -> None:
+        if out.done():  # cancelled (deadline, client gone)
+            return
+        for f in futs:
+            error = f.exception()
+            if error is not None:
+                out.set_exception(error)
+                return
+        out.set_result([f.result() for f in futs])
+
+    def one_done(_: Future[T]) -> None:
+        nonlocal left
+        with lock:
+            left -= 1
+            last = left == 0
+        if last:
+            try:
+                loop.call_soon_threadsafe(settle)
+            except RuntimeError:  # the server's loop closed (shutdown) while the engine finished the batch
+                pass
+
+    if not futs:
+        out.set_result([])
+    for f in futs:
+        f.add_done_callback(one_done)
+    return out
+
+
 async def _wait_or_disconnect(
     request: Request, futs: list[Future[GenerateAnswer]], timeout: float
 ) -> list[GenerateAnswer]:
     """Results of `futs`; raises _ClientGone when the client disconnects, TimeoutError after `timeout`."""
-    gathered = asyncio.ensure_future(asyncio.gather(*(asyncio.wrap_future(f) for f in futs)))
+    gathered = _when_all_done(futs)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:

@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import inspect
 import math
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 from miles.rollout.rm_hub.context import RewardContext
 from miles.rollout.rm_hub.math_utils import last_boxed_content
@@ -26,7 +26,7 @@ from miles.rollout.rm_hub.registry import (
     load_custom_rm,
     split_rm_type,
 )
-from miles.utils.deadline import DeadlineExceeded, call_with_deadline
+from miles.utils.deadline import DeadlineExceeded, call_each_with_deadline, call_with_deadline
 from miles.utils.misc import load_function
 from miles.utils.types import Sample, SampleStatus
 
@@ -94,7 +94,8 @@ class RewardScorer:
         timeout: float = 600.0,
     ) -> None:
         """`timeout`: seconds one reward function call may take (--reward-timeout); sync functions run in a
-        thread meanwhile (see `miles.utils.deadline`), so several samples are scored at once."""
+        thread meanwhile, a group's calls in turn in one thread unless they are slow (see
+        `miles.utils.deadline.call_each_with_deadline`), so the event loop keeps serving other samples."""
         if timeout <= 0:
             raise ValueError(f"--reward-timeout must be > 0 seconds, got {timeout}")
         self.timeout = float(timeout)
@@ -133,7 +134,7 @@ class RewardScorer:
             return 0
         if self.group_rm and self.custom is not None:
             return await self._score_as_group(todo)
-        results = await asyncio.gather(*(self._one(s) for s in todo), return_exceptions=True)
+        results = await self._score_each(todo)
         failed = 0
         for sample, result in zip(todo, results):
             failed += self._store(sample, result)
@@ -145,13 +146,35 @@ class RewardScorer:
             f"{what} (phase: {'eval ' if self.ctx.evaluation else ''}reward)"
         )
 
-    async def _one(self, sample: Sample) -> object:  # what the function returned, checked by _store
-        what = f"sample index {sample.index}"
-        if self.custom is not None:
-            late = self._late(self.fn_name, what)
-            return await call_with_deadline(self.custom, self.ctx, sample, timeout=self.timeout, what=late)
-        fn, view, name = resolve_builtin(self.ctx, sample)
-        return await call_with_deadline(fn, self.ctx, view, timeout=self.timeout, what=self._late(name, what))
+    async def _score_each(self, samples: list[Sample]) -> list[object]:
+        """What the reward function returned for each sample, or the exception it raised (checked by _store).
+        The calls of one function go out as one batch (`call_each_with_deadline`: each call bounded by
+        --reward-timeout from its own start)."""
+        outcomes: list[object] = [None] * len(samples)
+        batches: dict[Callable[..., object], list[tuple[int, tuple[object, ...], str]]] = {}
+        for i, sample in enumerate(samples):
+            what = f"sample index {sample.index}"
+            if self.custom is not None:
+                batches.setdefault(self.custom, []).append(
+                    (i, (self.ctx, sample), self._late(self.fn_name, what))
+                )
+                continue
+            try:
+                fn, view, name = resolve_builtin(self.ctx, sample)
+            except Exception as e:  # noqa: BLE001 - this sample's failure, reported by _store
+                outcomes[i] = e
+                continue
+            batches.setdefault(fn, []).append((i, (self.ctx, view), self._late(name, what)))
+
+        async def run(fn: Callable[..., object], calls: list[tuple[int, tuple[object, ...], str]]) -> None:
+            got = await call_each_with_deadline(
+                fn, [args for _, args, _ in calls], timeout=self.timeout, what=lambda k: calls[k][2]
+            )
+            for (i, _, _), out in zip(calls, got):
+                outcomes[i] = out
+
+        await asyncio.gather(*(run(fn, calls) for fn, calls in batches.items()))
+        return outcomes
 
     async def _score_as_group(self, group: list[Sample]) -> int:
         assert self.custom is not None  # --group-rm scores with --custom-rm-path only
