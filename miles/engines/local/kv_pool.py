@@ -7,13 +7,15 @@ attends over `pool[.., :n, :, :length]` — a view of the pool, nothing copied. 
 (an empty tensor), `allocate()` builds it again.
 
 Attention reads positions past a row's own length (masked out, but they must hold finite numbers), so the pool
-is zero-filled up to the longest length used so far (`ensure_initialized`), not at allocation: untouched memory
-past that costs no RAM on CPU (the OS maps pages on first write).
+is zero-filled up to the longest length used so far, rounded up to `ZERO_STEP` (`ensure_initialized`), not at
+allocation: untouched memory past that costs no RAM on CPU (the OS maps pages on first write).
 """
 
 from __future__ import annotations
 
 import torch
+
+ZERO_STEP = 64  # positions `ensure_initialized` zeroes at a time
 
 
 class KVPool:
@@ -92,10 +94,13 @@ class KVPool:
         self.initialized = 0
 
     def ensure_initialized(self, length: int) -> None:
-        """Zero positions [initialized, length) of every slot, so that reading up to `length` sees finite values."""
+        """Zero positions [initialized, length) of every slot, so that reading up to `length` sees finite values;
+        in steps of `ZERO_STEP` positions (decode grows the length one token at a time: one zeroing per token would
+        touch every slot, head and layer for a single position)."""
         if length > self.initialized:
-            self.data[..., self.initialized : length, :].zero_()
-            self.initialized = length
+            end = min(self.capacity, -(-length // ZERO_STEP) * ZERO_STEP)
+            self.data[..., self.initialized : end, :].zero_()
+            self.initialized = end
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` positions of slot `src` to slot `dst` (all layers, keys and values)."""
