@@ -5,7 +5,7 @@ per-layer norms, q/k/v/o projections, optional q/k norms, rotary embedding, MLP,
 keys/values in a `KVPool`. The tokens of all rows are packed into one sequence for every matmul (q/k/v in one
 matmul, gate and up one each: two 512x1536 matmuls beat one 512x3072 on CPU; see `fused.py`); attention runs per
 group of rows against the pool in place:
-- decode rows (one new token each) attend over `pool[:, slots, :, :length]`, a view when their slots are
+- decode rows (one new token each) attend over `pool[:length, slots]`, a view when their slots are
   contiguous (the scheduler keeps them so), with grouped-query heads folded into the query dimension; two
   batched matmuls and a softmax (cheaper than the fused CPU kernel for one query per row);
 - prompt rows (several tokens) are padded to the longest among them and attend causally to their slot's cached
@@ -311,10 +311,9 @@ class PoolRunner:
             pos_of += range(r.start, r.start + n)
             last[id(r)] = len(ids) - 1
         ids_t, positions, slots = torch.tensor([ids, pos_of, slot_of], device=dev).unbind(0)
-        # flat index of (slot, kv head, position) in a layer's pool viewed as [slots * kv_heads * capacity, D]
-        kv_index = ((slots[:, None] * self.kv_heads + self._kv_head_ids) * self.pool.capacity).add_(
-            positions[:, None]
-        )
+        # flat index of (position, slot, kv head) in a layer's pool viewed as [capacity * slots * kv_heads, D]
+        token_slot = positions[:, None] * self.pool.num_slots + slots[:, None]
+        kv_index = token_slot * self.kv_heads + self._kv_head_ids
         groups = [self._decode_group(decode, positions[: len(decode)])] if decode else []
         groups += [self._prefill_group(b) for b in buckets]
         # the logits wanted: last token of each sampling row, in batch order (the scheduler's order)
@@ -398,8 +397,9 @@ class PoolRunner:
     ) -> torch.Tensor:
         """Attention of one group. q: [tokens, H, D] packed; returns [tokens, H * D]."""
         rows, kvh, grp, d = g.num_rows, self.kv_heads, self.group, self.head_dim
-        keys = pool_k[g.slots, :, : g.key_len]  # [rows, kvh, key_len, D]; a view when slots is a slice
-        vals = pool_v[g.slots, :, : g.key_len]
+        # [rows, kvh, key_len, D], strided over the position-major pool; a view when slots is a slice
+        keys = pool_k[: g.key_len, g.slots].permute(1, 2, 0, 3)
+        vals = pool_v[: g.key_len, g.slots].permute(1, 2, 0, 3)
         if g.q_len == 1:  # one query per row: scores [rows, kvh, group, key_len], softmax in float32
             scores = torch.matmul(q.reshape(rows, kvh, grp, d) * scale, keys.transpose(-1, -2))
             probs = torch.softmax(scores.float().add_(g.mask), -1, dtype=torch.float32).to(vals.dtype)
