@@ -252,10 +252,13 @@ def test_fused_projections_follow_refits_and_weight_release():
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])
-def test_packed_projections_match_forward_and_follow_every_weight_change(model_type):
+def test_packed_projections_match_forward_and_follow_every_weight_change(model_type, monkeypatch):
     """CPU float32 with a WeightStore: the projections run on oneDNN-packed copies (forced here below the size
-    threshold); logits stay within the HF forward's tolerance, and a load, a release, a resume + load each reach
-    the copies (dropped at the change, packed again at the next forward)."""
+    and row thresholds); logits stay within the HF forward's tolerance, and a load, a release, a resume + load
+    each reach the copies (dropped at the change, packed again at the next forward)."""
+    from miles.engines.local import fused
+
+    monkeypatch.setattr(fused, "PACKED_MIN_ROWS", 1)
     model = _tiny(model_type)  # qwen2: q/k/v with biases
     store = WeightStore(model)
     runner = PoolRunner(model, num_slots=3, capacity=32, weights=store, pack_min_elements=0)
