@@ -206,7 +206,8 @@ def test_kv_pool_release_frees_and_resume_reallocates():
     )  # garbage in fresh memory: masked positions must be zeroed before use
     reqs = [_req("x", [3, 4, 5], 4), _req("z", [7], 9)]
     again, seen, _ = drive(runner, {0: reqs}, slots=4, capacity=16)
-    assert again["x"].output_ids == done["x"].output_ids and runner.pool.initialized == 9
+    # zeroed up to the longest length (9), rounded up to the zeroing step, at most the capacity
+    assert again["x"].output_ids == done["x"].output_ids and runner.pool.initialized == 16
     _check_against_forward(model, again, seen)
 
 
@@ -248,6 +249,53 @@ def test_fused_projections_follow_refits_and_weight_release():
     assert runner.layers[1].qkv.weight()[0].data_ptr() == attn.q_proj.weight.data_ptr()
     assert runner.layers[0].up.weight()[0].data_ptr() == model.model.layers[0].mlp.up_proj.weight.data_ptr()
     _check_against_forward(model, again, seen)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])
+def test_packed_projections_match_forward_and_follow_every_weight_change(model_type, monkeypatch):
+    """CPU float32 with a WeightStore: the projections run on oneDNN-packed copies (forced here below the size
+    and row thresholds); logits stay within the HF forward's tolerance, and a load, a release, a resume + load
+    each reach the copies (dropped at the change, packed again at the next forward)."""
+    from miles.engines.local import fused
+
+    monkeypatch.setattr(fused, "PACKED_MIN_ROWS", 1)
+    model = _tiny(model_type)  # qwen2: q/k/v with biases
+    store = WeightStore(model)
+    runner = PoolRunner(model, num_slots=3, capacity=32, weights=store, pack_min_elements=0)
+    projections = 5 * len(runner.layers)  # qkv, o, gate, up, down
+    assert runner.prepacked_projections == 0  # packed lazily, at the first forward
+    done, seen, _ = drive(runner, _staggered_requests(), slots=3, chunk=6)
+    assert runner.prepacked_projections == projections
+    assert runner.layers[0].gate.packed is not None and runner.layers[0].gate.packed.is_mkldnn
+    _check_against_forward(model, done, seen)
+
+    gen = torch.Generator().manual_seed(7)
+    fresh = {n: torch.randn(p.shape, generator=gen) * 0.3 for n, p in model.named_parameters()}
+    store.load(fresh.items())
+    assert runner.prepacked_projections == 0
+    again, seen, _ = drive(runner, _staggered_requests(), slots=3, chunk=6)
+    assert runner.prepacked_projections == projections
+    _check_against_forward(model, again, seen)  # the new weights, not the packed old ones
+    assert {r: q.output_ids for r, q in again.items()} != {r: q.output_ids for r, q in done.items()}
+
+    store.release()  # the copies go with the weights
+    assert runner.prepacked_projections == 0 and all(p.packed is None for p in runner._prepack)
+    store.resume()
+    store.load(fresh.items())
+    third, seen, _ = drive(runner, _staggered_requests(), slots=3, chunk=6)
+    assert {r: q.output_ids for r, q in third.items()} == {r: q.output_ids for r, q in again.items()}
+    _check_against_forward(model, third, seen)
+
+
+def test_no_packed_projections_without_a_store_or_below_the_threshold():
+    """Without a store nothing would say when copies go stale: none are made; the tiny models' projections are
+    below PACK_MIN_ELEMENTS (oneDNN's per-call overhead outweighs its gain there): plain matmuls."""
+    model = _tiny("qwen3")
+    bare = PoolRunner(model, num_slots=3, capacity=32)
+    small = PoolRunner(model, num_slots=3, capacity=32, weights=WeightStore(model))
+    for runner in (bare, small):
+        drive(runner, _staggered_requests(), slots=3, chunk=6)
+        assert runner.prepacked_projections == 0 and runner._prepack == []
 
 
 def _filter_loop(probs: list[float], top_k: int, top_p: float) -> list[float]:

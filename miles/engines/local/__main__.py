@@ -50,6 +50,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=30.0,
         help="seconds /init_weights_update_group waits for its peers before failing",
     )
+    p.add_argument(
+        "--cpu-packed-weights",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CPU float32: multiply large projections by oneDNN-packed copies of the weights (faster decode and "
+        "prefill; one more copy of those weights in memory)",
+    )
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a /generate call may take")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -100,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
             random_seed=args.random_seed,
             weight_version=args.weight_version,
             update_group_timeout=args.update_group_timeout,
+            cpu_packed_weights=args.cpu_packed_weights,
         )
     )
     engine.start()

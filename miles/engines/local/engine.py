@@ -119,6 +119,9 @@ class LocalEngineConfig:
     random_seed: int = 0
     weight_version: str = "default"
     update_group_timeout: float = 30.0  # seconds /init_weights_update_group may wait for its peers
+    # CPU, float32: large projections multiply by oneDNN-packed copies of the weights (faster; one more copy of
+    # them in memory while they are loaded), see model_runner.py
+    cpu_packed_weights: bool = True
 
 
 def _context_length(requested: int | None, model_config: PretrainedConfig) -> int:
@@ -153,7 +156,12 @@ class LocalEngine(WeightControl):
         self.weights = WeightStore(self.model)
         self.context_len = _context_length(config.context_length, self.model.config)
         kv_capacity = min(self.context_len, config.max_total_tokens or self.context_len)
-        self.runner = make_runner(self.model, config.max_running_requests, kv_capacity)
+        self.runner = make_runner(
+            self.model,
+            config.max_running_requests,
+            kv_capacity,
+            self.weights if config.cpu_packed_weights else None,
+        )
         self.weight_version = config.weight_version
         self.kv_released = False
         self.released_tags: set[str] = set()  # SGLang's `offload_tags`: filled by release, emptied by resume

@@ -5,19 +5,25 @@ per-layer norms, q/k/v/o projections, optional q/k norms, rotary embedding, MLP,
 keys/values in a `KVPool`. The tokens of all rows are packed into one sequence for every matmul (q/k/v in one
 matmul, gate and up one each: two 512x1536 matmuls beat one 512x3072 on CPU; see `fused.py`); attention runs per
 group of rows against the pool in place:
-- decode rows (one new token each) attend over `pool[:, slots, :, :length]`, a view when their slots are
+- decode rows (one new token each) attend over `pool[:length, slots]`, a view when their slots are
   contiguous (the scheduler keeps them so), with grouped-query heads folded into the query dimension; two
   batched matmuls and a softmax (cheaper than the fused CPU kernel for one query per row);
 - prompt rows (several tokens) are padded to the longest among them and attend causally to their slot's cached
   prefix plus themselves.
 `NoCacheRunner` is the fallback for other architectures: a full forward over each row's whole sequence.
 Both are device-agnostic (the pool lives on the model's device); only the logits of sampling rows come back.
+
+On CPU in float32, given the engine's `WeightStore`, `PoolRunner` multiplies by oneDNN-packed copies of the
+layers' projections (see `fused.py`; those of at least `PACK_MIN_ELEMENTS` weights: below, oneDNN's per-call
+overhead of a few microseconds outweighs its gain): packed at the first forward after every change the store
+reports, dropped at the change itself (a release frees them at once).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +33,15 @@ from miles.engines.local.fused import FusedLinear
 from miles.engines.local.kv_pool import KVPool
 from miles.engines.local.scheduler import Batch, BatchRow
 
+if TYPE_CHECKING:
+    from miles.engines.local.weights import WeightStore
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# weights of a projection from which its CPU matmul runs on a oneDNN-packed copy (hidden 512: 2^18 and more, 1.2-1.7x
+# faster per matmul; hidden 64, the quickstart model: 2^13, slower)
+PACK_MIN_ELEMENTS = 1 << 16
 
 
 def supports_kv_cache(model: nn.Module) -> tuple[bool, str]:
@@ -179,7 +191,17 @@ class PoolRunner:
 
     uses_kv_cache = True
 
-    def __init__(self, model: nn.Module, num_slots: int, capacity: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        num_slots: int,
+        capacity: int,
+        weights: WeightStore | None = None,
+        pack_min_elements: int = PACK_MIN_ELEMENTS,
+    ):
+        """`weights`: the store the engine changes the parameters through; given on CPU in float32, large
+        projections run on oneDNN-packed copies, refreshed after each change it reports (without it, none are
+        packed: nothing would say when the copies are stale)."""
         ok, why = supports_kv_cache(model)
         if not ok:
             raise ValueError(f"PoolRunner cannot drive this model: {why}")
@@ -212,6 +234,29 @@ class PoolRunner:
         self._rope_table = None
         if getattr(rotary, "rope_type", "default") not in ("dynamic", "longrope"):
             self._rope_table = self._rope(self._arange, emb[:1]).contiguous()
+        self._prepack: list[FusedLinear] = []
+        if weights is not None and _onednn_packs(emb):
+            sizes = ((p, p.in_features * p.out_features) for refs in self.layers for p in refs.projections())
+            self._prepack = [p for p, n in sizes if n >= pack_min_elements]
+            weights.on_change(self.drop_prepacked)
+        self._prepacked = False
+
+    # ------------------------------------------------------------------ packed weights
+    def drop_prepacked(self) -> None:
+        """Drop the packed copies (the weights changed or are released); the next forward packs them again."""
+        for p in self._prepack:
+            p.unpack()
+        self._prepacked = False
+
+    def _prepack_weights(self) -> None:
+        for p in self._prepack:
+            p.pack()
+        self._prepacked = True
+
+    @property
+    def prepacked_projections(self) -> int:
+        """Projections whose matmul runs on a packed copy now."""
+        return sum(p.packed is not None for p in self._prepack)
 
     # ------------------------------------------------------------------ memory
     def release_kv(self) -> None:
@@ -231,6 +276,8 @@ class PoolRunner:
         """Apply the batch's KV moves, feed every row's tokens; returns fp32 logits [sample rows, V]."""
         if self.pool.released:
             raise RuntimeError("KV pool is released; resume_memory_occupation(kv_cache) first")
+        if self._prepack and not self._prepacked:
+            self._prepack_weights()
         for src, dst, length in batch.moves:
             self.pool.move(src, dst, length)
         packed = self._pack(batch)
@@ -264,10 +311,9 @@ class PoolRunner:
             pos_of += range(r.start, r.start + n)
             last[id(r)] = len(ids) - 1
         ids_t, positions, slots = torch.tensor([ids, pos_of, slot_of], device=dev).unbind(0)
-        # flat index of (slot, kv head, position) in a layer's pool viewed as [slots * kv_heads * capacity, D]
-        kv_index = ((slots[:, None] * self.kv_heads + self._kv_head_ids) * self.pool.capacity).add_(
-            positions[:, None]
-        )
+        # flat index of (position, slot, kv head) in a layer's pool viewed as [capacity * slots * kv_heads, D]
+        token_slot = positions[:, None] * self.pool.num_slots + slots[:, None]
+        kv_index = token_slot * self.kv_heads + self._kv_head_ids
         groups = [self._decode_group(decode, positions[: len(decode)])] if decode else []
         groups += [self._prefill_group(b) for b in buckets]
         # the logits wanted: last token of each sampling row, in batch order (the scheduler's order)
@@ -303,13 +349,14 @@ class PoolRunner:
             outs.append(self._attend(g, q[offset : offset + g.tokens], pool_k, pool_v, refs.scaling))
             offset += g.tokens
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        hidden = hidden + refs.o_proj(out)
+        hidden = refs.o_proj(out, residual=hidden)
         x = refs.post_norm(hidden)
         if refs.gate is None or refs.up is None or refs.down is None:  # all or none
             return hidden + refs.mlp(x)
         # down(silu(gate(x)) * up(x)), the Llama-family MLP; gate and up as two matmuls, not one over their
-        # concatenation: each weight is half the size (on CPU, 512x1536 twice is ~15% faster than 512x3072)
-        return hidden + refs.down(F.silu(refs.gate(x)).mul_(refs.up(x)))
+        # concatenation: each weight is half the size (on CPU, 512x1536 twice is ~15% faster than 512x3072); the
+        # SiLU, the product and the residual add ride on the matmuls (fused when packed)
+        return refs.down(refs.up.times(x, refs.gate.silu(x)), residual=hidden)
 
     def _rope(self, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """[N, 2, D]: cos and sin_signed of each position. rotate_half(x) * sin == roll(x, D/2) * sin_signed
@@ -350,8 +397,9 @@ class PoolRunner:
     ) -> torch.Tensor:
         """Attention of one group. q: [tokens, H, D] packed; returns [tokens, H * D]."""
         rows, kvh, grp, d = g.num_rows, self.kv_heads, self.group, self.head_dim
-        keys = pool_k[g.slots, :, : g.key_len]  # [rows, kvh, key_len, D]; a view when slots is a slice
-        vals = pool_v[g.slots, :, : g.key_len]
+        # [rows, kvh, key_len, D], strided over the position-major pool; a view when slots is a slice
+        keys = pool_k[: g.key_len, g.slots].permute(1, 2, 0, 3)
+        vals = pool_v[: g.key_len, g.slots].permute(1, 2, 0, 3)
         if g.q_len == 1:  # one query per row: scores [rows, kvh, group, key_len], softmax in float32
             scores = torch.matmul(q.reshape(rows, kvh, grp, d) * scale, keys.transpose(-1, -2))
             probs = torch.softmax(scores.float().add_(g.mask), -1, dtype=torch.float32).to(vals.dtype)
@@ -401,11 +449,19 @@ class NoCacheRunner:
         return torch.stack(out)
 
 
-def make_runner(model: nn.Module, num_slots: int, capacity: int) -> PoolRunner | NoCacheRunner:
-    """The KV-pool runner when the architecture is supported, else the no-cache fallback (logged)."""
+def _onednn_packs(like: torch.Tensor) -> bool:
+    """Whether weights like `like` get oneDNN-packed copies: float32 on CPU with oneDNN built in."""
+    return like.device.type == "cpu" and like.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def make_runner(
+    model: nn.Module, num_slots: int, capacity: int, weights: WeightStore | None = None
+) -> PoolRunner | NoCacheRunner:
+    """The KV-pool runner when the architecture is supported, else the no-cache fallback (logged). `weights`:
+    see `PoolRunner`."""
     ok, why = supports_kv_cache(model)
     if ok:
-        return PoolRunner(model, num_slots, capacity)
+        return PoolRunner(model, num_slots, capacity, weights)
     logger.warning(
         "embedded engine: no KV-cache runner for this model (%s); using a full forward per step", why
     )

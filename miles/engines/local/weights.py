@@ -8,7 +8,7 @@ that misses a tensor is caught instead of silently sampling from zeros.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import SupportsInt
 
 import torch
@@ -35,6 +35,15 @@ class WeightStore:
         self.device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
         self.released = False
         self.pending: set[str] = set()
+        self._listeners: list[Callable[[], None]] = []  # told after every change of parameter data
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` after every load, point_at, release and resume (e.g. to drop copies of the weights)."""
+        self._listeners.append(listener)
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
 
     @property
     def names(self) -> list[str]:
@@ -102,6 +111,7 @@ class WeightStore:
         for canon, t in items:
             self._params[canon].data.copy_(t)  # casts, and copies across devices directly
             self.pending.discard(canon)
+        self._changed()
         return len(items)
 
     @torch.no_grad()
@@ -110,6 +120,7 @@ class WeightStore:
         canon = self.validate(name, tensor)
         self._params[canon].data.copy_(tensor)
         self.pending.discard(canon)
+        self._changed()
 
     def point_at(self, views: dict[str, torch.Tensor]) -> int:
         """Make every parameter a view of the given tensors (canonical name -> tensor of its shape and dtype),
@@ -130,6 +141,7 @@ class WeightStore:
         for name, view in views.items():
             self._params[name].data = view
         self.pending.clear()
+        self._changed()
         return len(views)
 
     def release(self) -> None:
@@ -137,6 +149,7 @@ class WeightStore:
         for p in self._params.values():
             p.data = torch.empty(0, dtype=p.dtype, device=self.device)
         self.released = True
+        self._changed()
 
     def resume(self) -> None:
         """Re-allocate every parameter zero-filled and mark all of them pending until loaded."""
@@ -147,6 +160,7 @@ class WeightStore:
             p.data = torch.zeros(shape, dtype=dtype, device=self.device)
         self.released = False
         self.pending = set(self._params)
+        self._changed()
 
     def allocated_bytes(self) -> int:
         """Bytes currently held by parameter storage."""
