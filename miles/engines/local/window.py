@@ -18,6 +18,7 @@ view of it (colocated runs release the weights before training; a fresh or resta
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -85,16 +86,12 @@ class WindowLayout:
 
     def digest(self) -> str:
         """A hash of dtype, size and entries (computed once: every refit names it, on both sides)."""
-        cached = self.__dict__.get("_digest")
-        if cached is None:
-            body = [
-                str(self.dtype),
-                self.numel,
-                [(e.name, e.offset, e.shape, e.stride) for e in self.entries],
-            ]
-            cached = hashlib.sha256(json.dumps(body).encode()).hexdigest()[:32]
-            object.__setattr__(self, "_digest", cached)  # frozen: set once, past the dataclass guard
-        return cached
+        return self._digest
+
+    @functools.cached_property
+    def _digest(self) -> str:
+        body = [str(self.dtype), self.numel, [(e.name, e.offset, e.shape, e.stride) for e in self.entries]]
+        return hashlib.sha256(json.dumps(body).encode()).hexdigest()[:32]
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Canonical name -> view of `flat` (a 1-D tensor of `numel` elements of `dtype`)."""
