@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import cast
 
 
 class DeadlineExceeded(TimeoutError):
@@ -182,7 +183,7 @@ async def call_each_with_deadline(
 
     An async `fn` runs each call as `call_with_deadline` does, all at once. A sync one: see the module docstring
     (in turn in one daemon thread; after `spill_s`, the rest side by side); a sync call that returns an awaitable
-    has what is left of its deadline for it."""
+    has what is left of its deadline for it (the awaitables of a batch run side by side)."""
     if inspect.iscoroutinefunction(fn):
         return await asyncio.gather(
             *(call_with_deadline(fn, *args, timeout=timeout, what=what(i)) for i, args in enumerate(calls)),
@@ -230,14 +231,18 @@ async def call_each_with_deadline(
         with batch.lock:
             batch.closed = True
         raise
-    outcomes: list[object] = []
-    for i, out in enumerate(batch.outcomes):
-        if isinstance(out, _Raised):
-            outcomes.append(out.error)
-        elif inspect.isawaitable(out):
-            outcomes.append(await _finish(out, timeout - batch.seconds[i], what(i)))
-        else:
-            outcomes.append(out)
+    outcomes: list[object] = [out.error if isinstance(out, _Raised) else out for out in batch.outcomes]
+    waiting = [i for i, out in enumerate(outcomes) if inspect.isawaitable(out)]
+    # the awaitables the sync calls returned run side by side, each within what is left of its own deadline
+    if waiting:
+        finished = await asyncio.gather(
+            *(
+                _finish(cast(Awaitable[object], outcomes[i]), timeout - batch.seconds[i], what(i))
+                for i in waiting
+            )
+        )
+        for i, out in zip(waiting, finished, strict=True):
+            outcomes[i] = out
     return outcomes
 
 
