@@ -8,7 +8,6 @@ workers are stand-ins (`tests.e2e.faults.StuckTrainWorker`) with the real `RayTr
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
@@ -101,10 +100,8 @@ def test_a_hung_or_dead_rank_in_save_is_named(local_ray):
     from miles.ray.utils import PhaseTimeoutError
 
     hung = _group(local_ray, timeout=3)
-    t0 = time.monotonic()
     with pytest.raises(PhaseTimeoutError, match=r"phase 'save checkpoint 3'.*training ranks not done: \[1\]"):
         hung.save(3, {})
-    assert time.monotonic() - t0 < 30
     hung.shutdown()
     with pytest.raises(RuntimeError, match=r"training worker rank 1 died in phase 'save checkpoint 4'"):
         _group(local_ray, timeout=60).save(4, {})

@@ -28,11 +28,10 @@ def _start(tmp_path, code: str) -> _Server:
 
 def test_a_server_that_dies_fails_at_once_with_its_log(tmp_path):
     server = _start(tmp_path, "import sys; print('model not found', flush=True); sys.exit(3)")
-    t0 = time.monotonic()
     with pytest.raises(EngineStartupError) as info:
         server.wait_until(lambda: False, time.monotonic() + 60, "waiting for /health")
-    assert time.monotonic() - t0 < 30  # the exit is noticed, not the deadline
     message = str(info.value)
+    # the exit is noticed, not the 60 s deadline (that one would say "not ready after")
     assert "test server process exited with code 3 while starting (phase: waiting for /health)" in message
     assert "model not found" in message  # the log tail
     server.stop()
@@ -54,6 +53,5 @@ def test_stop_kills_a_server_that_ignores_sigterm(tmp_path):
     server = _start(tmp_path, code)
     proc = server.proc
     server.wait_until(lambda: "up" in server.log_tail(), time.monotonic() + 30, "startup")
-    t0 = time.monotonic()
     server.stop(timeout=0.5)
-    assert proc is not None and proc.returncode == -9 and time.monotonic() - t0 < 10
+    assert proc is not None and proc.returncode == -9  # killed: not waited for until its sleep ended
