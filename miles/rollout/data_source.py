@@ -35,6 +35,19 @@ class PromptRecord:
     metadata: dict[str, JSON] = field(default_factory=dict)
 
 
+def copy_json(value: JSON) -> JSON:
+    """A deep copy of a value read from a prompt file: dicts and lists are rebuilt, str/int/float/bool/None are
+    immutable and shared; anything else goes through `copy.deepcopy`. A few times faster than `copy.deepcopy` on
+    chat messages (no memo, no dispatch table), which matters at one copy per sample per rollout."""
+    if isinstance(value, dict):
+        return {k: copy_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [copy_json(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return copy.deepcopy(value)
+
+
 def _decode_line(raw: bytes, where: str, first: bool) -> str:
     try:
         return raw.decode("utf-8-sig" if first else "utf-8")  # a byte-order mark may open the file
@@ -291,10 +304,10 @@ class RolloutDataSource:
                     Sample(
                         index=g * n + j,
                         group_index=g,
-                        prompt=copy.deepcopy(record.prompt),
+                        prompt=cast("str | list[dict[str, str]]", copy_json(record.prompt)),
                         tokens=list(record.prompt_ids),
-                        label=copy.deepcopy(record.label),
-                        metadata=copy.deepcopy(record.metadata),
+                        label=copy_json(record.label),
+                        metadata=cast("dict[str, JSON]", copy_json(record.metadata)),
                     )
                     for j in range(n)
                 ]
