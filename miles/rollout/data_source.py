@@ -13,7 +13,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from miles.utils.types import JSON, Sample
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
+V = TypeVar("V")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 
@@ -35,14 +36,14 @@ class PromptRecord:
     metadata: dict[str, JSON] = field(default_factory=dict)
 
 
-def copy_json(value: JSON) -> JSON:
+def copy_json(value: V) -> V:
     """A deep copy of a value read from a prompt file: dicts and lists are rebuilt, str/int/float/bool/None are
     immutable and shared; anything else goes through `copy.deepcopy`. A few times faster than `copy.deepcopy` on
     chat messages (no memo, no dispatch table), which matters at one copy per sample per rollout."""
     if isinstance(value, dict):
-        return {k: copy_json(v) for k, v in value.items()}
+        return cast(V, {k: copy_json(v) for k, v in value.items()})
     if isinstance(value, list):
-        return [copy_json(v) for v in value]
+        return cast(V, [copy_json(v) for v in value])
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     return copy.deepcopy(value)
@@ -304,10 +305,10 @@ class RolloutDataSource:
                     Sample(
                         index=g * n + j,
                         group_index=g,
-                        prompt=cast("str | list[dict[str, str]]", copy_json(record.prompt)),
+                        prompt=copy_json(record.prompt),
                         tokens=list(record.prompt_ids),
                         label=copy_json(record.label),
-                        metadata=cast("dict[str, JSON]", copy_json(record.metadata)),
+                        metadata=copy_json(record.metadata),
                     )
                     for j in range(n)
                 ]
