@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from miles.config import ConfigError, parse_config
+from miles.ray.colocate import REFIT_SECONDS
 from miles.utils.perf import peak_rss_gb, sample_counts, throughput
 
 if TYPE_CHECKING:
@@ -36,17 +37,27 @@ def run_loop(cfg: Config, system: System) -> None:
             samples, metrics = system.generate(rollout_id)
         metrics.update(sample_counts(samples))
         if actor is not None and choreo is not None:  # None with --debug-rollout-only: generate and log only
+            version = str(rollout_id + 1)
+            # one trainer call trains and refits, unless a save is due between the two
+            refit_in_train = None if any(save_due(cfg, rollout_id)) else version
             with timer.phase("train"):
-                metrics.update(train_rollout(cfg, system, rollout_id, samples))
-            maybe_save(cfg, system, rollout_id)
-            with timer.phase("refit"):
-                choreo.refit(weight_version=str(rollout_id + 1))
+                metrics.update(train_rollout(cfg, system, rollout_id, samples, refit_in_train))
+            if REFIT_SECONDS in metrics:  # the trainers refitted the engines at the end of their train call
+                timer.move("train", "refit", metrics.pop(REFIT_SECONDS))
+            else:
+                maybe_save(cfg, system, rollout_id)
+                with timer.phase("refit"):
+                    choreo.refit(weight_version=version)
         finish_step(cfg, system, rollout_id, metrics)
 
 
-def train_rollout(cfg: Config, system: System, rollout_id: int, samples: list) -> dict[str, float]:
+def train_rollout(
+    cfg: Config, system: System, rollout_id: int, samples: list, refit_version: str | None = None
+) -> dict[str, float]:
     """Onload, then train: the critic first (--advantage-estimator ppo: its values feed the actor's GAE), then
-    the actor, unless this rollout is one of the --num-critic-only-steps."""
+    the actor, unless this rollout is one of the --num-critic-only-steps. With `refit_version`, the actor's train
+    call also refits the engines when the choreography allows it (`MemoryChoreography.refit_with_train`; the
+    answer then holds the refit's seconds under `REFIT_SECONDS`)."""
     per_dp = system.split_by_dp(samples)
     choreo, critic = system.choreography, system.critic_group
     assert choreo is not None and system.train_group is not None
@@ -59,20 +70,31 @@ def train_rollout(cfg: Config, system: System, rollout_id: int, samples: list) -
         choreo.critic_done()
         if rollout_id < cfg.critic.num_critic_only_steps:
             return metrics
-    metrics.update(system.train_group.train(rollout_id, per_dp, values))
+    refit = None if refit_version is None else choreo.refit_with_train(refit_version)
+    metrics.update(system.train_group.train(rollout_id, per_dp, values, refit))
     return metrics
 
 
+def save_due(cfg: Config, rollout_id: int) -> tuple[bool, bool]:
+    """(checkpoint, HF export) due after `rollout_id`: --save every --save-interval rollouts and after the last;
+    --save-hf every --save-hf-interval (default: --save-interval) and after the last."""
+    ck, num = cfg.checkpoint, num_rollouts(cfg)
+    return (
+        bool(ck.save) and _due(ck.save_interval, rollout_id, num),
+        bool(ck.save_hf) and _due(ck.save_hf_interval or ck.save_interval or num, rollout_id, num),
+    )
+
+
 def maybe_save(cfg: Config, system: System, rollout_id: int) -> None:
-    """--save every --save-interval rollouts and after the last; --save-hf every --save-hf-interval (default:
-    --save-interval) and after the last."""
-    ck, num, group = cfg.checkpoint, num_rollouts(cfg), system.train_group
+    """The checkpoint and the HF export `save_due` says are due."""
+    group = system.train_group
     if group is None:  # --debug-rollout-only: no trainer, nothing to save
         return
-    if ck.save and _due(ck.save_interval, rollout_id, num):
+    save, save_hf = save_due(cfg, rollout_id)
+    if save:
         with system.timer.phase("save"):
             system.save(rollout_id)
-    if ck.save_hf and _due(ck.save_hf_interval or ck.save_interval or num, rollout_id, num):
+    if save_hf:
         with system.timer.phase("save_hf"):
             group.save_hf(rollout_id)
 

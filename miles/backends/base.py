@@ -8,7 +8,7 @@ backend can be built and tested without Ray. Everything not listed below is priv
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from miles.utils.types import JSON, Sample
@@ -59,5 +59,9 @@ class TrainBackend(abc.ABC):
         """Move parameters and optimizer state back onto the accelerator."""
 
     @abc.abstractmethod
-    def update_weights(self, engine_urls: list[str], weight_version: str) -> None:
-        """Refit the rollout engines with the current weights, in buckets."""
+    def update_weights(
+        self, engine_urls: list[str], weight_version: str, resume_tags: Sequence[str] = ()
+    ) -> None:
+        """Refit the rollout engines with the current weights, in buckets. `resume_tags`: memory the engines
+        released for training, to resume (once, on every engine) before the weights move: the refit at the end
+        of a train call (`miles.ray.colocate.RefitAfterTrain`)."""

@@ -14,13 +14,33 @@ everything while the trainer trains (their weights and KV cache are dropped, so 
 fails), and the refit resumes every released tag in one call before the weights move (the trainer's footprint is
 the same asleep or awake, so resuming the KV cache before the refit raises no peak). Posting the release alongside
 the train call instead was measured no faster on 2 cores: the engines' work then slows the training ranks.
+
+Wherever the refit is only "resume what was released, then move the weights" (CPU colocated, and disaggregated
+placement, where nothing is released), the synchronous driver folds it into the train call (`refit_with_train`):
+the trainers refit right after training, their rank 0 resuming the released tags first, which saves a Ray round
+trip and the driver's resume call per step. The separate refit call stays where the driver has work between the
+two (colocated GPU: the trainers sleep between the weights and the KV cache; a checkpoint due this step), with
+the one-step-off driver (it waits for the in-flight rollout before refitting) and for the start-up refit.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+# in a train call's answer: the seconds its refit took (`RefitAfterTrain`; the driver counts them as `timing/refit`)
+REFIT_SECONDS = "timing/refit_in_train_call"
+
+
+@dataclass(frozen=True)
+class RefitAfterTrain:
+    """A refit the trainers run at the end of their train call: rank 0 resumes `resume_tags` on every engine (in
+    one call; none when nothing was released), then the weights move to `engine_urls` as `weight_version`."""
+
+    engine_urls: list[str]
+    weight_version: str
+    resume_tags: list[str]
 
 
 class EngineMemory(Protocol):
@@ -85,6 +105,16 @@ class MemoryChoreography:
         if engine_urls:
             self.trainer.update_weights(list(engine_urls), weight_version)
 
+    def refit_with_train(self, weight_version: str) -> RefitAfterTrain | None:
+        """The refit as the train call's last part (see the module docstring), or None when it needs a call of
+        its own (colocated with trainer offload: the trainer sleeps between the weights and the KV cache). After
+        `before_train`; the engines count as holding every tag again (the trainers resume them)."""
+        if self.colocate and self.trainer_offload:
+            return None
+        tags = [t for t in MEMORY_TAGS if t in self.released]
+        self.released.clear()
+        return RefitAfterTrain(list(self.engine_urls), weight_version, tags)
+
     def refit(self, weight_version: str) -> None:
         """Push the trainer's weights to the engines and leave the engines ready to generate."""
         if self.colocate and not self.trainer_offload:
@@ -113,6 +143,9 @@ class TrainerOnly:
 
     def critic_done(self) -> None:
         pass
+
+    def refit_with_train(self, weight_version: str) -> None:
+        return None
 
     def refit(self, weight_version: str) -> None:
         pass

@@ -4,7 +4,7 @@
 engine on the placement group (or, with `--rollout-external-engine-addrs`, one `ExternalEngine` actor per running
 engine, which it neither starts nor stops), puts sglang-router in front of them (or registers them with the
 running one of `--sglang-router-ip/--sglang-router-port`). Memory release/resume is posted by the driver itself
-(`miles.ray.setup.RolloutEngineMemory`, through `engine_http.post_to_engines`), not through this actor.
+(`miles.utils.engine_http.EngineMemoryControl`), not through this actor.
 Generation does not go through it either: the rollout runner's engine client sends requests to the engines
 directly, reading the router's worker list to learn which engines are admitted, or through the router (see
 `miles.engines.router.generation_via_router`).

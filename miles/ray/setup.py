@@ -22,7 +22,7 @@ from miles.ray.rollout_manager import RolloutManager
 from miles.ray.train_group import RayTrainGroup
 from miles.ray.utils import PhaseTimeoutError, init_ray, ray_get
 from miles.utils.debug_data import load_rollout, save_rollout
-from miles.utils.engine_http import bearer, post_to_engines
+from miles.utils.engine_http import EngineMemoryControl
 from miles.utils.progress import ProgressBar, progress_bar, progress_enabled, progress_env
 from miles.utils.seqlen_balancing import partition_samples_by_dp
 from miles.utils.timer import Timer
@@ -195,25 +195,6 @@ class System:
             ray.util.remove_placement_group(self.placement.pg)
 
 
-class RolloutEngineMemory:
-    """`EngineMemory` straight from the driver: each release/resume is one POST to every engine at once (no Ray
-    hop through the EngineFleet actor, which cost ~4.5 ms per call of the quickstart's three per step)."""
-
-    def __init__(self, engine_urls: list[str], api_key: str | None, timeout: float) -> None:
-        self.engine_urls, self.headers, self.timeout = list(engine_urls), bearer(api_key), timeout
-
-    def release_memory(self, tags: list[str]) -> None:
-        self._post("/release_memory_occupation", tags)
-
-    def resume_memory(self, tags: list[str]) -> None:
-        self._post("/resume_memory_occupation", tags)
-
-    def _post(self, endpoint: str, tags: list[str]) -> None:
-        post_to_engines(
-            self.engine_urls, endpoint, {"tags": tags}, self.headers, self.timeout, "engine control"
-        )
-
-
 ROLLOUT_STATE_KEY = "rollout_state_json"  # the checkpoint's extra state: the runner's state_dict() as JSON
 
 
@@ -356,7 +337,7 @@ def build_system(cfg: Config) -> System:
         choreography = MemoryChoreography(
             colocate,
             train_group,
-            RolloutEngineMemory(
+            EngineMemoryControl(
                 engine_urls, cfg.engine.engine_api_key, float(cfg.rollout.rollout_request_timeout)
             ),
             engine_urls,

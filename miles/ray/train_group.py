@@ -7,11 +7,13 @@ The actor is thin: it exports the process-group environment and delegates to the
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, TypeAlias, TypeVar, cast
 
 import ray
 
+from miles.ray.colocate import REFIT_SECONDS, RefitAfterTrain
 from miles.ray.placement import Placement
 from miles.ray.utils import PhaseTimeoutError, get_node_ip, ray_get
 from miles.utils.net import free_port
@@ -25,6 +27,11 @@ if TYPE_CHECKING:
 # the critic's values of one rank's samples: one list of floats per sample (per response token)
 SampleValues: TypeAlias = list[list[float]]
 T = TypeVar("T")
+
+
+class RefitAfterTrainError(RuntimeError):
+    """The refit at the end of a train call failed (training itself succeeded): names the phase, the weight
+    version and the cause (the engine, endpoint and what went wrong)."""
 
 
 class TrainWorker:
@@ -66,11 +73,31 @@ class TrainWorker:
         return self.backend
 
     def train(
-        self, rollout_id: int, samples: list[Sample], values: SampleValues | None = None
+        self,
+        rollout_id: int,
+        samples: list[Sample],
+        values: SampleValues | None = None,
+        refit: RefitAfterTrain | None = None,
     ) -> Mapping[str, object]:
-        if values is None:
-            return self._backend.train(rollout_id, samples)
-        return self._backend.train(rollout_id, samples, values)
+        """Train on this rank's samples; with `refit`, then refit the engines in the same call (its seconds
+        under `REFIT_SECONDS`; a failure there raises `RefitAfterTrainError`)."""
+        backend = self._backend
+        metrics = (
+            backend.train(rollout_id, samples)
+            if values is None
+            else backend.train(rollout_id, samples, values)
+        )
+        if refit is None:
+            return metrics
+        start = time.perf_counter()
+        try:
+            backend.update_weights(refit.engine_urls, refit.weight_version, resume_tags=refit.resume_tags)
+        except Exception as e:  # noqa: BLE001 - re-raised naming the phase; the cause stays attached
+            raise RefitAfterTrainError(
+                f"training rank {self.rank}: phase 'refit' (weight version {refit.weight_version}, run at the end "
+                f"of the train call of rollout {rollout_id}, after training succeeded): {type(e).__name__}: {e}"
+            ) from e
+        return {**metrics, REFIT_SECONDS: time.perf_counter() - start}
 
     def save(self, rollout_id: int, extra_state: dict[str, JSON] | None = None) -> None:
         self._backend.save(rollout_id, extra_state)
@@ -163,22 +190,32 @@ class RayTrainGroup:
         return [ray.put(d) for d in per_dp]
 
     def train(
-        self, rollout_id: int, per_dp_rank: list[list[Sample]], values: list[SampleValues] | None = None
+        self,
+        rollout_id: int,
+        per_dp_rank: list[list[Sample]],
+        values: list[SampleValues] | None = None,
+        refit: RefitAfterTrain | None = None,
     ) -> dict[str, float]:
         """Train on one rollout; `per_dp_rank[d]` goes to every CP rank of data-parallel rank d (with `values[d]`,
-        the critic's values of those samples, for --advantage-estimator ppo)."""
+        the critic's values of those samples, for --advantage-estimator ppo). With `refit`, the ranks then refit
+        the engines in the same call (`miles.ray.colocate.RefitAfterTrain`; its seconds under `REFIT_SECONDS`)."""
         if len(per_dp_rank) != self.dp_size:
             raise ValueError(f"expected data for {self.dp_size} DP ranks, got {len(per_dp_rank)}")
         refs = self._shared(per_dp_rank)
         vrefs: list[ray.ObjectRef | SampleValues | None] = (
             [None] * self.dp_size if values is None else self._shared(values)
         )
+        phase = f"{self.role} train rollout {rollout_id}"
+        if refit is not None:
+            phase += f", then weight refit {refit.weight_version}"
         results = self._gather(
             [
-                w.train.remote(rollout_id, refs[self.dims.coords(rank)[0]], vrefs[self.dims.coords(rank)[0]])
+                w.train.remote(
+                    rollout_id, refs[self.dims.coords(rank)[0]], vrefs[self.dims.coords(rank)[0]], refit
+                )
                 for rank, w in enumerate(self.workers)
             ],
-            f"{self.role} train rollout {rollout_id}",
+            phase,
         )
         return cast(dict[str, float], results[0])
 

@@ -13,7 +13,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from miles.utils.types import JSON, Sample
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
+V = TypeVar("V")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 
@@ -33,6 +34,19 @@ class PromptRecord:
     prompt_ids: list[int]  # [prompt_len]
     label: JSON = None
     metadata: dict[str, JSON] = field(default_factory=dict)
+
+
+def copy_json(value: V) -> V:
+    """A deep copy of a value read from a prompt file: dicts and lists are rebuilt, str/int/float/bool/None are
+    immutable and shared; anything else goes through `copy.deepcopy`. A few times faster than `copy.deepcopy` on
+    chat messages (no memo, no dispatch table), which matters at one copy per sample per rollout."""
+    if isinstance(value, dict):
+        return cast(V, {k: copy_json(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return cast(V, [copy_json(v) for v in value])
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return copy.deepcopy(value)
 
 
 def _decode_line(raw: bytes, where: str, first: bool) -> str:
@@ -291,10 +305,10 @@ class RolloutDataSource:
                     Sample(
                         index=g * n + j,
                         group_index=g,
-                        prompt=copy.deepcopy(record.prompt),
+                        prompt=copy_json(record.prompt),
                         tokens=list(record.prompt_ids),
-                        label=copy.deepcopy(record.label),
-                        metadata=copy.deepcopy(record.metadata),
+                        label=copy_json(record.label),
+                        metadata=copy_json(record.metadata),
                     )
                     for j in range(n)
                 ]

@@ -34,6 +34,13 @@ class Timer:
             self._open.pop()
             self._totals[name] = self._totals.get(name, 0.0) + time.perf_counter() - start
 
+    def move(self, source: str, target: str, seconds: float) -> None:
+        """Count `seconds` of phase `source` under `target` instead (a part of the phase that another process timed:
+        the refit at the end of the train call), clamped to what `source` has (the clocks are different ones)."""
+        seconds = min(max(seconds, 0.0), self._totals.get(source, 0.0))
+        self._totals[source] = self._totals.get(source, 0.0) - seconds
+        self._totals[target] = self._totals.get(target, 0.0) + seconds
+
     def pop(self) -> dict[str, float]:
         """Return and reset the accumulated times as `timing/<phase>` seconds."""
         out = {f"timing/{k}": v for k, v in self._totals.items()}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.rollout.data_source import PromptDataset, RolloutDataSource, check_first_row
+from miles.rollout.data_source import PromptDataset, RolloutDataSource, check_first_row, copy_json
 from miles.utils.types import Sample
 
 
@@ -193,6 +193,21 @@ def test_groups_and_samples(ds: PromptDataset) -> None:
     flat[0].tokens.append(99)
     assert flat[1].metadata == {"i": 0} and ds[0].metadata == {"i": 0}  # copies, not shared
     assert flat[1].tokens == ds[0].prompt_ids
+
+
+def test_copy_json_copies_containers_at_every_depth() -> None:
+    """Each sample's prompt, label and metadata are its own: nested dicts and lists are rebuilt, scalars kept,
+    and a value JSON cannot hold (a set, from a Parquet file's odd column) is deep-copied."""
+    value = {"messages": [{"role": "user", "content": "hi", "extra": [1, 2.5, None, True]}], "tags": {3}}
+    copied = copy_json(value)
+    assert copied == value
+    copied["messages"][0]["extra"].append(9)
+    copied["messages"][0]["content"] = "changed"
+    copied["tags"].add(4)
+    assert value == {
+        "messages": [{"role": "user", "content": "hi", "extra": [1, 2.5, None, True]}],
+        "tags": {3},
+    }
 
 
 def test_epochs_wrap_without_shuffle(ds: PromptDataset) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from miles.config import parse_config
-from miles.ray.colocate import MemoryChoreography, TrainerOnly
+from miles.ray.colocate import REFIT_SECONDS, MemoryChoreography, RefitAfterTrain, TrainerOnly
 from miles.train import run_loop
 from miles.utils.timer import Timer
 from miles.utils.types import Sample
@@ -21,9 +21,16 @@ class FakeTrainGroup:
     def __init__(self, log: Log) -> None:
         self.log = log
 
-    def train(self, rollout_id: int, per_rank: list[list[Sample]], values=None) -> dict[str, float]:
+    def train(
+        self, rollout_id: int, per_rank: list[list[Sample]], values=None, refit: RefitAfterTrain | None = None
+    ) -> dict[str, float]:
         self.log("train", rollout_id, [len(p) for p in per_rank])
-        return {"train/loss": 0.5}
+        if refit is None:
+            return {"train/loss": 0.5}
+        if refit.resume_tags:  # the trainers' rank 0 resumes the engines, then the weights move
+            self.log("resume", tuple(refit.resume_tags))
+        self.log("refit", refit.weight_version, "in the train call")
+        return {"train/loss": 0.5, REFIT_SECONDS: 0.0}
 
     def save(self, rollout_id: int) -> None:
         self.log("save", rollout_id)
@@ -123,14 +130,51 @@ def test_colocated_order():
 
 def test_colocated_on_cpu_skips_the_trainers_sleep_and_wake_and_resumes_once():
     """CPU: sleep/wake move nothing, so they are not called; the engines still release everything before
-    training, and the refit resumes every tag in one call before the weights move."""
+    training, and the refit resumes every tag in one call before the weights move, both inside the train call."""
     log = _run(_cfg(), colocate=True, trainer_offload=False)
     assert "trainer sleep" not in [e[0] for e in log] and "trainer wake" not in [e[0] for e in log]
+    all_tags = ("weights", "kv_cache", "cuda_graph")
     first = [
-        ("rollout", 0), ("release", ("weights", "kv_cache", "cuda_graph")), ("train", 0, [2, 2]),
-        ("resume", ("weights", "kv_cache", "cuda_graph")), ("refit", "1"), ("log", 0, STEP_LOG[1]),
+        ("rollout", 0), ("release", all_tags), ("train", 0, [2, 2]),
+        ("resume", all_tags), ("refit", "1", "in the train call"), ("log", 0, STEP_LOG[1]),
     ]  # fmt: skip
     assert log[: len(first)] == first
+    assert [e for e in log if e[0] == "refit"] == [("refit", v, "in the train call") for v in "123"]
+
+
+def test_colocated_on_cpu_refits_in_a_call_of_its_own_when_a_save_is_due():
+    """A checkpoint goes between training and the refit: the step it is due, the refit is a call of its own
+    (resume of every released tag, then the weights); the other steps refit inside the train call."""
+    log = _run(_cfg("--save", "ckpt", "--save-interval", "2"), colocate=True, trainer_offload=False)
+    i = log.index(("save", 1))
+    all_tags = ("weights", "kv_cache", "cuda_graph")
+    assert log[i - 1 : i + 3] == [("train", 1, [2, 2]), ("save", 1), ("resume", all_tags), ("refit", "2")]
+    assert ("refit", "1", "in the train call") in log and ("refit", "3") in log  # saved after the last too
+
+
+def test_the_refit_inside_the_train_call_is_timed_as_refit():
+    """The train answer's refit seconds move from `timing/train` to `timing/refit`; the key itself is not
+    logged."""
+    logged: list[dict[str, float]] = []
+    log = Log()
+
+    class TimedTrainer(FakeTrainGroup):
+        def train(self, rollout_id, per_rank, values=None, refit=None):
+            import time
+
+            time.sleep(0.02)  # longer than the refit seconds it reports (a move is clamped to the phase)
+            return {**super().train(rollout_id, per_rank, values, refit), REFIT_SECONDS: 0.015}
+
+    trainer = TimedTrainer(log)
+    cfg = _cfg()
+    system = FakeSystem(
+        cfg, log, trainer, MemoryChoreography(True, trainer, FakeEngines(log), ["u"], trainer_offload=False)
+    )
+    system.tracker = type("T", (), {"log": lambda _, step, m: logged.append(dict(m))})()
+    run_loop(cfg, system)
+    for m in logged:
+        assert REFIT_SECONDS not in m and m["timing/refit"] == pytest.approx(0.015)
+        assert m["timing/train"] >= 0.005  # the call slept 0.02 s, 0.015 s of which were the refit's
 
 
 def test_disaggregated_order_with_eval():

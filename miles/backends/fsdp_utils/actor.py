@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -311,14 +311,19 @@ class FSDPTrainer(TrainBackend):
         self._offloaded = False
 
     # ------------------------------------------------------------------------------------------------ refit
-    def update_weights(self, engine_urls: list[str], weight_version: str) -> None:
+    def update_weights(
+        self, engine_urls: list[str], weight_version: str, resume_tags: Sequence[str] = ()
+    ) -> None:
         """Refit ``engine_urls``: every engine, or (fault tolerance) the engines that were restarted since the
-        last refit, whose transport (update group, window mapping) is new."""
+        last refit, whose transport (update group, window mapping) is new. ``resume_tags``: rank 0 resumes them
+        on every engine first (see `TrainBackend.update_weights`)."""
         cfg = self.config
         was_offloaded = self._offloaded
         if was_offloaded:
             self.wake_up()
         urls = [u.rstrip("/") for u in engine_urls]
+        if resume_tags:
+            self._resume_engines(urls, list(resume_tags))
         if self._weight_updater is None:
             self._weight_updater = self._make_weight_updater(urls)
         elif urls != self._weight_updater.engine_urls:
@@ -332,6 +337,28 @@ class FSDPTrainer(TrainBackend):
         )
         if was_offloaded:
             self.sleep()
+
+    def _resume_engines(self, engine_urls: list[str], tags: list[str]) -> None:
+        """Rank 0 resumes `tags` on every engine (one call each, at once); every rank raises its error (a
+        collective, so no rank goes on into the refit's own collectives alone)."""
+        from miles.utils.engine_http import EngineMemoryControl
+
+        failure: Exception | None = None
+        if self.ps.rank == 0:
+            timeout = float(self.config.rollout.rollout_request_timeout)
+            try:
+                EngineMemoryControl(engine_urls, self.config.engine.engine_api_key, timeout).resume_memory(
+                    tags
+                )
+            except Exception as e:  # noqa: BLE001 - every rank raises it below
+                failure = e
+        error = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+        if self.ps.world_size > 1:
+            dist.broadcast_object_list(error, src=0)
+        if error[0] is not None:
+            raise RuntimeError(
+                f"resuming engine memory {tags} before the refit (rank 0): {error[0]}"
+            ) from failure
 
     def _transfer_mode(self) -> str:
         """--update-weight-transfer-mode resolved: auto is tensor when colocated or on CPU (shared memory, which

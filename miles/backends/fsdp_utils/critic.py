@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -207,7 +208,9 @@ class FSDPCritic(FSDPTrainer):
     def save_hf(self, rollout_id: int) -> None:
         raise ValueError("--save-hf exports the policy; the critic has no HF export")
 
-    def update_weights(self, engine_urls: list[str], weight_version: str) -> None:
+    def update_weights(
+        self, engine_urls: list[str], weight_version: str, resume_tags: Sequence[str] = ()
+    ) -> None:
         raise ValueError("the critic does not refit rollout engines")
 
 

@@ -1,0 +1,113 @@
+"""The training worker's train call with a refit at its end (`RefitAfterTrain`), against a stand-in backend (no
+Ray, no process group): the refit runs after training with the released tags to resume, its seconds come back
+under `REFIT_SECONDS`, and a failure in it names the phase 'refit', the weight version and the engine, while a
+training failure comes back as it was raised."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from miles.ray.colocate import REFIT_SECONDS, MemoryChoreography, RefitAfterTrain
+from miles.ray.train_group import RefitAfterTrainError, TrainWorker
+from miles.utils.engine_http import EngineUnreachable
+from miles.utils.types import Sample
+
+
+class StandInBackend:
+    def __init__(self, fail_in: str | None = None) -> None:
+        self.calls: list[tuple[object, ...]] = []
+        self.fail_in = fail_in
+
+    def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
+        self.calls.append(("train", rollout_id, len(samples)))
+        if self.fail_in == "train":
+            raise ValueError("loss is nan")
+        return {"train/loss": 0.25}
+
+    def update_weights(
+        self, engine_urls: list[str], weight_version: str, resume_tags: Sequence[str] = ()
+    ) -> None:
+        self.calls.append(("refit", tuple(engine_urls), weight_version, tuple(resume_tags)))
+        if self.fail_in == "refit":
+            raise EngineUnreachable(
+                "http://e1:2", "resume_memory_occupation", "engine control", "request", "connection refused"
+            )
+
+
+def _worker(backend: StandInBackend) -> TrainWorker:
+    worker = object.__new__(TrainWorker)  # the entry point only: no config, no process group
+    worker.rank, worker.backend = 1, backend  # type: ignore[assignment]
+    return worker
+
+
+REFIT = RefitAfterTrain(["http://e0:1", "http://e1:2"], "8", ["weights", "kv_cache"])
+
+
+def test_refit_runs_after_training_and_reports_its_seconds():
+    backend = StandInBackend()
+    out = _worker(backend).train(7, [Sample(index=0)], None, REFIT)
+    assert backend.calls == [
+        ("train", 7, 1),
+        ("refit", ("http://e0:1", "http://e1:2"), "8", ("weights", "kv_cache")),
+    ]
+    assert out["train/loss"] == 0.25 and out[REFIT_SECONDS] >= 0.0
+
+
+def test_without_a_refit_the_answer_is_trainings_own():
+    backend = StandInBackend()
+    assert _worker(backend).train(7, [Sample(index=0)]) == {"train/loss": 0.25}
+    assert [c[0] for c in backend.calls] == ["train"]
+
+
+def test_a_failure_in_the_refit_names_the_phase_version_and_engine():
+    with pytest.raises(RefitAfterTrainError) as info:
+        _worker(StandInBackend(fail_in="refit")).train(7, [Sample(index=0)], None, REFIT)
+    message = str(info.value)
+    assert "training rank 1: phase 'refit' (weight version 8" in message and "rollout 7" in message
+    assert "http://e1:2, resume_memory_occupation" in message
+    assert isinstance(info.value.__cause__, EngineUnreachable)
+
+
+def test_a_training_failure_is_not_reported_as_the_refit():
+    backend = StandInBackend(fail_in="train")
+    with pytest.raises(ValueError, match="loss is nan"):
+        _worker(backend).train(7, [Sample(index=0)], None, REFIT)
+    assert [c[0] for c in backend.calls] == ["train"]  # no refit after a failed training
+
+
+class NoTrainer:
+    def update_weights(self, engine_urls: list[str], weight_version: str) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+
+class NoEngines:
+    def release_memory(self, tags: list[str]) -> None: ...
+
+    def resume_memory(self, tags: list[str]) -> None: ...
+
+
+@pytest.mark.parametrize(
+    ("colocate", "offload", "expected_tags"),
+    [
+        (True, False, ["weights", "kv_cache", "cuda_graph"]),
+        (False, False, []),
+        (False, True, []),
+        (True, True, None),
+    ],
+)
+def test_which_choreographies_refit_in_the_train_call(colocate, offload, expected_tags):
+    """Colocated CPU (everything released: all resumed by the trainers) and disaggregated placement (nothing
+    released) refit in the train call; colocated with trainer offload (GPU) needs a refit call of its own."""
+    choreo = MemoryChoreography(colocate, NoTrainer(), NoEngines(), ["http://e0:1"], trainer_offload=offload)
+    choreo.before_train()
+    refit = choreo.refit_with_train("3")
+    if expected_tags is None:
+        assert refit is None and choreo.released  # the separate refit resumes them
+    else:
+        assert refit == RefitAfterTrain(["http://e0:1"], "3", expected_tags)
+        assert not choreo.released  # the trainers resume them: the next release starts from a clean slate
