@@ -27,10 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import types
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -124,6 +127,9 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
 
     kind = WindowWeightUpdater if a["transport"] == "window" else ColocatedWeightUpdater
     updater = kind(RefitSetup(urls, ranks_per_engine=1, rank=rank, world_size=world, timeout_s=600))
+    spans: list[dict[str, float]] = []  # --timeline: per refit, seconds per part
+    if a["timeline"]:
+        _time_parts(updater, spans)
     bucket_bytes = int(a["bucket_mb"] * 2**20)
     tensors = {id(t): t for t in net.state_dict(keep_vars=True).values()}  # tied tensors once, as the updater
     model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())  # full (DTensor) sizes
@@ -139,6 +145,8 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
         dist.barrier()
         if i:
             times.append(time.perf_counter() - t0)
+        elif spans:
+            spans.clear()  # the warm-up refit maps the windows: not steady state
         if rank == 0:
             torch.set_num_threads(copy_threads)
             t0 = time.perf_counter()
@@ -146,6 +154,8 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
             if i:
                 copies.append(time.perf_counter() - t0)
             torch.set_num_threads(trainer_threads)
+    if spans:
+        print(format_timeline(rank, spans), flush=True)
     if rank == 0:
         plan = plan_weight_buckets(net, bucket_bytes, torch.float32)
         assert len(plan) == n_buckets
@@ -155,6 +165,51 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
         Path(out).write_text(json.dumps(asdict(result)))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _time_parts(updater: object, spans: list[dict[str, float]]) -> None:
+    """Time the parts of each refit of ``updater`` on this rank (--timeline): ``agree`` (the error-flag
+    collectives, waiting for the slowest rank included), ``http`` (the engine calls, window transport:
+    `/update_weights_from_window` and its answer) and ``rest`` (the whole refit less those: plan and copies)."""
+    cls = type(updater)
+
+    def wrap(name: str, fn: Callable[..., object]) -> Callable[..., object]:
+        def timed(*args: object, **kwargs: object) -> object:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if spans:
+                    spans[-1][name] = spans[-1].get(name, 0.0) + time.perf_counter() - t0
+
+        return timed
+
+    refit = cls._refit
+
+    def timed_refit(self: object, *args: object, **kwargs: object) -> object:
+        spans.append({})
+        t0 = time.perf_counter()
+        try:
+            return refit(self, *args, **kwargs)
+        finally:
+            part = spans[-1]
+            part["total"] = time.perf_counter() - t0
+            part["rest"] = part["total"] - part.get("agree", 0.0) - part.get("http", 0.0)
+
+    updater._refit = types.MethodType(timed_refit, updater)  # type: ignore[attr-defined]
+    agree = "_agree" if hasattr(updater, "_agree") else "_raise_if_any_failed"  # window: host flags or gloo
+    setattr(updater, agree, wrap("agree", getattr(updater, agree)))
+    for name in ("_load", "_post"):  # window: one load per engine; handles: one post per bucket
+        if hasattr(updater, name):
+            setattr(updater, name, wrap("http", getattr(updater, name)))
+
+
+def format_timeline(rank: int, spans: list[dict[str, float]]) -> str:
+    """Median ms of each part over the timed refits of one rank."""
+    parts = ("total", "rest", "agree", "http")
+    return f"rank {rank} refit ms (median over {len(spans)}): " + " ".join(
+        f"{p} {1e3 * statistics.median(s.get(p, 0.0) for s in spans):.2f}" for p in parts
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -172,6 +227,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="window",
         choices=("window", "handles"),
         help="window: the shared-memory weight window; handles: per-bucket tensor handles",
+    )
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="print each rank's median ms per part of a refit (plan and copies, agreement, engine calls)",
     )
     p.add_argument("--work-dir", default=None, help="where the model is written (default: a temp dir)")
     p.add_argument("--out", default=None, help="write the result as JSON here")
