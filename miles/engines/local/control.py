@@ -289,7 +289,7 @@ class WeightControl:
             )
         self.released_tags.difference_update(tags)
         if "weights" in tags:
-            self.weights.resume()
+            self.weights.resume(allocate=self._window is None)  # window refits point at views: nothing to fill
         if "kv_cache" in tags:
             self.runner.resume_kv()
             self.kv_released = False
