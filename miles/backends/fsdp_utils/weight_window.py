@@ -133,7 +133,7 @@ class HostFlags:
                     f"refit agreement {self._round}: training ranks {late} did not arrive within {timeout_s} s"
                 )
             time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            pause = min(pause * 2, 2e-4)
 
     def close(self) -> None:
         self._flags.release()
