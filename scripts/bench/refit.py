@@ -1,7 +1,7 @@
 """Refit bandwidth of the CPU colocated path vs a memcpy of the same bytes, in the same run (issue 10).
 
     python scripts/bench/refit.py [--workload compute] [--trainers 1] [--bucket-mb 512] [--repeats 5]
-                                  [--transport window|handles]
+                                  [--transport window|handles] [--release-resume] [--timeline]
 
 Real processes, miles' own code on both sides: `--trainers` FSDP2 training ranks (gloo, `build_fsdp_model`)
 refit `--trainers` embedded engines (`python -m miles.engines.local`, one intra-op thread each, as miles starts
@@ -11,7 +11,9 @@ window, one `/update_weights_from_window` per refit); `--transport handles` is `
 `/update_weights_from_tensor` per bucket (shared-memory tensor handles, what SGLang engines get). The model is a
 workload model of `bench_workloads.py` (default: the 25M-parameter one, ~100 MB in fp32).
 
-Each refit is timed on rank 0 between barriers (all buckets, every engine answered). Bytes = model bytes x
+Each refit is timed on rank 0 between barriers (all buckets, every engine answered); with `--release-resume` the
+engines release weights and KV cache before it and the timed part starts with their resume, as a colocated step's
+refit phase does. Bytes = model bytes x
 engines. After each refit rank 0 copies a buffer of the same size (`dst.copy_(src)`), so refits and copies
 alternate and a machine that gets busier or quieter mid-run moves both. The copy runs with as many intra-op threads
 as all training ranks together (each has cpu_count / trainers, as `FSDPTrainer` sets on CPU): the reference gets
@@ -118,6 +120,7 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
         RefitSetup,
         plan_weight_buckets,
     )
+    from miles.utils.engine_http import post_to_engines
 
     trainer_threads = max(1, (os.cpu_count() or 1) // world)  # what FSDPTrainer sets on CPU
     torch.set_num_threads(trainer_threads)
@@ -138,9 +141,14 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
         dst = torch.empty_like(src)
     copy_threads = trainer_threads * world  # every core the ranks' refit may use together
     times, copies = [], []
+    tags = {"tags": ["weights", "kv_cache"]}
     for i in range(a["repeats"] + 1):
+        if a["release_resume"] and rank == 0:  # what the engines do around training in a colocated step
+            post_to_engines(urls, "release_memory_occupation", tags, {}, 600, "bench release")
         dist.barrier()
         t0 = time.perf_counter()
+        if a["release_resume"] and rank == 0:  # the other ranks' engine calls wait at the refit's agreement
+            post_to_engines(urls, "resume_memory_occupation", tags, {}, 600, "bench resume")
         n_buckets = updater.update(net, bucket_bytes, weight_version=f"bench-{i}", dtype=torch.float32)
         dist.barrier()
         if i:
@@ -227,6 +235,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="window",
         choices=("window", "handles"),
         help="window: the shared-memory weight window; handles: per-bucket tensor handles",
+    )
+    p.add_argument(
+        "--release-resume",
+        action="store_true",
+        help="as in a colocated step: engines release weights and KV cache before each refit, and the timed "
+        "refit starts with their resume (the driver's refit phase, less its Ray call)",
     )
     p.add_argument(
         "--timeline",
