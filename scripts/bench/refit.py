@@ -162,6 +162,9 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
             if i:
                 copies.append(time.perf_counter() - t0)
             torch.set_num_threads(trainer_threads)
+            # libgomp's workers spin for a while after a parallel region (tens of ms of `pause` on recent x86):
+            # let them stop before the next refit, which must not share the cores with the reference's leftovers
+            time.sleep(0.05)
     if spans:
         print(format_timeline(rank, spans), flush=True)
     if rank == 0:
