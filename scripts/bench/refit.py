@@ -1,7 +1,7 @@
 """Refit bandwidth of the CPU colocated path vs a memcpy of the same bytes, in the same run (issue 10).
 
     python scripts/bench/refit.py [--workload compute] [--trainers 1] [--bucket-mb 512] [--repeats 5]
-                                  [--transport window|handles]
+                                  [--transport window|handles] [--release-resume] [--timeline]
 
 Real processes, miles' own code on both sides: `--trainers` FSDP2 training ranks (gloo, `build_fsdp_model`)
 refit `--trainers` embedded engines (`python -m miles.engines.local`, one intra-op thread each, as miles starts
@@ -11,7 +11,9 @@ window, one `/update_weights_from_window` per refit); `--transport handles` is `
 `/update_weights_from_tensor` per bucket (shared-memory tensor handles, what SGLang engines get). The model is a
 workload model of `bench_workloads.py` (default: the 25M-parameter one, ~100 MB in fp32).
 
-Each refit is timed on rank 0 between barriers (all buckets, every engine answered). Bytes = model bytes x
+Each refit is timed on rank 0 between barriers (all buckets, every engine answered); with `--release-resume` the
+engines release weights and KV cache before it and the timed part starts with their resume, as a colocated step's
+refit phase does. Bytes = model bytes x
 engines. After each refit rank 0 copies a buffer of the same size (`dst.copy_(src)`), so refits and copies
 alternate and a machine that gets busier or quieter mid-run moves both. The copy runs with as many intra-op threads
 as all training ranks together (each has cpu_count / trainers, as `FSDPTrainer` sets on CPU): the reference gets
@@ -27,10 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import types
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -115,6 +120,7 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
         RefitSetup,
         plan_weight_buckets,
     )
+    from miles.utils.engine_http import post_to_engines
 
     trainer_threads = max(1, (os.cpu_count() or 1) // world)  # what FSDPTrainer sets on CPU
     torch.set_num_threads(trainer_threads)
@@ -124,6 +130,9 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
 
     kind = WindowWeightUpdater if a["transport"] == "window" else ColocatedWeightUpdater
     updater = kind(RefitSetup(urls, ranks_per_engine=1, rank=rank, world_size=world, timeout_s=600))
+    spans: list[dict[str, float]] = []  # --timeline: per refit, seconds per part
+    if a["timeline"]:
+        _time_parts(updater, spans)
     bucket_bytes = int(a["bucket_mb"] * 2**20)
     tensors = {id(t): t for t in net.state_dict(keep_vars=True).values()}  # tied tensors once, as the updater
     model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())  # full (DTensor) sizes
@@ -132,13 +141,20 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
         dst = torch.empty_like(src)
     copy_threads = trainer_threads * world  # every core the ranks' refit may use together
     times, copies = [], []
+    tags = {"tags": ["weights", "kv_cache"]}
     for i in range(a["repeats"] + 1):
+        if a["release_resume"] and rank == 0:  # what the engines do around training in a colocated step
+            post_to_engines(urls, "release_memory_occupation", tags, {}, 600, "bench release")
         dist.barrier()
         t0 = time.perf_counter()
+        if a["release_resume"] and rank == 0:  # the other ranks' engine calls wait at the refit's agreement
+            post_to_engines(urls, "resume_memory_occupation", tags, {}, 600, "bench resume")
         n_buckets = updater.update(net, bucket_bytes, weight_version=f"bench-{i}", dtype=torch.float32)
         dist.barrier()
         if i:
             times.append(time.perf_counter() - t0)
+        elif spans:
+            spans.clear()  # the warm-up refit maps the windows: not steady state
         if rank == 0:
             torch.set_num_threads(copy_threads)
             t0 = time.perf_counter()
@@ -146,6 +162,11 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
             if i:
                 copies.append(time.perf_counter() - t0)
             torch.set_num_threads(trainer_threads)
+            # libgomp's workers spin for a while after a parallel region (tens of ms of `pause` on recent x86):
+            # let them stop before the next refit, which must not share the cores with the reference's leftovers
+            time.sleep(0.05)
+    if spans:
+        print(format_timeline(rank, spans), flush=True)
     if rank == 0:
         plan = plan_weight_buckets(net, bucket_bytes, torch.float32)
         assert len(plan) == n_buckets
@@ -155,6 +176,51 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
         Path(out).write_text(json.dumps(asdict(result)))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _time_parts(updater: object, spans: list[dict[str, float]]) -> None:
+    """Time the parts of each refit of ``updater`` on this rank (--timeline): ``agree`` (the error-flag
+    collectives, waiting for the slowest rank included), ``http`` (the engine calls, window transport:
+    `/update_weights_from_window` and its answer) and ``rest`` (the whole refit less those: plan and copies)."""
+    cls = type(updater)
+
+    def wrap(name: str, fn: Callable[..., object]) -> Callable[..., object]:
+        def timed(*args: object, **kwargs: object) -> object:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if spans:
+                    spans[-1][name] = spans[-1].get(name, 0.0) + time.perf_counter() - t0
+
+        return timed
+
+    refit = cls._refit
+
+    def timed_refit(self: object, *args: object, **kwargs: object) -> object:
+        spans.append({})
+        t0 = time.perf_counter()
+        try:
+            return refit(self, *args, **kwargs)
+        finally:
+            part = spans[-1]
+            part["total"] = time.perf_counter() - t0
+            part["rest"] = part["total"] - part.get("agree", 0.0) - part.get("http", 0.0)
+
+    updater._refit = types.MethodType(timed_refit, updater)  # type: ignore[attr-defined]
+    agree = "_agree" if hasattr(updater, "_agree") else "_raise_if_any_failed"  # window: host flags or gloo
+    setattr(updater, agree, wrap("agree", getattr(updater, agree)))
+    for name in ("_load", "_post"):  # window: one load per engine; handles: one post per bucket
+        if hasattr(updater, name):
+            setattr(updater, name, wrap("http", getattr(updater, name)))
+
+
+def format_timeline(rank: int, spans: list[dict[str, float]]) -> str:
+    """Median ms of each part over the timed refits of one rank."""
+    parts = ("total", "rest", "agree", "http")
+    return f"rank {rank} refit ms (median over {len(spans)}): " + " ".join(
+        f"{p} {1e3 * statistics.median(s.get(p, 0.0) for s in spans):.2f}" for p in parts
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -172,6 +238,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="window",
         choices=("window", "handles"),
         help="window: the shared-memory weight window; handles: per-bucket tensor handles",
+    )
+    p.add_argument(
+        "--release-resume",
+        action="store_true",
+        help="as in a colocated step: engines release weights and KV cache before each refit, and the timed "
+        "refit starts with their resume (the driver's refit phase, less its Ray call)",
+    )
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="print each rank's median ms per part of a refit (plan and copies, agreement, engine calls)",
     )
     p.add_argument("--work-dir", default=None, help="where the model is written (default: a temp dir)")
     p.add_argument("--out", default=None, help="write the result as JSON here")

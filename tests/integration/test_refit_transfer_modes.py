@@ -134,3 +134,52 @@ def test_refit_transfer_modes_bit_equal_across_steps_and_a_restart(engines, mode
     run_distributed(
         _body, 2, model_dir, [p.url for p in procs], [p.proc.pid for p in procs], mode, init_pg=False
     )
+
+
+def _failure_body(rank: int, world: int, model_dir: str, urls: list[str]) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from miles.backends.fsdp_utils.model import build_fsdp_model
+    from miles.backends.fsdp_utils.parallel import init_distributed
+    from miles.backends.fsdp_utils.update_weight_utils import RefitSetup
+    from miles.backends.fsdp_utils.weight_window import HOST_FLAGS_SUPPORTED, WindowWeightUpdater
+
+    ps = init_distributed("gloo", timeout_s=120)
+    model = build_fsdp_model(model_dir, ps.fsdp_mesh, device=torch.device("cpu"))
+    updater = WindowWeightUpdater(
+        RefitSetup(urls, ranks_per_engine=1, rank=rank, world_size=world, timeout_s=60)
+    )
+
+    def refit(version: str) -> None:
+        with torch.no_grad():  # new weights at every refit, so an engine left behind would differ
+            for p in model.parameters():
+                p.add_(0.01)
+        updater.update(model, 1 << 20, version, dtype=torch.float32)
+
+    refit("v1")
+    assert (updater.flags is not None) == HOST_FLAGS_SUPPORTED
+    load = updater._load
+    if rank == 1:
+
+        def failing(url: str, weight_version: str, checksums: dict[str, str] | None) -> None:
+            raise ConnectionError(f"injected at {url}")
+
+        updater._load = failing  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match=r"weight update failed: rank 1: ConnectionError: injected at "):
+        refit("v2")
+    updater._load = load  # type: ignore[method-assign]
+    refit("v3")
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        for url in urls:
+            _assert_engine_equals(url, state, "v3")
+    dist.barrier()
+
+
+def test_window_refit_failure_raises_on_every_rank_and_the_next_refit_works(engines):
+    """Rank 1's engine call fails in the second of three window refits: every rank raises naming rank 1 (the
+    agreement after the loads, through the host's flags on x86), and the third refit, rounds still in step, leaves
+    both engines equal to the trainer bit for bit."""
+    model_dir, procs = engines
+    run_distributed(_failure_body, 2, model_dir, [p.url for p in procs], init_pg=False)

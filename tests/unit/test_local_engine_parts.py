@@ -407,6 +407,28 @@ def test_weight_store_release_resume_and_aliases():
         assert torch.equal(p, original[n])
 
 
+def test_weight_store_resume_without_allocation_allocates_on_load():
+    model = _tiny("qwen3", tie=True)
+    store = WeightStore(model)
+    full = store.allocated_bytes()
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    store.release()
+    store.resume(allocate=False)
+    assert store.allocated_bytes() == 0 and len(store.pending) == len(original)
+    with pytest.raises(EngineNotReady, match="not loaded"):
+        store.check_ready()
+    store.load([(n, t) for n, t in original.items() if "layers.1" not in n])
+    with pytest.raises(EngineNotReady, match="layers.1"):
+        store.check_ready()
+    for n, t in original.items():
+        if "layers.1" in n:
+            store.load_one(n, t)
+    store.check_ready()
+    assert store.allocated_bytes() == full
+    for n, p in model.named_parameters():
+        assert torch.equal(p, original[n])
+
+
 @pytest.fixture(scope="module")
 def local_engine(tmp_path_factory):
     path = build_word_model(tmp_path_factory.mktemp("tiny"))

@@ -7,7 +7,9 @@ rank serving that engine, mapped by every training rank and reused at every refi
 its own FSDP2 shards straight into their views in every targeted window (the engine's fused q/k/v and gate/up
 blocks included; no all-gather, no full tensor, each byte written once from the shard), the ranks agree that all
 wrote, then each engine's rank posts one `/update_weights_from_window`, and the engine points its parameters at
-the views without copying. That one call is the whole refit on the engine: its own weight-update session (no
+the views without copying; the ranks agree again that every engine loaded. Both agreements go through a flag per
+rank in shared memory (`HostFlags`: the ranks share the host anyway, and a gloo collective costs a millisecond or
+more on a busy 2-core machine), over gloo where the memory model does not order plain stores (not x86). That one call is the whole refit on the engine: its own weight-update session (no
 begin/end round trips), and its answer names the weight version the engine then serves, which must be ours;
 `check_equal` compares per-tensor checksums as on every other path.
 
@@ -31,8 +33,11 @@ the memory is the trainer's.
 
 from __future__ import annotations
 
+import mmap
 import os
+import platform
 import tempfile
+import time
 import uuid
 import weakref
 
@@ -69,6 +74,72 @@ def engines_have_windows(urls: list[str], headers: dict[str, str], timeout_s: fl
 
 def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+# Plain stores into shared memory are seen by other cores in program order only under x86's total store order:
+# there a rank that sees another's flag also sees the window rows that rank wrote before it. On weaker memory
+# models (ARM, POWER) the agreement stays on gloo, whose socket calls order the writes.
+HOST_FLAGS_SUPPORTED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+FLAGS_PREFIX = "miles-refit-flags-"
+
+
+class HostFlags:
+    """The refit agreement of training ranks that share a host, through one int64 flag per rank in a file in
+    shared memory (rank 0 creates it, the others map it) instead of a collective over the process group.
+
+    Round ``k`` of `agree` (every rank calls it the same number of times, as a collective): each rank stores
+    ``2k`` (fine) or ``2k + 1`` (failed) into its flag, then waits until every flag reached ``2k``. A flag above
+    ``2k + 1`` belongs to a rank already in a later round, which it entered only after seeing every rank fine in
+    this one; a failed rank leaves ``2k + 1`` in place until all ranks have read it (the caller exchanges the
+    messages over gloo, which every rank joins). Waiting sleeps between polls (a 2-core host has no core to spin
+    on) and gives up after ``timeout_s`` naming the ranks that never arrived."""
+
+    def __init__(self, rank: int, world_size: int, path: str | None = None, directory: str | None = None):
+        self.rank, self.world_size = rank, world_size
+        self._round = 0
+        self._finalizer: weakref.finalize | None = None
+        if path is None:  # the creator (rank 0) owns the file
+            path = os.path.join(directory or _shm_dir(), f"{FLAGS_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            self._finalizer = weakref.finalize(self, _unlink, path)
+            os.ftruncate(fd, 8 * world_size)
+        else:
+            fd = os.open(path, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size != 8 * world_size:
+                raise ValueError(
+                    f"refit flags {path!r}: {os.fstat(fd).st_size} bytes, {world_size} ranks need 8 each"
+                )
+            self._map = mmap.mmap(fd, 8 * world_size)
+        finally:
+            os.close(fd)
+        self.path = path
+        self._flags = memoryview(self._map).cast("q")
+
+    def agree(self, failed: bool, timeout_s: float) -> bool:
+        """This rank's round: publish ``failed``, wait for every rank; whether any rank failed."""
+        self._round += 1
+        done = 2 * self._round
+        self._flags[self.rank] = done + int(failed)
+        deadline = time.monotonic() + timeout_s
+        pause = 2e-5
+        while True:
+            flags = self._flags.tolist()
+            if min(flags) >= done:
+                return done + 1 in flags
+            if time.monotonic() > deadline:
+                late = [r for r, f in enumerate(flags) if f < done]
+                raise TimeoutError(
+                    f"refit agreement {self._round}: training ranks {late} did not arrive within {timeout_s} s"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-4)
+
+    def close(self) -> None:
+        self._flags.release()
+        self._map.close()
+        if self._finalizer is not None:
+            self._finalizer()
 
 
 class TrainerWindow:
@@ -141,6 +212,8 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
         # maps it (every rank maps all of them)
         self.window: TrainerWindow | None = None
         self.windows: dict[str, TrainerWindow] = {}
+        # the per-refit agreements (x86 hosts with more than one rank; None: over gloo), made with the windows
+        self.flags: HostFlags | None = None
 
     def _ensure_window(self, url: str, model: nn.Module, dtype: torch.dtype | None) -> None:
         if self.window is not None:
@@ -164,16 +237,23 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
         if window is not None:
             assert self.engine_index is not None  # only a rank serving an engine creates a window
             mine = (self.engine_urls[self.engine_index], window.path, window.layout)
-        created: list[tuple[str, str, WindowLayout] | None] = [mine]
+        flags_path = None
+        if self.rank == 0 and self.flags is None and self.world_size > 1 and HOST_FLAGS_SUPPORTED:
+            self.flags = HostFlags(0, self.world_size)
+            flags_path = self.flags.path
+        created: list[tuple[tuple[str, str, WindowLayout] | None, str | None]] = [(mine, flags_path)]
         if self.world_size > 1:
-            created = [None] * self.world_size
-            dist.all_gather_object(created, mine, group=self._ctrl)
+            created = [(None, None)] * self.world_size
+            dist.all_gather_object(created, (mine, flags_path), group=self._ctrl)
 
         def attach() -> None:
-            for engine, path, layout in filter(None, created):
+            for engine, path, layout in filter(None, (c for c, _ in created)):
                 if engine not in self.windows:
                     own = window is not None and path == window.path
                     self.windows[engine] = window if own else TrainerWindow(layout, attach_to=path)
+            path = created[0][1]
+            if path is not None and self.rank != 0:
+                self.flags = HostFlags(self.rank, self.world_size, path=path)
 
         self._on(True, attach)
 
@@ -193,10 +273,22 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
                     dst.copy_(src)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-        self._raise_if_any_failed(error)  # also the agreement that every rank wrote its rows
+        self._agree(error)  # also the agreement that every rank wrote its rows
         url = self._url_if_targeted(targets)
-        self._on(True, lambda: url and self._load(url, job.weight_version, self._checksums(url, entries)))
+        error = None
+        try:
+            if url:
+                self._load(url, job.weight_version, self._checksums(url, entries))
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        self._agree(error)
         return n_buckets
+
+    def _agree(self, error: str | None) -> None:
+        """Every rank learns whether any failed; all raise together with every rank's message. Through the
+        host's flags when there are some (the messages then travel over gloo only after a failure)."""
+        if self.flags is None or self.flags.agree(error is not None, self.timeout_s):
+            self._raise_if_any_failed(error)
 
     def _checksums(self, url: str, entries: list[_Entry]) -> dict[str, str] | None:
         """With ``check_equal``: the checksum of every tensor as the engine is to read it (in our window)."""

@@ -289,7 +289,8 @@ class WeightControl:
             )
         self.released_tags.difference_update(tags)
         if "weights" in tags:
-            self.weights.resume()
+            # after a window refit the next one points the weights at views again: nothing to fill
+            self.weights.resume(allocate=self._window is None)
         if "kv_cache" in tags:
             self.runner.resume_kv()
             self.kv_released = False

@@ -109,7 +109,7 @@ class WeightStore:
             )
         items = [(self.validate(n, t), t) for n, t in named_tensors]
         for canon, t in items:
-            self._params[canon].data.copy_(t)  # casts, and copies across devices directly
+            self._storage(canon).copy_(t)  # casts, and copies across devices directly
             self.pending.discard(canon)
         self._changed()
         return len(items)
@@ -118,7 +118,7 @@ class WeightStore:
     def load_one(self, name: str, tensor: torch.Tensor) -> None:
         """Copy one (already validated) tensor; used by the streaming distributed path."""
         canon = self.validate(name, tensor)
-        self._params[canon].data.copy_(tensor)
+        self._storage(canon).copy_(tensor)
         self.pending.discard(canon)
         self._changed()
 
@@ -151,13 +151,27 @@ class WeightStore:
         self.released = True
         self._changed()
 
-    def resume(self) -> None:
-        """Re-allocate every parameter zero-filled and mark all of them pending until loaded."""
+    def _storage(self, canon: str) -> torch.Tensor:
+        """The data of parameter ``canon`` to copy a whole tensor into, allocated (uninitialised) first when a
+        `resume` without allocation left it empty."""
+        p = self._params[canon]
+        shape, dtype = self._meta[canon]
+        if tuple(p.data.shape) != shape:
+            p.data = torch.empty(shape, dtype=dtype, device=self.device)
+        return p.data
+
+    def resume(self, allocate: bool = True) -> None:
+        """Mark every parameter pending until loaded; with ``allocate``, re-allocate each zero-filled first (the
+        memory is occupied again, as SGLang's resume does). Without, they stay empty until a load: an engine whose
+        weights are views of a weight window gets them back as views, so zero-filled storage would be thrown
+        away (on a 100 MB model: a memset and fresh pages, tens of ms per refit); a copying load allocates what
+        it writes."""
         if not self.released:
             return
-        for name, p in self._params.items():
-            shape, dtype = self._meta[name]
-            p.data = torch.zeros(shape, dtype=dtype, device=self.device)
+        if allocate:
+            for name, p in self._params.items():
+                shape, dtype = self._meta[name]
+                p.data = torch.zeros(shape, dtype=dtype, device=self.device)
         self.released = False
         self.pending = set(self._params)
         self._changed()
