@@ -401,9 +401,10 @@ def clipped_optimizer_step(
 ) -> float:
     """Clip the gradients to `clip_grad` (global norm over all ranks' shards), step the optimizer unless that
     norm is not finite (then the step is skipped, with a warning naming `role`), clear the gradients and step
-    the LR schedule either way. Returns the norm before clipping."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    the LR schedule either way. Returns the norm before clipping (`clip_grad_norm_sharded`: one all-reduce)."""
+    from miles.backends.fsdp_utils.model import clip_grad_norm_sharded
+
+    grad_norm = clip_grad_norm_sharded(model.parameters(), clip_grad)
     if torch.isfinite(grad_norm):
         optimizer.step()
     else:
