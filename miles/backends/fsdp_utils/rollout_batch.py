@@ -36,6 +36,7 @@ from miles.algo import (
     local_moments,
     masked_whiten,
     metric,
+    reduction_counts_tokens,
     reduction_denominator,
     stack_metrics,
     unstack_metrics,
@@ -293,16 +294,20 @@ def step_reduction(
 
     FSDP averages gradients over the whole (dp x cp) mesh; CP ranks each hold cp x their share (the CP gather's
     backward sums), so the average equals the DP mean and only dp_size enters the denominator.
+
+    The sample count needs no collective: every DP rank's step holds the same number of samples (`plan_steps`
+    checks the rank's total, `plan_micro_batches` gives each step global_batch_size / dp of them). The loss-token
+    count is all-reduced only for a reduction that reads it (`reduction_counts_tokens`: token_mean).
     """
     indices = [i for p in packs for i in p.indices]
-    counts = torch.tensor(
-        [len(indices), float(sum(batch.loss_masks[i].sum() for i in indices))], dtype=torch.float64
-    )
-    counts = _all_reduce_sum(counts, ps.dp_group)
+    num_tokens = 0
+    if reduction_counts_tokens(reduction.kind):
+        local = float(sum(batch.loss_masks[i].sum() for i in indices))
+        num_tokens = int(_all_reduce_sum(torch.tensor([local], dtype=torch.float64), ps.dp_group)[0])
     denominator = reduction_denominator(
         reduction.kind,
-        global_num_samples=int(counts[0]),
-        global_num_tokens=int(counts[1]),
+        global_num_samples=len(indices) * ps.dp_size,
+        global_num_tokens=num_tokens,
         dp_size=ps.dp_size,
         constant=reduction.constant,
     )
