@@ -222,6 +222,24 @@ def test_sharded_grad_clip_equals_dtensor_clip(tmp_path) -> None:
     run_distributed(_sharded_clip_body, 2, path, init_pg=False)
 
 
+def _metric_sum_body(rank: int, world_size: int) -> None:
+    from miles.algo import metric
+    from miles.backends.fsdp_utils.rollout_batch import MetricSum
+
+    sums = MetricSum()
+    sums.add({"loss": metric(2.0 + rank, 1.0 + rank)})
+    sums.add_value("grad_norm", 3.0)
+    # each key's largest value is on another rank; negative values too (the unused slots hold zeros)
+    out = sums.reduce(None, maxima={"peak_a": 1.0 + rank, "peak_b": -1.0 - 3 * rank, "peak_c": 5.0 - rank})
+    assert out == {"train/loss": 5.0 / 3.0, "train/grad_norm": 3.0, "peak_a": 2.0, "peak_b": -1.0, "peak_c": 5.0}
+    assert MetricSum().reduce(None) == {}  # nothing to reduce: still one (empty) collective on every rank
+    dist.barrier()
+
+
+def test_metric_sum_reduces_sums_and_maxima_in_one_collective() -> None:
+    run_distributed(_metric_sum_body, 2)
+
+
 def test_parallel_dims_validation() -> None:
     dims = ParallelDims(world_size=8, cp_size=2)
     assert dims.dp_size == 4 and dims.coords(5) == (2, 1)

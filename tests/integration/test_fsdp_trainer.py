@@ -179,8 +179,11 @@ def _run(tmp_path, world: int, extra: list[str], name: str, rollouts: int = 1) -
 # the sharded Adam state. Summation order also differs whenever packs differ (dynamic batching): compared under SGD.
 @pytest.mark.parametrize(
     "extra",
-    [["--adam-eps", "1e-4"], ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "24", "--optimizer", "sgd", "--lr", "0.5"],
-     ["--adam-eps", "1e-4", "--loss-reduction", "token_mean"]],
+    [
+        ["--adam-eps", "1e-4"],
+        ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "24", "--optimizer", "sgd", "--lr", "0.5"],
+        ["--adam-eps", "1e-4", "--loss-reduction", "token_mean"],
+    ],
     ids=["static-adam", "dynamic-sgd", "token-mean"],
 )
 def test_dp2_update_equals_dp1(tmp_path, extra):

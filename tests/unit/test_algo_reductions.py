@@ -163,7 +163,9 @@ def test_reduction_counts_tokens_says_whether_the_denominator_reads_tokens(name:
     """A reduction flagged as not counting tokens has a denominator that no token count moves (the FSDP trainer
     then skips the token count's all-reduce); one that counts them is moved by it."""
     dens = {
-        t: reduction_denominator(name, global_num_samples=8, global_num_tokens=t, dp_size=2, constant=CONSTANT)
+        t: reduction_denominator(
+            name, global_num_samples=8, global_num_tokens=t, dp_size=2, constant=CONSTANT
+        )
         for t in (3, 40, 500)
     }
     assert reduction_counts_tokens(name) == (len(set(dens.values())) > 1), dens

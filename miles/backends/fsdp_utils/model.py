@@ -249,7 +249,9 @@ def clip_grad_norm_sharded(params: Iterable[nn.Parameter], max_norm: float) -> t
 
 
 def _sharded_on(grad: torch.Tensor, mesh: DeviceMesh) -> bool:
-    return isinstance(grad, DTensor) and grad.device_mesh == mesh and all(p.is_shard() for p in grad.placements)
+    return (
+        isinstance(grad, DTensor) and grad.device_mesh == mesh and all(p.is_shard() for p in grad.placements)
+    )
 
 
 def build_reference_model(

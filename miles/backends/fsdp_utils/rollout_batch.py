@@ -333,17 +333,37 @@ class MetricSum:
     def add_value(self, key: str, value: float) -> None:
         accumulate_metrics(self.pairs, {key: metric(value, 1.0)})
 
-    def reduce(self, dp_group: ProcessGroup | None, batch: RankBatch | None = None) -> dict[str, float]:
-        """The metrics over the DP group; with `batch`, also its advantages' mean and std over the DP group
-        (loss tokens only: mask-0 positions are never read), in the same all-reduce."""
+    def reduce(
+        self,
+        dp_group: ProcessGroup | None,
+        batch: RankBatch | None = None,
+        maxima: dict[str, float] | None = None,
+    ) -> dict[str, float]:
+        """The metrics over the DP group, in ONE all-reduce with: `batch`'s advantages' mean and std over the DP
+        group (loss tokens only: mask-0 positions are never read), and the largest over the DP group of each of
+        this rank's `maxima` (returned under their own keys; each rank sums its values into its own slot of a
+        [ranks, k] block, so the block after the sum holds every rank's values and its column maxima are exact)."""
         keys, stacked = stack_metrics(self.pairs)
         moments = stacked.new_zeros(0) if batch is None else local_moments(batch.advantages, batch.loss_masks)
-        flat = torch.cat([stacked.reshape(-1).to(moments.device), moments.double()])  # on the batch's device
-        total = _all_reduce_sum(flat, dp_group).cpu()
-        stacked = total[: stacked.numel()].reshape(stacked.shape)
+        names = sorted(maxima or {})
+        ranks, me = (
+            (dist.get_world_size(dp_group), dist.get_rank(dp_group)) if dist.is_initialized() else (1, 0)
+        )
+        slots = torch.zeros(ranks, len(names), dtype=torch.float64)
+        if names:
+            slots[me] = torch.tensor([maxima[n] for n in names], dtype=torch.float64)
+        flat = torch.cat(
+            [stacked.reshape(-1).to(moments.device), moments.double(), slots.reshape(-1).to(moments.device)]
+        )
+        total = _all_reduce_sum(flat, dp_group).cpu()  # on the batch's device
+        n_pairs, n_moments = stacked.numel(), moments.numel()
+        stacked = total[:n_pairs].reshape(stacked.shape)
         out = {f"train/{k}": v for k, v in finalize_metrics(unstack_metrics(keys, stacked)).items()}
         if batch is not None:
-            out.update(_advantage_stats(total[stacked.numel() :]))
+            out.update(_advantage_stats(total[n_pairs : n_pairs + n_moments]))
+        if names:
+            peaks = total[n_pairs + n_moments :].reshape(ranks, len(names)).amax(dim=0)
+            out.update(zip(names, peaks.tolist()))
         return out
 
 
