@@ -225,3 +225,16 @@ def test_response_token_positions_skip_sequences_without_response():
         for i in order
         for t in samples[i]["tokens"][len(samples[i]["tokens"]) - samples[i]["response_length"] :]
     ]
+
+
+@pytest.mark.parametrize("cap", [None, 10_000])
+def test_one_pack_is_every_sample_in_input_order(cap):
+    """pack_sequences' shortcut for a single pack gives what the balanced partition gives."""
+    from miles.utils.seqlen_balancing import partition_to_packs
+
+    rng = random.Random(3)
+    lengths = [rng.randint(2, 90) for _ in range(37)]
+    assert partition_to_packs(lengths, 1, cap) == [list(range(len(lengths)))]
+    samples = [{"tokens": list(range(1, n + 1)), "response_length": 1} for n in lengths]
+    (p,) = pack_sequences(samples, num_packs=1, max_tokens_per_pack=cap)
+    assert p.sample_indices.tolist() == list(range(len(lengths)))

@@ -221,7 +221,10 @@ def pack_sequences(
     if num_packs is None:
         assert max_tokens_per_pack is not None
         num_packs = get_minimum_num_micro_batch_size(lengths, max_tokens_per_pack)
-    parts = partition_to_packs(lengths, num_packs, max_tokens_per_pack)
+    if num_packs == 1 and (max_tokens_per_pack is None or sum(lengths) <= max_tokens_per_pack):
+        parts = [list(range(len(lengths)))]  # what partition_to_packs gives for one pack, without balancing
+    else:
+        parts = partition_to_packs(lengths, num_packs, max_tokens_per_pack)
     return [_build_pack(normalised, part) for part in parts]
 
 
