@@ -231,7 +231,13 @@ def _metric_sum_body(rank: int, world_size: int) -> None:
     sums.add_value("grad_norm", 3.0)
     # each key's largest value is on another rank; negative values too (the unused slots hold zeros)
     out = sums.reduce(None, maxima={"peak_a": 1.0 + rank, "peak_b": -1.0 - 3 * rank, "peak_c": 5.0 - rank})
-    assert out == {"train/loss": 5.0 / 3.0, "train/grad_norm": 3.0, "peak_a": 2.0, "peak_b": -1.0, "peak_c": 5.0}
+    assert out == {
+        "train/loss": 5.0 / 3.0,
+        "train/grad_norm": 3.0,
+        "peak_a": 2.0,
+        "peak_b": -1.0,
+        "peak_c": 5.0,
+    }
     assert MetricSum().reduce(None) == {}  # nothing to reduce: still one (empty) collective on every rank
     dist.barrier()
 
