@@ -58,6 +58,7 @@ from miles.algo.reductions import (
     Reduction,
     reduce_loss,
     reduce_loss_and_metric,
+    reduction_counts_tokens,
     reduction_denominator,
     reduction_metric,
 )
@@ -113,6 +114,7 @@ __all__ = [
     "metric",
     "reduce_loss",
     "reduce_loss_and_metric",
+    "reduction_counts_tokens",
     "reduction_denominator",
     "reduction_metric",
     "register_advantage",

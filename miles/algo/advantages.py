@@ -190,11 +190,14 @@ def group_std(rewards: Tensor, group_ids: Tensor) -> Tensor:
     return _group_stats(rewards, group_ids).std.float()
 
 
-def _broadcast(values: Tensor, loss_masks: list[Tensor]) -> list[Tensor]:
-    return [
-        torch.full(m.shape, float(v), dtype=torch.float32, device=m.device)
-        for v, m in zip(values.tolist(), loss_masks)
-    ]
+def _broadcast(values: Tensor, loss_masks: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    """Each sample's scalar repeated over its response tokens, float32, twice (advantages and returns: two
+    buffers, so one can be changed in place without the other): one repeat for all samples, split into views."""
+    lengths = _ops.lengths_of(loss_masks)
+    device = loss_masks[0].device if loss_masks else values.device
+    counts = torch.tensor(lengths, dtype=torch.long, device=device)
+    flat = values.to(device=device, dtype=torch.float32).repeat_interleave(counts)
+    return _ops.split(flat, lengths), _ops.split(flat.clone(), lengths)
 
 
 # ----------------------------------------------------------------------------------------------- estimators
@@ -212,8 +215,8 @@ def grpo_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
     if inputs.std_normalize:
         adv = adv / (stats.std + inputs.eps)
     adv = torch.where(stats.size > 1, adv, torch.zeros_like(adv))
-    per_token = _broadcast(adv, inputs.loss_masks)
-    return AdvantageOutputs(advantages=per_token, returns=[t.clone() for t in per_token])
+    advantages, returns = _broadcast(adv, inputs.loss_masks)
+    return AdvantageOutputs(advantages=advantages, returns=returns)
 
 
 @register_advantage("gspo")
@@ -231,8 +234,8 @@ def rloo_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
     n = stats.size.double()
     centred = inputs.rewards.double() - stats.mean
     adv = torch.where(n > 1, centred * n / (n - 1).clamp(min=1), torch.zeros_like(centred))
-    per_token = _broadcast(adv, inputs.loss_masks)
-    return AdvantageOutputs(advantages=per_token, returns=[t.clone() for t in per_token])
+    advantages, returns = _broadcast(adv, inputs.loss_masks)
+    return AdvantageOutputs(advantages=advantages, returns=returns)
 
 
 def _token_kl(inputs: AdvantageInputs) -> list[Tensor]:

@@ -34,6 +34,8 @@ class Reduction:
     numerator: Callable[[list[Tensor], list[Tensor]], Tensor]  # (losses, masks) -> local differentiable sum
     local_count: Callable[[list[Tensor], float | None], float]  # (masks, constant) -> this mb's share of D
     global_count: Callable[[int, int, float | None], float]  # (num_samples, num_tokens, constant) -> D
+    # whether D reads num_tokens (a backend all-reduces the token count only then); True is always safe
+    counts_tokens: bool = True
 
 
 REDUCTIONS: Registry[Reduction] = Registry("loss reduction")
@@ -94,17 +96,34 @@ def _constant(constant: float | None) -> float:
 for _reduction in (
     # name, numerator, local count (this micro-batch's share of D), D
     Reduction(
-        "sample_mean", _sample_mean_numerator, lambda masks, c: float(len(masks)), lambda n, t, c: float(n)
+        "sample_mean",
+        _sample_mean_numerator,
+        lambda masks, c: float(len(masks)),
+        lambda n, t, c: float(n),
+        counts_tokens=False,
     ),
-    Reduction("token_mean", _token_sum, lambda masks, c: _num_tokens(masks), lambda n, t, c: float(t)),
+    Reduction(
+        "token_mean",
+        _token_sum,
+        lambda masks, c: _num_tokens(masks),
+        lambda n, t, c: float(t),
+        counts_tokens=True,
+    ),
     Reduction(
         "constant_sum",
         _token_sum,
         lambda masks, c: _constant(c) * len(masks),
         lambda n, t, c: _constant(c) * n,
+        counts_tokens=False,
     ),
 ):
     REDUCTIONS.add(_reduction.name, _reduction)
+
+
+def reduction_counts_tokens(name: str) -> bool:
+    """Whether reduction `name`'s D depends on the global loss-token count (token_mean), not only on the
+    sample count (sample_mean, constant_sum): a backend needs that count's all-reduce only then."""
+    return REDUCTIONS.get(name).counts_tokens
 
 
 def reduction_denominator(

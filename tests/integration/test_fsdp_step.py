@@ -20,6 +20,7 @@ from miles.backends.fsdp_utils.model import (
     build_fsdp_model,
     build_optimizer,
     build_reference_model,
+    clip_grad_norm_sharded,
     default_defer_gradient_sync,
     load_hf_model,
     sync_gradients_after,
@@ -178,6 +179,71 @@ def _deferred_sync_body(rank: int, world_size: int, path: str) -> None:
 def test_deferred_gradient_sync_reduces_once_per_step(tmp_path) -> None:
     path = save_tiny_qwen3(str(tmp_path / "tiny"), vocab_size=VOCAB)
     run_distributed(_deferred_sync_body, 2, path, init_pg=False)
+
+
+def _sharded_clip_body(rank: int, world_size: int, path: str) -> None:
+    state = init_distributed("gloo", timeout_s=60)
+    tokens = _batch(seed=5 + rank, n=3)
+    clipped = {}
+    for mine in (False, True):
+        model = build_fsdp_model(path, state.fsdp_mesh)
+        _token_ce_sum(model, tokens).backward()
+        for max_norm in (1e9, 0.5):  # no clipping, then clipping (the second call sees the unclipped grads)
+            if mine:
+                norm = clip_grad_norm_sharded(model.parameters(), max_norm)
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).full_tensor()
+            clipped[mine, max_norm] = norm
+        clipped[mine] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    for max_norm in (1e9, 0.5):  # the DTensor path's arithmetic, so the same norm up to rounding
+        torch.testing.assert_close(clipped[True, max_norm], clipped[False, max_norm], atol=0, rtol=1e-6)
+    assert float(clipped[True, 1e9]) > 0.5, "the test gradient is too small to be clipped"
+    for name, g in clipped[False].items():
+        torch.testing.assert_close(clipped[True][name], g, atol=1e-7, rtol=1e-5)
+    total = torch.linalg.vector_norm(torch.stack([g.norm() for g in clipped[True].values()]))
+    torch.testing.assert_close(total, torch.tensor(0.5), atol=0, rtol=1e-5)
+    # a non-finite gradient on one rank gives a non-finite norm on every rank
+    model = build_fsdp_model(path, state.fsdp_mesh)
+    _token_ce_sum(model, tokens).backward()
+    if rank == 1:
+        next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("nan")
+    assert not torch.isfinite(clip_grad_norm_sharded(model.parameters(), 1.0))
+    # a plain module: torch's own clip
+    plain = load_hf_model(path)
+    _token_ce_sum(plain, tokens).backward()
+    grads = [p.grad.clone() for p in plain.parameters()]
+    expected = torch.nn.utils.get_total_norm(grads)
+    torch.testing.assert_close(clip_grad_norm_sharded(plain.parameters(), 1e9), expected)
+    dist.barrier()
+
+
+def test_sharded_grad_clip_equals_dtensor_clip(tmp_path) -> None:
+    path = save_tiny_qwen3(str(tmp_path / "tiny"), vocab_size=VOCAB)
+    run_distributed(_sharded_clip_body, 2, path, init_pg=False)
+
+
+def _metric_sum_body(rank: int, world_size: int) -> None:
+    from miles.algo import metric
+    from miles.backends.fsdp_utils.rollout_batch import MetricSum
+
+    sums = MetricSum()
+    sums.add({"loss": metric(2.0 + rank, 1.0 + rank)})
+    sums.add_value("grad_norm", 3.0)
+    # each key's largest value is on another rank; negative values too (the unused slots hold zeros)
+    out = sums.reduce(None, maxima={"peak_a": 1.0 + rank, "peak_b": -1.0 - 3 * rank, "peak_c": 5.0 - rank})
+    assert out == {
+        "train/loss": 5.0 / 3.0,
+        "train/grad_norm": 3.0,
+        "peak_a": 2.0,
+        "peak_b": -1.0,
+        "peak_c": 5.0,
+    }
+    assert MetricSum().reduce(None) == {}  # nothing to reduce: still one (empty) collective on every rank
+    dist.barrier()
+
+
+def test_metric_sum_reduces_sums_and_maxima_in_one_collective() -> None:
+    run_distributed(_metric_sum_body, 2)
 
 
 def test_parallel_dims_validation() -> None:

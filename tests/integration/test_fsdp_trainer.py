@@ -179,8 +179,12 @@ def _run(tmp_path, world: int, extra: list[str], name: str, rollouts: int = 1) -
 # the sharded Adam state. Summation order also differs whenever packs differ (dynamic batching): compared under SGD.
 @pytest.mark.parametrize(
     "extra",
-    [["--adam-eps", "1e-4"], ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "24", "--optimizer", "sgd", "--lr", "0.5"]],
-    ids=["static-adam", "dynamic-sgd"],
+    [
+        ["--adam-eps", "1e-4"],
+        ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "24", "--optimizer", "sgd", "--lr", "0.5"],
+        ["--adam-eps", "1e-4", "--loss-reduction", "token_mean"],
+    ],
+    ids=["static-adam", "dynamic-sgd", "token-mean"],
 )
 def test_dp2_update_equals_dp1(tmp_path, extra):
     w1, m1 = _run(tmp_path, 1, extra, "dp1")

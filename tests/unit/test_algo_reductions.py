@@ -4,10 +4,12 @@ import pytest
 import torch
 
 from miles.algo import (
+    REDUCTIONS,
     accumulate_metrics,
     finalize_metrics,
     reduce_loss,
     reduce_loss_and_metric,
+    reduction_counts_tokens,
     reduction_denominator,
     reduction_metric,
     stack_metrics,
@@ -154,3 +156,17 @@ def test_errors():
         reduce_loss("token_mean", [], [], 1.0)
     with pytest.raises(ValueError, match="losses\\[0\\] has shape"):
         reduce_loss("token_mean", [torch.ones(3)], [torch.ones(2)], 1.0)
+
+
+@pytest.mark.parametrize("name", sorted(REDUCTIONS.names()))
+def test_reduction_counts_tokens_says_whether_the_denominator_reads_tokens(name: str) -> None:
+    """A reduction flagged as not counting tokens has a denominator that no token count moves (the FSDP trainer
+    then skips the token count's all-reduce); one that counts them is moved by it."""
+    dens = {
+        t: reduction_denominator(
+            name, global_num_samples=8, global_num_tokens=t, dp_size=2, constant=CONSTANT
+        )
+        for t in (3, 40, 500)
+    }
+    assert reduction_counts_tokens(name) == (len(set(dens.values())) > 1), dens
+    assert reduction_counts_tokens("token_mean") and not reduction_counts_tokens("sample_mean")

@@ -203,3 +203,38 @@ def test_plan_dynamic_uses_agreed_count_and_cap():
             dp_size=2,
             allreduce_max=lambda v: 9,
         )
+
+
+def test_response_token_positions_skip_sequences_without_response():
+    samples = [
+        {"tokens": [1, 2, 3], "response_length": 0},
+        {"tokens": [4, 5, 6, 7], "response_length": 2},
+        {"tokens": [8, 9], "response_length": 0},
+        {"tokens": [10, 11, 12], "response_length": 1},
+    ]
+    (p,) = pack_sequences(samples, num_packs=1)
+    order = p.sample_indices.tolist()
+    expected, start = [], 0
+    for i in order:  # the loop the vectorised positions replace
+        n, r = len(samples[i]["tokens"]), samples[i]["response_length"]
+        expected += list(range(start + n - r, start + n))
+        start += n
+    assert p.response_token_positions().tolist() == expected and len(expected) == 3
+    assert p.tokens[p.response_token_positions()].tolist() == [
+        t
+        for i in order
+        for t in samples[i]["tokens"][len(samples[i]["tokens"]) - samples[i]["response_length"] :]
+    ]
+
+
+@pytest.mark.parametrize("cap", [None, 10_000])
+def test_one_pack_is_every_sample_in_input_order(cap):
+    """pack_sequences' shortcut for a single pack gives what the balanced partition gives."""
+    from miles.utils.seqlen_balancing import partition_to_packs
+
+    rng = random.Random(3)
+    lengths = [rng.randint(2, 90) for _ in range(37)]
+    assert partition_to_packs(lengths, 1, cap) == [list(range(len(lengths)))]
+    samples = [{"tokens": list(range(1, n + 1)), "response_length": 1} for n in lengths]
+    (p,) = pack_sequences(samples, num_packs=1, max_tokens_per_pack=cap)
+    assert p.sample_indices.tolist() == list(range(len(lengths)))

@@ -167,7 +167,8 @@ class FSDPTrainer(TrainBackend):
                 self._train_step(
                     batch, step_packs, metrics, first_step=step_index == 0, bar=bar, fill_old=reuse
                 )
-        out = metrics.reduce(ps.dp_group, batch)  # with the advantage statistics, one all-reduce
+        # with the advantage statistics and the peak memory over the DP group: one all-reduce
+        out = metrics.reduce(ps.dp_group, batch, maxima=_peak_memory(ps))
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
         interval = cfg.train.ref_update_interval
         if self.ref_model is not None and interval and (rollout_id + 1) % interval == 0:
@@ -428,9 +429,10 @@ def clipped_optimizer_step(
 ) -> float:
     """Clip the gradients to `clip_grad` (global norm over all ranks' shards), step the optimizer unless that
     norm is not finite (then the step is skipped, with a warning naming `role`), clear the gradients and step
-    the LR schedule either way. Returns the norm before clipping."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    the LR schedule either way. Returns the norm before clipping (`clip_grad_norm_sharded`: one all-reduce)."""
+    from miles.backends.fsdp_utils.model import clip_grad_norm_sharded
+
+    grad_norm = clip_grad_norm_sharded(model.parameters(), clip_grad)
     if torch.isfinite(grad_norm):
         optimizer.step()
     else:
@@ -438,6 +440,22 @@ def clipped_optimizer_step(
     optimizer.zero_grad(set_to_none=True)
     lr_scheduler.step()
     return float(grad_norm)
+
+
+def _peak_memory(ps: ParallelState) -> dict[str, float]:
+    """This rank's `perf/train_peak_rss_gb` (and on CUDA `perf/train_peak_gpu_mem_gb`), already the largest over
+    its CP group: `MetricSum.reduce` takes the largest over the DP group, so the result is the largest over the
+    training ranks."""
+    from miles.utils import perf
+
+    peaks = {"perf/train_peak_rss_gb": perf.peak_rss_gb()}
+    if ps.is_cuda:
+        peaks["perf/train_peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated() / 1024**3
+    if ps.cp_size > 1:
+        peak_t = torch.tensor(list(peaks.values()), dtype=torch.float64, device=ps.device)
+        dist.all_reduce(peak_t, op=dist.ReduceOp.MAX, group=ps.cp_group)
+        peaks = dict(zip(peaks, peak_t.tolist()))
+    return peaks
 
 
 def _perf_metrics(
@@ -448,20 +466,14 @@ def _perf_metrics(
     ps: ParallelState,
     dtype: torch.dtype,
 ) -> dict[str, float]:
-    """`perf/train_peak_rss_gb` (and on CUDA `perf/train_peak_gpu_mem_gb`), the largest over the training ranks;
-    on CUDA in bf16 on a GPU of known peak, `perf/mfu` of this train call (see miles.utils.perf)."""
+    """`perf/forward_passes` of this train call and, on CUDA in bf16 on a GPU of known peak, `perf/mfu` (see
+    miles.utils.perf; the peak memory comes from `_peak_memory`)."""
     from miles.utils import perf
 
-    peaks = [perf.peak_rss_gb()]
-    if ps.is_cuda:
-        peaks.append(torch.cuda.max_memory_allocated() / 1024**3)
-    peak_t = torch.tensor(peaks, dtype=torch.float64, device=ps.device)
-    dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
     # forward-equivalents of this call: forward + backward (3) and each no-grad pass (old, reference log-probs)
-    out = {"perf/train_peak_rss_gb": float(peak_t[0]), "perf/forward_passes": float(3 + no_grad_passes)}
+    out = {"perf/forward_passes": float(3 + no_grad_passes)}
     if not ps.is_cuda:
         return out
-    out["perf/train_peak_gpu_mem_gb"] = float(peak_t[1])
     device_peak = perf.peak_flops(torch.cuda.get_device_name())
     if device_peak is None or dtype != torch.bfloat16:
         return out

@@ -116,8 +116,10 @@ def length_buckets(lengths: list[int], pad_work_limit: float = PAD_WORK_LIMIT) -
 class PaddedBucket:
     """One bucket of `length_buckets` as gather indices into the packed row."""
 
-    idx: torch.Tensor  # [n, L] long: row of step j of the bucket's sequence i (pads read its first token)
-    valid: torch.Tensor  # [n, L] bool: step j is a real token of sequence i
+    idx: (
+        torch.Tensor
+    )  # [n * L] long: row of step j of the bucket's sequence i at i * L + j (pads read its first token)
+    count: int  # n sequences
     longest: int  # L
 
 
@@ -131,27 +133,38 @@ class PaddedLayout:
 
     bounds: tuple[int, ...]  # cu_seqlens of the row
     buckets: tuple[PaddedBucket, ...]
-    inverse: torch.Tensor  # [T] long: position in the concatenated bucket outputs of each row token
+    # [T] long: where each row token's output lies in the buckets' padded outputs, flattened and concatenated
+    out_idx: torch.Tensor
 
 
 def padded_layout(bounds: list[int] | tuple[int, ...], device: torch.device | str) -> PaddedLayout:
     """The `PaddedLayout` of a row with sequence boundaries `bounds` (cu_seqlens), its index tensors on `device`."""
     lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
-    buckets, token_order = [], []
+    buckets = []
+    out_idx = torch.zeros(bounds[-1] if bounds else 0, dtype=torch.long, device=device)
+    offset = 0  # of the bucket in the concatenated padded outputs
     for bucket in length_buckets(lengths):
         longest = lengths[bucket[0]]
         starts = torch.tensor([bounds[i] for i in bucket], device=device)
         lens = torch.tensor([lengths[i] for i in bucket], device=device)
         steps = torch.arange(longest, device=device)
         valid = steps[None, :] < lens[:, None]  # [n, L]
+        rows = starts[:, None] + steps[None, :]
         # pads read the sequence's first token
-        idx = torch.where(valid, starts[:, None] + steps[None, :], starts[:, None])
-        buckets.append(PaddedBucket(idx, valid, longest))
-        token_order.append(idx[valid])
-    order = torch.cat(token_order) if token_order else torch.zeros(0, dtype=torch.long, device=device)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=device)
-    return PaddedLayout(tuple(bounds), tuple(buckets), inverse)
+        buckets.append(
+            PaddedBucket(torch.where(valid, rows, starts[:, None]).reshape(-1), len(bucket), longest)
+        )
+        padded_pos = offset + torch.arange(len(bucket) * longest, device=device).reshape(len(bucket), longest)
+        out_idx[rows[valid]] = padded_pos[valid]
+        offset += len(bucket) * longest
+    return PaddedLayout(tuple(bounds), tuple(buckets), out_idx)
+
+
+def _gather_bucket(x: torch.Tensor, b: PaddedBucket) -> torch.Tensor:
+    """[B, h, T, D] -> [B*n, h, L, D]: the bucket's sequences, right-padded."""
+    batch, heads, _, dim = x.shape
+    g = x.index_select(2, b.idx).view(batch, heads, b.count, b.longest, dim)
+    return g.transpose(1, 2).reshape(batch * b.count, heads, b.longest, dim)
 
 
 def _sdpa_bucketed(
@@ -167,29 +180,27 @@ def _sdpa_bucketed(
     Sequences of similar length (`length_buckets`) are gathered into one right-padded batch per bucket and run
     through one causal SDPA call: a real query attends only to keys at or before it, all of its own sequence, so
     padding never enters a real row (padded rows are dropped). Each sequence computes what an unpacked forward
-    would, up to the kernel's summation order (<= 1e-6 in fp32).
+    would, up to the kernel's summation order (<= 1e-6 in fp32). Gathers and the final scatter are index_select
+    (whose backward is index_add: pad positions receive exact zeros).
     """
     gqa = query.shape[1] != key.shape[1]
+    batch, heads, _, dim = query.shape
     outs = []
     for b in layout.buckets:
-        # [B, h, T, D] -> [B*n, h, L, D]
-        def gather(x: torch.Tensor, idx: torch.Tensor = b.idx) -> torch.Tensor:
-            g = x[:, :, idx]  # [B, h, n, L, D]
-            return g.transpose(1, 2).reshape(-1, x.shape[1], idx.shape[1], x.shape[3])
-
+        q, k, v = (_gather_bucket(x, b) for x in (query, key, value))  # [B*n, h, L, D]
         o = F.scaled_dot_product_attention(
-            gather(query),
-            gather(key),
-            gather(value),
+            q,
+            k,
+            v,
             dropout_p=dropout,
             is_causal=True,
             scale=scaling,
             enable_gqa=gqa,
         )  # [B*n, H, L, D]
-        n = b.idx.shape[0]
-        o = o.reshape(query.shape[0], n, query.shape[1], b.longest, query.shape[3]).transpose(1, 2)
-        outs.append(o[:, :, b.valid])  # [B, H, tokens of the bucket, D]
-    return torch.cat(outs, dim=2)[:, :, layout.inverse]
+        o = o.reshape(batch, b.count, heads, b.longest, dim).transpose(1, 2)
+        outs.append(o.reshape(batch, heads, b.count * b.longest, dim))
+    padded = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return padded.index_select(2, layout.out_idx)
 
 
 def varlen_attention_forward(

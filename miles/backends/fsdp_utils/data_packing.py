@@ -88,9 +88,11 @@ class PackedBatch:
 
     def response_token_positions(self) -> torch.Tensor:
         """[R] long: row positions of the response tokens (sequence start + prompt length + j)."""
+        # response token j of sequence i sits at start_i + j = (start_i - r_i) + (its index in the R layout), with
+        # r_i the offset of sequence i's response in that layout
         starts = self.cu_seqlens[:-1].long() + self.prompt_lengths
-        parts = [torch.arange(s, s + r) for s, r in zip(starts.tolist(), self.response_lengths.tolist())]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+        shift = torch.repeat_interleave(starts - self.response_cu_seqlens[:-1], self.response_lengths)
+        return shift + torch.arange(shift.numel())
 
     def logit_positions(self) -> torch.Tensor:
         """[R] long: row positions whose logits predict each response token (one before it, same sequence)."""
@@ -219,7 +221,10 @@ def pack_sequences(
     if num_packs is None:
         assert max_tokens_per_pack is not None
         num_packs = get_minimum_num_micro_batch_size(lengths, max_tokens_per_pack)
-    parts = partition_to_packs(lengths, num_packs, max_tokens_per_pack)
+    if num_packs == 1 and (max_tokens_per_pack is None or sum(lengths) <= max_tokens_per_pack):
+        parts = [list(range(len(lengths)))]  # what partition_to_packs gives for one pack, without balancing
+    else:
+        parts = partition_to_packs(lengths, num_packs, max_tokens_per_pack)
     return [_build_pack(normalised, part) for part in parts]
 
 

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
 
@@ -217,6 +218,40 @@ def sync_gradients_after(model: nn.Module, last_micro_batch: bool, defer: bool) 
         return
     model.set_requires_gradient_sync(last_micro_batch)
     model.set_reshard_after_backward(last_micro_batch)
+
+
+def clip_grad_norm_sharded(params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` (2-norm) over FSDP2-sharded gradients with ONE all-reduce: each rank
+    takes the norm of its local shards (`_foreach_norm`, then the norm of those), the squares are summed over
+    the shards' mesh and the root is the global norm, which scales every local shard by
+    min(1, max_norm / (norm + 1e-6)). This is what the DTensor path computes (its partial-norm reduction raises
+    to the power 2, sums, takes the root) without DTensor dispatch per operation. Returns the norm before
+    clipping (a 0-d tensor, the same on every rank; non-finite when a gradient is).
+
+    Gradients that are not all sharded over one mesh (a plain module, replicated DTensors) go through
+    `clip_grad_norm_` itself."""
+    with_grad = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in with_grad]
+    if not grads:
+        return torch.zeros(())
+    mesh = grads[0].device_mesh if isinstance(grads[0], DTensor) else None
+    if mesh is None or mesh.ndim != 1 or not all(_sharded_on(g, mesh) for g in grads):
+        norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    local = [g.to_local() for g in grads]
+    local_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(local, 2.0)), 2.0)
+    total = local_norm**2
+    dist.all_reduce(total, group=mesh.get_group())
+    total = total ** (1.0 / 2.0)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_(local, coef)
+    return total
+
+
+def _sharded_on(grad: torch.Tensor, mesh: DeviceMesh) -> bool:
+    return (
+        isinstance(grad, DTensor) and grad.device_mesh == mesh and all(p.is_shard() for p in grad.placements)
+    )
 
 
 def build_reference_model(

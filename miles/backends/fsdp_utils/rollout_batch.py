@@ -36,6 +36,7 @@ from miles.algo import (
     local_moments,
     masked_whiten,
     metric,
+    reduction_counts_tokens,
     reduction_denominator,
     stack_metrics,
     unstack_metrics,
@@ -293,16 +294,20 @@ def step_reduction(
 
     FSDP averages gradients over the whole (dp x cp) mesh; CP ranks each hold cp x their share (the CP gather's
     backward sums), so the average equals the DP mean and only dp_size enters the denominator.
+
+    The sample count needs no collective: every DP rank's step holds the same number of samples (`plan_steps`
+    checks the rank's total, `plan_micro_batches` gives each step global_batch_size / dp of them). The loss-token
+    count is all-reduced only for a reduction that reads it (`reduction_counts_tokens`: token_mean).
     """
     indices = [i for p in packs for i in p.indices]
-    counts = torch.tensor(
-        [len(indices), float(sum(batch.loss_masks[i].sum() for i in indices))], dtype=torch.float64
-    )
-    counts = _all_reduce_sum(counts, ps.dp_group)
+    num_tokens = 0
+    if reduction_counts_tokens(reduction.kind):
+        local = float(sum(batch.loss_masks[i].sum() for i in indices))
+        num_tokens = int(_all_reduce_sum(torch.tensor([local], dtype=torch.float64), ps.dp_group)[0])
     denominator = reduction_denominator(
         reduction.kind,
-        global_num_samples=int(counts[0]),
-        global_num_tokens=int(counts[1]),
+        global_num_samples=len(indices) * ps.dp_size,
+        global_num_tokens=num_tokens,
         dp_size=ps.dp_size,
         constant=reduction.constant,
     )
@@ -328,17 +333,37 @@ class MetricSum:
     def add_value(self, key: str, value: float) -> None:
         accumulate_metrics(self.pairs, {key: metric(value, 1.0)})
 
-    def reduce(self, dp_group: ProcessGroup | None, batch: RankBatch | None = None) -> dict[str, float]:
-        """The metrics over the DP group; with `batch`, also its advantages' mean and std over the DP group
-        (loss tokens only: mask-0 positions are never read), in the same all-reduce."""
+    def reduce(
+        self,
+        dp_group: ProcessGroup | None,
+        batch: RankBatch | None = None,
+        maxima: dict[str, float] | None = None,
+    ) -> dict[str, float]:
+        """The metrics over the DP group, in ONE all-reduce with: `batch`'s advantages' mean and std over the DP
+        group (loss tokens only: mask-0 positions are never read), and the largest over the DP group of each of
+        this rank's `maxima` (returned under their own keys; each rank sums its values into its own slot of a
+        [ranks, k] block, so the block after the sum holds every rank's values and its column maxima are exact)."""
         keys, stacked = stack_metrics(self.pairs)
         moments = stacked.new_zeros(0) if batch is None else local_moments(batch.advantages, batch.loss_masks)
-        flat = torch.cat([stacked.reshape(-1).to(moments.device), moments.double()])  # on the batch's device
-        total = _all_reduce_sum(flat, dp_group).cpu()
-        stacked = total[: stacked.numel()].reshape(stacked.shape)
+        names = sorted(maxima or {})
+        ranks, me = (
+            (dist.get_world_size(dp_group), dist.get_rank(dp_group)) if dist.is_initialized() else (1, 0)
+        )
+        slots = torch.zeros(ranks, len(names), dtype=torch.float64)
+        if names:
+            slots[me] = torch.tensor([maxima[n] for n in names], dtype=torch.float64)
+        flat = torch.cat(
+            [stacked.reshape(-1).to(moments.device), moments.double(), slots.reshape(-1).to(moments.device)]
+        )
+        total = _all_reduce_sum(flat, dp_group).cpu()  # on the batch's device
+        n_pairs, n_moments = stacked.numel(), moments.numel()
+        stacked = total[:n_pairs].reshape(stacked.shape)
         out = {f"train/{k}": v for k, v in finalize_metrics(unstack_metrics(keys, stacked)).items()}
         if batch is not None:
-            out.update(_advantage_stats(total[stacked.numel() :]))
+            out.update(_advantage_stats(total[n_pairs : n_pairs + n_moments]))
+        if names:
+            peaks = total[n_pairs + n_moments :].reshape(ranks, len(names)).amax(dim=0)
+            out.update(zip(names, peaks.tolist()))
         return out
 
 
