@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from miles.engines.local.engine import LocalEngine, LocalEngineConfig
-from miles.engines.local.model_runner import NoCacheRunner, PoolRunner, _pad_buckets, make_runner
+from miles.engines.local.model_runner import (
+    NoCacheRunner,
+    PoolRunner,
+    _Norm,
+    _pad_buckets,
+    _rms_normalize,
+    make_runner,
+)
 from miles.engines.local.sampling import (
     SamplingParams,
     filter_probs,
@@ -111,6 +118,29 @@ def _staggered_requests():
     lens = [6, 2, 5, 4, 7, 3]
     reqs = [_req(f"r{i}", p, n) for i, (p, n) in enumerate(zip(prompts, lens))]
     return {0: reqs[:3], 2: reqs[3:5], 3: reqs[5:]}
+
+
+@pytest.mark.parametrize("shape", [(64, 512), (5, 32), (7, 12, 64), (1, 3, 8)])
+def test_rms_norm_is_bitwise_hf_rmsnorm(shape):
+    """The runner's RMSNorm (four ops on CPU float32) gives bitwise what HF's module gives, with and without the
+    weight (Qwen3's q/k norms apply theirs apart); bfloat16 takes F.rms_norm, as close to HF as it was."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    gen = torch.Generator().manual_seed(sum(shape))
+    hf = Qwen3RMSNorm(shape[-1], eps=1e-6)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(shape[-1], generator=gen))
+    norm = _Norm(hf.weight, hf.variance_epsilon)
+    for scale in (1.0, 1e-3, 30.0):
+        x = torch.randn(shape, generator=gen) * scale
+        with torch.inference_mode():
+            assert torch.equal(norm(x), hf(x))
+            unit = Qwen3RMSNorm(shape[-1], eps=1e-6)
+            assert torch.equal(_rms_normalize(x, 1e-6), unit(x))
+    xb = torch.randn(shape, generator=gen).bfloat16()
+    with torch.no_grad():
+        hb = hf.bfloat16()
+        torch.testing.assert_close(_Norm(hb.weight, hb.variance_epsilon)(xb), hb(xb), atol=0.02, rtol=0.02)
 
 
 @pytest.mark.parametrize(
