@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from miles.backends.fsdp_utils.update_weight_utils import WeightUpdater
     from miles.config import Config
     from miles.config.sections import LoraConfig
+    from miles.utils.engine_http import EngineMemoryControl
 
 logger = logging.getLogger(__name__)
 
@@ -317,19 +318,21 @@ class FSDPTrainer(TrainBackend):
     ) -> None:
         """Refit ``engine_urls``: every engine, or (fault tolerance) the engines that were restarted since the
         last refit, whose transport (update group, window mapping) is new. ``resume_tags``: rank 0 resumes them
-        on every engine first (see `TrainBackend.update_weights`)."""
+        on every engine before the weights move, all ranks raising its error (see `TrainBackend.update_weights`)."""
         cfg = self.config
         was_offloaded = self._offloaded
         if was_offloaded:
             self.wake_up()
         urls = [u.rstrip("/") for u in engine_urls]
-        if resume_tags:
-            self._resume_engines(urls, list(resume_tags))
         if self._weight_updater is None:
             self._weight_updater = self._make_weight_updater(urls)
-        elif urls != self._weight_updater.engine_urls:
-            self._weight_updater.engines_restarted(urls)
-        self._weight_updater.update(
+        updater = self._weight_updater
+        if resume_tags:  # rank 0 posts the resume; every rank raises its error, so none refits alone
+            tags = list(resume_tags)
+            updater.run_agreed(self.ps.rank == 0, lambda: self._engine_memory(urls).resume_memory(tags))
+        if urls != updater.engine_urls:
+            updater.engines_restarted(urls)
+        updater.update(
             self._refit_source(),
             cfg.train.update_weight_buffer_size,
             weight_version,
@@ -339,27 +342,11 @@ class FSDPTrainer(TrainBackend):
         if was_offloaded:
             self.sleep()
 
-    def _resume_engines(self, engine_urls: list[str], tags: list[str]) -> None:
-        """Rank 0 resumes `tags` on every engine (one call each, at once); every rank raises its error (a
-        collective, so no rank goes on into the refit's own collectives alone)."""
+    def _engine_memory(self, engine_urls: list[str]) -> EngineMemoryControl:
         from miles.utils.engine_http import EngineMemoryControl
 
-        failure: Exception | None = None
-        if self.ps.rank == 0:
-            timeout = float(self.config.rollout.rollout_request_timeout)
-            try:
-                EngineMemoryControl(engine_urls, self.config.engine.engine_api_key, timeout).resume_memory(
-                    tags
-                )
-            except Exception as e:  # noqa: BLE001 - every rank raises it below
-                failure = e
-        error = [None if failure is None else f"{type(failure).__name__}: {failure}"]
-        if self.ps.world_size > 1:
-            dist.broadcast_object_list(error, src=0)
-        if error[0] is not None:
-            raise RuntimeError(
-                f"resuming engine memory {tags} before the refit (rank 0): {error[0]}"
-            ) from failure
+        timeout = float(self.config.rollout.rollout_request_timeout)
+        return EngineMemoryControl(engine_urls, self.config.engine.engine_api_key, timeout)
 
     def _transfer_mode(self) -> str:
         """--update-weight-transfer-mode resolved: auto is tensor when colocated or on CPU (shared memory, which

@@ -98,7 +98,7 @@ class DistributedWeightUpdater(WeightUpdater):
         ]
 
     def _on_rank0(self, fn: Callable[[], object]) -> None:
-        self._on(self.rank == 0, fn)
+        self.run_agreed(self.rank == 0, fn)
 
     def engines_restarted(self, urls: list[str]) -> None:
         """``urls`` were restarted: they left the group with their old process (the next refit regroups)."""

@@ -375,7 +375,7 @@ class WeightUpdater(ABC):
             raise ValueError(f"engines {unknown} are not among this updater's {self.engine_urls}")
         return [u for u in self.engine_urls if u in wanted]
 
-    def _on(self, here: bool, fn: Callable[[], object]) -> None:
+    def run_agreed(self, here: bool, fn: Callable[[], object]) -> None:
         """Run ``fn`` where ``here`` holds; every rank learns every rank's error and all raise together."""
         error = None
         if here:
@@ -419,21 +419,21 @@ class ColocatedWeightUpdater(WeightUpdater):
         version = job.weight_version
         targeted = self._url_if_targeted(targets)
         url = targeted if self.is_leader else None
-        self._on(
+        self.run_agreed(
             self.is_leader, lambda: url and begin_sessions([url], self._headers, self.timeout_s, version)
         )
         checksums: dict[str, str] | None = {} if self.check_equal and self.is_leader else None
 
         def send(bucket: Bucket, index: int, is_last: bool) -> None:
-            self._on(targeted is not None, lambda: self._send_bucket(bucket, index, is_last, version))
+            self.run_agreed(targeted is not None, lambda: self._send_bucket(bucket, index, is_last, version))
 
         try:
             n_buckets = stream_buckets(job, checksums, send)
         finally:
-            self._on(
+            self.run_agreed(
                 self.is_leader, lambda: url and end_sessions([url], self._headers, self.timeout_s, version)
             )
-        self._on(
+        self.run_agreed(
             self.is_leader,
             lambda: url and verify_refit([url], version, self._headers, self.timeout_s, checksums),
         )
