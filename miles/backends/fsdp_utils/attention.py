@@ -116,9 +116,8 @@ def length_buckets(lengths: list[int], pad_work_limit: float = PAD_WORK_LIMIT) -
 class PaddedBucket:
     """One bucket of `length_buckets` as gather indices into the packed row."""
 
-    idx: (
-        torch.Tensor
-    )  # [n * L] long: row of step j of the bucket's sequence i at i * L + j (pads read its first token)
+    # [n * L] long: row of step j of the bucket's sequence i at i * L + j (pads read its first token)
+    idx: torch.Tensor
     count: int  # n sequences
     longest: int  # L
 

@@ -9,9 +9,10 @@ blocks included; no all-gather, no full tensor, each byte written once from the 
 wrote, then each engine's rank posts one `/update_weights_from_window`, and the engine points its parameters at
 the views without copying; the ranks agree again that every engine loaded. Both agreements go through a flag per
 rank in shared memory (`HostFlags`: the ranks share the host anyway, and a gloo collective costs a millisecond or
-more on a busy 2-core machine), over gloo where the memory model does not order plain stores (not x86). That one call is the whole refit on the engine: its own weight-update session (no
-begin/end round trips), and its answer names the weight version the engine then serves, which must be ours;
-`check_equal` compares per-tensor checksums as on every other path.
+more on a busy 2-core machine), over gloo where the memory model does not order plain stores (not x86). That
+one call is the whole refit on the engine: its own weight-update session (no begin/end round trips), and its
+answer names the weight version the engine then serves, which must be ours; `check_equal` compares per-tensor
+checksums as on every other path.
 
 Only the embedded engine speaks this (`miles.backends.fsdp_utils.actor` picks it when every engine answers the
 layout endpoint); SGLang engines keep the handle path and its contract. A restarted engine has no mapping: the next
@@ -231,7 +232,7 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
         """Each rank serving a targeted engine creates its window (once); then every rank maps every window
         created so far (collective: all ranks call it together, when some target has no window yet)."""
         url = self._url_if_targeted(targets)
-        self._on(True, lambda: url and self._ensure_window(url, model, dtype))
+        self.run_agreed(True, lambda: url and self._ensure_window(url, model, dtype))
         window = self.window
         mine = None
         if window is not None:
@@ -255,7 +256,7 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
             if path is not None and self.rank != 0:
                 self.flags = HostFlags(self.rank, self.world_size, path=path)
 
-        self._on(True, attach)
+        self.run_agreed(True, attach)
 
     def _refit(self, job: RefitJob, targets: list[str]) -> int:
         """Write every tensor into the targeted engines' windows (every rank its own rows) and load them with one

@@ -67,8 +67,8 @@ def supports_kv_cache(model: nn.Module) -> tuple[bool, str]:
     return True, ""
 
 
-def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dimension, HF's RMSNorm without the weight, bitwise equal to it in float32.
+def _rms_normalize(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """x / rms(x) over the last dimension, times `weight` when given: HF's RMSNorm, bitwise equal to it in float32.
 
     On CPU in float32 as HF writes it, in four ops: `F.rms_norm` dispatches about twenty there (dtype casts,
     scalar copies around pow, mean, add, rsqrt, mul) and allocates one more activation-sized tensor, which at
@@ -76,8 +76,9 @@ def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     this way). Elsewhere (CUDA's fused kernel, half-precision upcasts) `F.rms_norm`.
     """
     if x.device.type != "cpu" or x.dtype != torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), None, eps)
-    return x * x.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    y = x * x.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return y if weight is None else y.mul_(weight)
 
 
 @dataclass(slots=True)
@@ -88,9 +89,7 @@ class _Norm:
     eps: float
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or x.dtype != torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return _rms_normalize(x, self.eps).mul_(self.weight)
+        return _rms_normalize(x, self.eps, self.weight)
 
 
 @dataclass(slots=True)
