@@ -86,5 +86,3 @@ def _loopback_node() -> Iterator[None]:
 
 def get_node_ip() -> str:
     return ray.util.get_node_ip_address()
-
-

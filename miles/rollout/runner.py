@@ -180,7 +180,9 @@ class RolloutRunner:
         """Point the runner at its engines (the driver builds the runner while the engines still start; see
         `miles.ray.rollout_manager`). Only before the first request: the engine client is made on first use."""
         if self._engine_client is not None:
-            raise RuntimeError("RolloutRunner.connect: the engine client already exists (connect before generating)")
+            raise RuntimeError(
+                "RolloutRunner.connect: the engine client already exists (connect before generating)"
+            )
         self.router_url, self.engine_urls, self.concurrency = router_url, list(engine_urls), concurrency
 
     def _run(self, fn: Callable[[EngineClient], Awaitable[T]]) -> T:

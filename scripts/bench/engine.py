@@ -146,6 +146,8 @@ class InProcEngine:
         cfg = LocalEngineConfig(model_path=path, max_running_requests=max_running, device=device)
         self.engine = LocalEngine(cfg)
         self.engine.start()
+        self.kv_cache = self.engine.server_info("", 0)["kv_cache"]
+        self.decode_attention = self.engine.server_info("", 0)["decode_attention"]
         self.calls = 0
 
     def __call__(self, prompts: list[list[int]], new_tokens: int) -> int:
@@ -175,7 +177,9 @@ class HTTPEngine:
             local_args=local_args,
             python=python,
         ).launch()
-        self.kv_cache = self.proc.get("/get_server_info").get("kv_cache")  # tells which engine answers
+        info = self.proc.get("/get_server_info")
+        self.kv_cache = info.get("kv_cache")  # tells which engine answers
+        self.decode_attention = info.get("decode_attention")  # absent from engines before the CPU kernel
         self.calls = 0
 
     def __call__(self, prompts: list[list[int]], new_tokens: int) -> int:
@@ -231,8 +235,12 @@ def bench_model(label: str, path: str, args: argparse.Namespace, baseline: str |
     if baseline is not None:
         sides["base-http"] = HTTPEngine(path, max_running, args.num_threads, python=baseline, device=dev)
     for name, side in sides.items():
-        if isinstance(side, HTTPEngine):
-            print(f"{label}: side {name} reports kv_cache={side.kv_cache!r}", flush=True)
+        if isinstance(side, (HTTPEngine, InProcEngine)):
+            print(
+                f"{label}: side {name} reports kv_cache={side.kv_cache!r}, "
+                f"decode_attention={side.decode_attention!r}",
+                flush=True,
+            )
     rows = []
     try:
         for bs in args.batch_sizes:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from miles.algo.logprobs import compute_log_probs
+from miles.engines.local import cpu_attention
 from miles.engines.sglang_engine import EngineHTTPError, EngineProcess
 from miles.tools.tiny_model import build_word_model
 from miles.utils.serialization import serialize, share_named_tensors
@@ -88,6 +89,11 @@ def test_info_endpoints(engine, model_dir):
     assert info["model_path"] == str(model_dir) and info["is_generation"] is True
     info = engine.get("/get_server_info")
     assert info["kv_cache"] == "slot pool" and info["context_length"] == CONTEXT
+    # one thread, float32 on CPU: decode attention runs in the C kernel (the log-prob tests below check it)
+    if cpu_attention.find_compiler() is not None:
+        assert info["decode_attention"].startswith("cpu kernel decode_attention_2x2x8_")
+    else:
+        assert info["decode_attention"] == "matmul"
     # slots x context x (2 layers x 2 KV heads x head_dim 8 x keys and values x 4 bytes)
     assert info["kv_cache_bytes"] == 8 * CONTEXT * 2 * 2 * 8 * 2 * 4
     assert engine.get("/health_generate") == {}

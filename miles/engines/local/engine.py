@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
+from miles.engines.local import cpu_attention
 from miles.engines.local.control import Reply, WeightControl
 from miles.engines.local.engine_loop import EngineLoop
 from miles.engines.local.model_runner import make_runner
@@ -122,6 +123,9 @@ class LocalEngineConfig:
     # CPU, float32: large projections multiply by oneDNN-packed copies of the weights (faster; one more copy of
     # them in memory while they are loaded), see model_runner.py
     cpu_packed_weights: bool = True
+    # CPU, float32: decode attention by a C kernel compiled on first use (see cpu_attention.py); the matmul path
+    # when off, or when no compiler is found (logged)
+    cpu_decode_kernel: bool = True
 
 
 def _context_length(requested: int | None, model_config: PretrainedConfig) -> int:
@@ -161,6 +165,7 @@ class LocalEngine(WeightControl):
             config.max_running_requests,
             kv_capacity,
             self.weights if config.cpu_packed_weights else None,
+            decode_kernel=config.cpu_decode_kernel,
         )
         self.weight_version = config.weight_version
         self.kv_released = False
@@ -340,6 +345,13 @@ class LocalEngine(WeightControl):
             "architectures": getattr(self.model.config, "architectures", None),
         }
 
+    def _decode_attention(self) -> str:
+        """How decode steps attend now: the CPU kernel (its library) or matmuls."""
+        kernel = self.runner.decode_attention
+        if kernel is not None and cpu_attention.usable_now():
+            return f"cpu kernel {kernel.path.name}"
+        return "matmul"
+
     def server_info(self, host: str, port: int) -> dict[str, JSON]:
         """Body of GET /get_server_info: the startup options plus live state."""
         stats = dict(self.scheduler.stats)
@@ -360,6 +372,7 @@ class LocalEngine(WeightControl):
             "random_seed": self.config.random_seed,
             "kv_cache": "slot pool" if self.runner.uses_kv_cache else "none (full forward per step)",
             "kv_cache_bytes": self.runner.kv_allocated_bytes(),
+            "decode_attention": self._decode_attention(),
             "context_length": self.context_len,
             "chunked_prefill_size": self.config.chunked_prefill_size,
             "weight_version": self.weight_version,
