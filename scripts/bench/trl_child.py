@@ -53,7 +53,7 @@ def grpo_config_kwargs(spec: dict, out_dir: str, seed: int) -> dict:
         max_completion_length=spec["max_response_len"],
         temperature=SHARED.temperature,
         top_p=SHARED.top_p,
-        top_k=0,  # off (transformers' GenerationConfig would otherwise default it to 50)
+        top_k=0,  # off (TRL's default; transformers skips its top-k warper for 0 or None)
         learning_rate=spec["lr"],
         lr_scheduler_type="constant",
         warmup_steps=0,

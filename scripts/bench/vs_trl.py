@@ -68,6 +68,7 @@ from benchlib import Spread, TimedRun, mib, run_timed, step_intervals, write_jso
 from trl_child import EVENT  # noqa: E402
 
 TRL_VERSION = "1.16.0"
+STAMP = ".miles-bench-stamp"  # in the TRL venv, written once its install finished
 SYSTEMS = ("miles", "trl")
 # miles placements on a CPU box: (trainers, engines, colocated). "colocate2" is scripts/run-tiny-cpu.sh's.
 PLACEMENTS: dict[str, tuple[int, int, bool]] = {
@@ -304,6 +305,13 @@ def trl_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
+def installed_trl_venv() -> Path | None:
+    """The TRL venv that checks outside a benchmark run use: `$MILES_TRL_VENV`, else the default `--trl-venv`;
+    None unless `ensure_trl_venv` finished installing it (its stamp file is there)."""
+    venv = Path(os.environ.get("MILES_TRL_VENV", REPO / ".venv-trl"))
+    return venv if (venv / STAMP).is_file() and trl_python(venv).is_file() else None
+
+
 def ensure_trl_venv(venv: Path, version: str) -> str:
     """Create `venv` with TRL `version` unless its stamp says it is there; returns the versions line.
 
@@ -314,7 +322,7 @@ def ensure_trl_venv(venv: Path, version: str) -> str:
     import torch
     import transformers
 
-    stamp = venv / ".miles-bench-stamp"
+    stamp = venv / STAMP
     want = f"trl=={version} torch=={torch.__version__} transformers=={transformers.__version__}"
     if stamp.is_file() and stamp.read_text().strip() == want:
         return want

@@ -1,16 +1,13 @@
 """The two sides of scripts/bench/vs_trl.py run the same experiment: for every workload, TRL's effective settings
 (read off a real `GRPOTrainer` built by `trl_child.py`, its generation config and its optimizer) equal miles'
 (its config as `miles.train` parses `vs_trl.miles_command`), row by row of `bench_workloads.SETTING_ROWS`; and a
-changed TRL setting shows up as a difference.
-
-Needs TRL's venv (`vs_trl.py` makes it at .venv-trl; `MILES_TRL_VENV` points elsewhere); without it this skips.
+changed TRL setting shows up as a difference. Skips without the TRL venv (see `vs_trl.installed_trl_venv`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,13 +20,8 @@ sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 import bench_workloads as bw  # noqa: E402
 import vs_trl  # noqa: E402
 
-TRL_VENV = Path(os.environ.get("MILES_TRL_VENV", ROOT / ".venv-trl"))
-TRL_READY = (TRL_VENV / ".miles-bench-stamp").is_file() and (TRL_VENV / "bin" / "python").is_file()
-
-pytestmark = pytest.mark.skipif(
-    not TRL_READY,
-    reason=f"no TRL venv at {TRL_VENV} (made by scripts/bench/vs_trl.py; or set MILES_TRL_VENV)",
-)
+TRL_VENV = vs_trl.installed_trl_venv()
+pytestmark = pytest.mark.skipif(TRL_VENV is None, reason="no TRL venv made by scripts/bench/vs_trl.py")
 
 
 def _both(w: bw.Workload, work: Path, override: dict[str, object]) -> tuple[dict[str, str], dict[str, str]]:
@@ -37,6 +29,7 @@ def _both(w: bw.Workload, work: Path, override: dict[str, object]) -> tuple[dict
     model = bw.build_model(w, work / "model")
     data = bw.write_rows(bw.make_rows(w, 64, seed=0), work / "prompts.jsonl")
     miles = vs_trl.miles_settings(vs_trl.miles_command(w, model, data, work / "run", "colocate2", 1), model)
+    assert TRL_VENV is not None
     cmd = [
         str(vs_trl.trl_python(TRL_VENV)), str(vs_trl.HERE / "trl_child.py"), "--model", str(model),
         "--data", str(data), "--spec", json.dumps(dataclasses.asdict(w)), "--out", str(work / "trl"),

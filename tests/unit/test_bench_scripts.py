@@ -107,6 +107,17 @@ def test_trl_config_matches_the_workload(name: str) -> None:
     assert kw["loss_type"] == "grpo" and kw["lr_scheduler_type"] == "constant" and not kw["shuffle_dataset"]
 
 
+def test_installed_trl_venv_needs_the_finished_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MILES_TRL_VENV", str(tmp_path))
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").touch()
+    assert vs_trl.installed_trl_venv() is None  # no stamp: the install did not finish
+    (tmp_path / vs_trl.STAMP).write_text("trl==x\n")
+    assert vs_trl.installed_trl_venv() == tmp_path
+
+
 # ------------------------------------------------------------------------------------------------ settings
 def test_settings_texts_spell_off_the_same_for_both_systems() -> None:
     off = "temperature 1, top-p off, top-k off, min-p off, repetition penalty off"
