@@ -45,6 +45,100 @@ SUPPRESS = 60.0  # logit offset that keeps markers and special tokens out of res
 
 
 @dataclass(frozen=True)
+class Shared:
+    """The experiment settings both systems get on every workload; `vs_trl.miles_command` and
+    `trl_child.grpo_config_kwargs` both build their flags from these (one place, so they cannot drift apart)."""
+
+    temperature: float = 1.0  # the policy's own distribution: no top-p, no top-k, no min-p
+    top_p: float = 1.0
+    eps_clip: float = 0.2  # PPO clip range, lower / upper
+    eps_clip_high: float = 0.28
+    clip_grad: float = 1.0  # max global gradient norm
+    adam_beta1: float = 0.9  # AdamW as torch.optim.AdamW defaults it (miles' and transformers' defaults too)
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    skip_special_tokens: bool = True  # the reward reads the response text without special tokens, as TRL does
+
+
+SHARED = Shared()
+
+# Rows of the settings table `vs_trl` prints: each system reports its effective value of each (miles from its parsed
+# config, TRL from the built trainer), as text in the same words, so equal text means the same setting.
+SETTING_ROWS = (
+    "prompts x samples per rollout",
+    "samples per optimizer step",
+    "optimizer steps per rollout",
+    "micro-batch (samples)",
+    "prompt format",
+    "prompt order",
+    "sampling",
+    "max response tokens",
+    "stop token ids",
+    "reward text",
+    "advantages",
+    "policy loss",
+    "KL",
+    "optimizer",
+    "grad clip",
+    "lr schedule",
+    "lr logged per step",
+    "seed",
+)
+# Rows whose values need not agree: a seed feeds each system's own random streams, so equal numbers would not
+# give equal samples anyway.
+UNMATCHED_ROWS = frozenset({"seed"})
+
+
+def sampling_text(
+    temperature: float, top_p: float, top_k: int | None, min_p: float | None, repetition_penalty: float | None
+) -> str:
+    """The sampling settings in words; top-k <= 0 or None, top-p 1, min-p 0 or None, repetition penalty 1 or None
+    are all "off" (the spellings of "disabled" differ between SGLang and transformers)."""
+    parts = [f"temperature {temperature:g}"]
+    parts.append(f"top-p {top_p:g}" if top_p < 1 else "top-p off")
+    parts.append(f"top-k {top_k}" if top_k is not None and top_k > 0 else "top-k off")
+    parts.append(f"min-p {min_p:g}" if min_p else "min-p off")
+    rep = repetition_penalty
+    parts.append(
+        f"repetition penalty {rep:g}" if rep is not None and rep != 1.0 else "repetition penalty off"
+    )
+    return ", ".join(parts)
+
+
+def optimizer_text(name: str, betas: tuple[float, float], eps: float, weight_decay: float) -> str:
+    return f"{name} betas ({betas[0]:g}, {betas[1]:g}) eps {eps:g} weight decay {weight_decay:g}"
+
+
+def lr_per_step_text(lrs: list[float]) -> str:
+    """The learning rates a run logged, one per step: "5e-3 at all 40 steps", or the first, last and range."""
+    vals = [v for v in lrs if v == v]
+    if not vals:
+        return "not logged"
+    if len(set(vals)) == 1:
+        return f"{vals[0]:g} at all {len(vals)} steps"
+    return f"{vals[0]:g} first, {vals[-1]:g} last, {min(vals):g}-{max(vals):g} over {len(vals)} steps"
+
+
+def settings_mismatches(miles: dict[str, str], trl: dict[str, str]) -> list[str]:
+    """The rows of SETTING_ROWS (but UNMATCHED_ROWS) on which the two systems' effective settings differ."""
+    return [k for k in SETTING_ROWS if k not in UNMATCHED_ROWS and miles.get(k) != trl.get(k)]
+
+
+def format_settings(miles: dict[str, str], trl: dict[str, str], indent: str = "   ") -> list[str]:
+    """The settings table: one line per row, the value once where both systems have it, both values and a mark
+    where they differ."""
+    differ = set(settings_mismatches(miles, trl))
+    width = max(len(k) for k in SETTING_ROWS)
+    lines = []
+    for k in SETTING_ROWS:
+        m, t = miles.get(k, "n/a"), trl.get(k, "n/a")
+        text = f"{m} (both)" if m == t else f"miles {m} | TRL {t}" + ("  <-- DIFFERS" if k in differ else "")
+        lines.append(f"{indent}{k:{width}}  {text}")
+    return lines
+
+
+@dataclass(frozen=True)
 class Workload:
     """One benchmark workload: model shape, prompts, sampling and optimizer settings (both systems use all)."""
 

@@ -5,8 +5,13 @@
 Both systems get the same model weights, tokenizer and prompt file (built here, see `bench_workloads.py`),
 16 prompts x 8 samples per step, one optimizer step per rollout, the same response length limit, sampling
 (temperature 1, no top-p/top-k), GRPO loss (clip 0.2/0.28, per-sequence token mean, std-normalised group
-advantages, no KL), AdamW at the same constant lr, grad clip 1.0, the same micro-batch size, no data shuffling
-(both see the same prompts in the same order) and the same reward function (miles' "math" reward).
+advantages, no KL), AdamW (the same betas, eps, no weight decay) at the same constant lr, grad clip 1.0, the same
+micro-batch size, no data shuffling (both see the same prompts in the same order) and the same reward function
+(miles' "math" reward, on the response text without special tokens). The shared values live in
+`bench_workloads.SHARED`; the report prints each system's *effective* settings side by side (miles': its config as
+`miles.train` parses the command; TRL's: read off the built trainer, its generation config and its optimizer)
+and marks any row where they differ. Repeat r runs both systems with seed `--seed` + r, so the repeats sample
+different seeds (a seed is each system's own random stream: equal seeds do not give equal samples).
 - miles runs through its real entry point, `python -m miles.train` (Ray, embedded engines, FSDP2 actors), with
   the placement `--placement` names (default: the one that gave miles its best numbers here; see PLACEMENTS).
 - TRL runs `GRPOTrainer` (transformers `generate`, which pads) in a subprocess of its own venv, created on first
@@ -14,8 +19,16 @@ advantages, no KL), AdamW at the same constant lr, grad clip 1.0, the same micro
 Runs alternate A/B/A/B per workload. Per run: startup (launch until the first step begins), steady seconds per
 step (median of the steps after `warmup_steps`), samples/s, the reward of the last step, the mean response length,
 and the peak memory of the whole process tree (sum RSS, as asked, and sum PSS, which counts shared pages once).
-The report gives each number's median [min-max] over repeats and the ratios miles/TRL. A JSON with every run
-goes to `--out`. `--quick` shrinks every workload to a smoke check (small model, 3 steps, 1 repeat).
+The report gives each number's median [min-max] over repeats and the ratios miles/TRL, both systems' reward curves
+(mean over seeds) and each seed's reward at the last step. A JSON with every run (and its per-step rewards) goes
+to `--out`. `--quick` shrinks every workload to a smoke check (small model, 3 steps, 1 repeat).
+
+Reward after N steps is a noisy number, mostly from the seed: on the quickstart workload (40 steps), ten TRL seeds
+ended at 0.19 (seed 1), 0.52, 0.77, 0.83, 0.85, 0.93, 0.94, 0.95, 0.96, 0.98 and nine miles seeds at 0.39 (seed 8),
+0.61, 0.66, 0.70, 0.77, 0.80, 0.84, 0.91, 0.98, their mean curves within 0.06 of each other at steps 1/10/20/30/40.
+TRL's 0.19 run had collapsed onto the answer "00" for every prompt (the reward is then the share of prompts whose
+label is 0), miles' 0.39 run half-way onto the same answer. Both trainers take the same step on the same batch
+(scripts/bench/grad_vs_trl.py), so compare the curves over seeds, not one seed's last step.
 
 Run it alone: `flock /tmp/miles-heavy.lock python scripts/bench/vs_trl.py ...` on a shared machine.
 """
@@ -30,6 +43,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,10 +51,25 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
-from bench_workloads import WORKLOADS, Workload, build_model, get_workload, make_rows, write_rows  # noqa: E402
+from bench_workloads import (  # noqa: E402
+    SHARED,
+    WORKLOADS,
+    Workload,
+    build_model,
+    format_settings,
+    get_workload,
+    lr_per_step_text,
+    make_rows,
+    optimizer_text,
+    sampling_text,
+    settings_mismatches,
+    write_rows,
+)
 from benchlib import Spread, TimedRun, mib, run_timed, step_intervals, write_json_atomic  # noqa: E402
+from trl_child import EVENT  # noqa: E402
 
 TRL_VERSION = "1.16.0"
+STAMP = ".miles-bench-stamp"  # in the TRL venv, written once its install finished
 SYSTEMS = ("miles", "trl")
 # miles placements on a CPU box: (trainers, engines, colocated). "colocate2" is scripts/run-tiny-cpu.sh's.
 PLACEMENTS: dict[str, tuple[int, int, bool]] = {
@@ -63,6 +92,7 @@ class RunRecord:
     system: str
     workload: str
     repeat: int
+    seed: int  # both systems' seed in this repeat (miles: --seed and --rollout-seed)
     placement: str | None
     returncode: int
     wall_s: float
@@ -71,6 +101,7 @@ class RunRecord:
     rewards: list[float] = field(default_factory=list)  # mean reward per step
     response_lens: list[float] = field(default_factory=list)  # mean response length per step
     phases: dict[str, list[float]] = field(default_factory=dict)  # miles: timing/<phase> per step
+    settings: dict[str, str] = field(default_factory=dict)  # by bench_workloads.SETTING_ROWS, effective
     peak_rss: int = 0
     peak_pss: int = 0
     peak_procs: int = 0
@@ -150,6 +181,55 @@ def pair_ratios(miles: list[RunRecord], trl: list[RunRecord], warmup: int) -> Sp
     return Spread.of(ratios)
 
 
+def reward_curve(records: list[RunRecord]) -> list[float]:
+    """Mean reward per step over the successful runs (as long as the shortest of them)."""
+    runs = [r.rewards for r in records if r.ok and r.rewards]
+    if not runs:
+        return []
+    n = min(len(x) for x in runs)
+    return [sum(x[i] for x in runs) / len(runs) for i in range(n)]
+
+
+def curve_steps(n: int) -> list[int]:
+    """1-based steps at which the report prints a reward curve of `n` steps: the first, the quarters, the last."""
+    return sorted({1, *(max(1, round(n * q)) for q in (0.25, 0.5, 0.75)), n}) if n else []
+
+
+def reward_lines(records: list[RunRecord]) -> tuple[list[str], dict[str, object]]:
+    """The report's reward lines for one workload: both systems' mean curves at `curve_steps`, and each seed's
+    reward at the last step (one seed can land far from the others: on the quickstart workload a run now and
+    then collapses onto one answer for every prompt); and their JSON form."""
+    curves = {s: reward_curve([r for r in records if r.system == s]) for s in SYSTEMS}
+    n = min((len(c) for c in curves.values() if c), default=0)
+    steps = curve_steps(n)
+    lines = [f"   reward by step (mean over seeds), steps {'/'.join(map(str, steps))}: " + " | ".join(
+        f"{s} " + " ".join(f"{c[i - 1]:.2f}" for i in steps) for s, c in curves.items() if c
+    )]  # fmt: skip
+    by_seed = {
+        s: {r.seed: r.rewards[-1] for r in records if r.system == s and r.ok and r.rewards} for s in SYSTEMS
+    }
+    lines.append("   reward@last by seed: " + " | ".join(
+        f"{s} " + " ".join(f"s{k}:{v:.2f}" for k, v in sorted(d.items())) for s, d in by_seed.items() if d
+    ))  # fmt: skip
+    return lines, {"reward_curve": curves, "reward_at_last_by_seed": by_seed}
+
+
+def settings_lines(records: list[RunRecord]) -> tuple[list[str], dict[str, object]]:
+    """The settings table of one workload (from the first successful run of each system that reported its
+    settings) and its JSON form, with the rows where the systems differ."""
+    first = {
+        s: next((r.settings for r in records if r.system == s and r.ok and r.settings), None) for s in SYSTEMS
+    }
+    m, t = first["miles"], first["trl"]
+    if m is None or t is None:
+        return [], {"miles": m, "trl": t}
+    differ = settings_mismatches(m, t)
+    head = "   effective settings" + (
+        f" (DIFFER: {', '.join(differ)})" if differ else " (the same on both sides)"
+    )
+    return [head, *format_settings(m, t, indent="     ")], {"miles": m, "trl": t, "mismatches": differ}
+
+
 def format_report(
     workloads: list[Workload], records: list[RunRecord], placements: dict[str, str]
 ) -> tuple[str, dict]:
@@ -181,6 +261,8 @@ def format_report(
             f"   steps {w.steps} (steady: last {w.steps - w.warmup_steps}), {w.samples_per_step} samples/step, "
             f"max response {w.max_response_len}, miles placement {placements.get(w.name)}"
         )
+        s_lines, s_json = settings_lines(recs)
+        lines += s_lines
         lines.append(f"   {'':8}{'s/step':>22}{'samples/s':>22}{'startup s':>20}{'reward@last':>20}"
                      f"{'resp len':>18}{'peak RSS MiB':>22}{'peak PSS MiB':>22}  runs")  # fmt: skip
         for name, s in (("miles", m), ("trl", t)):
@@ -201,6 +283,8 @@ def format_report(
                 f"   miles/TRL response tokens/s: {tok_ratio:.2f}x ({m.response_tokens_per_s.fmt()} vs "
                 f"{t.response_tokens_per_s.fmt()}; the fair measure when the systems' response lengths differ)"
             )
+        r_lines, r_json = reward_lines(recs)
+        lines += r_lines
         out[w.name] = {
             "workload": dataclasses.asdict(w),
             "placement": placements.get(w.name),
@@ -211,6 +295,8 @@ def format_report(
             "ratio_response_tokens_per_s": tok_ratio,
             "ratio_per_pair": dataclasses.asdict(pairs),
             "ratio_peak_pss": mem_ratio,
+            "settings": s_json,
+            **r_json,
         }
     return "\n".join(lines), out
 
@@ -218,6 +304,13 @@ def format_report(
 # ------------------------------------------------------------------------------------------------ TRL venv
 def trl_python(venv: Path) -> Path:
     return venv / "bin" / "python"
+
+
+def installed_trl_venv() -> Path | None:
+    """The TRL venv that checks outside a benchmark run use: `$MILES_TRL_VENV`, else the default `--trl-venv`;
+    None unless `ensure_trl_venv` finished installing it (its stamp file is there)."""
+    venv = Path(os.environ.get("MILES_TRL_VENV", REPO / ".venv-trl"))
+    return venv if (venv / STAMP).is_file() and trl_python(venv).is_file() else None
 
 
 def ensure_trl_venv(venv: Path, version: str) -> str:
@@ -230,7 +323,7 @@ def ensure_trl_venv(venv: Path, version: str) -> str:
     import torch
     import transformers
 
-    stamp = venv / ".miles-bench-stamp"
+    stamp = venv / STAMP
     want = f"trl=={version} torch=={torch.__version__} transformers=={transformers.__version__}"
     if stamp.is_file() and stamp.read_text().strip() == want:
         return want
@@ -263,39 +356,108 @@ def base_env() -> dict[str, str]:
     return env
 
 
-def miles_command(w: Workload, model: Path, data: Path, run_dir: Path, placement: str) -> list[str]:
-    """`python -m miles.train ...` for workload `w` (same settings as trl_child.grpo_config_kwargs)."""
+def miles_command(
+    w: Workload, model: Path, data: Path, run_dir: Path, placement: str, seed: int = 1
+) -> list[str]:
+    """`python -m miles.train ...` for workload `w` (same settings as trl_child.grpo_config_kwargs); `seed` seeds
+    both the trainer (`--seed`) and the sampling (`--rollout-seed`)."""
     trainers, engines, colocate = PLACEMENTS[placement]
+    s = SHARED
     cmd = [
         sys.executable, "-m", "miles.train",
         "--hf-checkpoint", str(model), "--prompt-data", str(data),
         "--input-key", "prompt", "--label-key", "label", "--rm-type", "math",
         "--num-rollout", str(w.steps), "--rollout-batch-size", str(w.n_prompts),
         "--n-samples-per-prompt", str(w.n_samples), "--rollout-max-response-len", str(w.max_response_len),
-        "--rollout-temperature", "1.0",
+        "--rollout-temperature", str(s.temperature), "--rollout-top-p", str(s.top_p),
         "--global-batch-size", str(w.samples_per_step), "--micro-batch-size", str(w.micro_batch_size),
-        "--advantage-estimator", "grpo", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
-        "--optimizer", "adam", "--lr", str(w.lr), "--lr-decay-style", "constant", "--clip-grad", "1.0",
+        "--advantage-estimator", "grpo", "--eps-clip", str(s.eps_clip), "--eps-clip-high", str(s.eps_clip_high),
+        "--optimizer", "adam", "--lr", str(w.lr), "--lr-decay-style", "constant", "--clip-grad", str(s.clip_grad),
+        "--adam-beta1", str(s.adam_beta1), "--adam-beta2", str(s.adam_beta2), "--adam-eps", str(s.adam_eps),
+        "--weight-decay", str(s.weight_decay),
         "--actor-num-nodes", "1", "--actor-num-gpus-per-node", str(trainers),
         "--rollout-num-gpus-per-engine", "1", "--train-backend", "fsdp",
-        "--run-dir", str(run_dir), "--seed", "1", "--log-level", "WARNING",
+        "--run-dir", str(run_dir), "--seed", str(seed), "--rollout-seed", str(seed), "--log-level", "WARNING",
     ]  # fmt: skip
+    if s.skip_special_tokens:
+        cmd.append("--rollout-skip-special-tokens")
     if w.chat:
         cmd.append("--apply-chat-template")
     cmd += ["--colocate"] if colocate else ["--rollout-num-gpus", str(engines)]
     return cmd
 
 
-def run_miles(w: Workload, model: Path, data: Path, run_dir: Path, placement: str, repeat: int) -> RunRecord:
+def miles_settings(cmd: list[str], model: Path) -> dict[str, str]:
+    """miles' effective settings for `cmd` (a `miles_command`) row by row of `bench_workloads.SETTING_ROWS` (but
+    "lr logged per step", read off the run's metrics): its config parsed as `miles.train` parses it; the stop ids
+    as the engine takes them (the model config's EOS ids and the tokenizer's, plus --rollout-stop-token-ids)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from miles.config import parse_config
+
+    cfg = parse_config(cmd[3:])
+    r, t, o, al = cfg.rollout, cfg.train, cfg.optim, cfg.algo
+    assert r.rollout_batch_size is not None and t.global_batch_size is not None  # required flags
+    samples = r.rollout_batch_size * r.n_samples_per_prompt
+    eos = AutoConfig.from_pretrained(model).eos_token_id
+    stop = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    stop |= {AutoTokenizer.from_pretrained(model).eos_token_id} - {None}
+    stop |= set(r.rollout_stop_token_ids or [])
+    if al.advantage_estimator == "grpo":
+        adv = "group mean" if al.disable_grpo_std_normalization else "group mean / group std"
+    else:
+        adv = al.advantage_estimator
+    if al.normalize_advantages:
+        adv += ", whitened over the batch"
+    loss = f"PPO clip {al.eps_clip:g}/{al.eps_clip_high:g}, {al.loss_reduction}"
+    if al.eps_clip_c is not None:
+        loss += f", dual clip {al.eps_clip_c:g}"
+    if al.entropy_coef:
+        loss += f", entropy bonus {al.entropy_coef:g}"
+    kl = []
+    if al.use_kl_loss and al.kl_loss_coef:
+        kl.append(f"loss {al.kl_loss_type} x{al.kl_loss_coef:g}")
+    if al.kl_coef:
+        kl.append(f"reward x{al.kl_coef:g}")
+    optim = "AdamW" if o.optimizer == "adam" else o.optimizer
+    return {
+        "prompts x samples per rollout": f"{r.rollout_batch_size} x {r.n_samples_per_prompt}",
+        "samples per optimizer step": str(t.global_batch_size),
+        "optimizer steps per rollout": str(samples // t.global_batch_size),
+        "micro-batch (samples)": str(t.micro_batch_size),
+        "prompt format": "chat template" if cfg.data.apply_chat_template else "plain text",
+        "prompt order": "shuffled" if cfg.data.rollout_shuffle else "file order",
+        "sampling": sampling_text(r.rollout_temperature, r.rollout_top_p, r.rollout_top_k, None, None),
+        "max response tokens": str(r.rollout_max_response_len),
+        "stop token ids": str(sorted(stop)),
+        "reward text": "special tokens dropped" if r.rollout_skip_special_tokens else "special tokens kept",
+        "advantages": adv,
+        "policy loss": loss,
+        "KL": ", ".join(kl) or "off",
+        "optimizer": optimizer_text(optim, (o.adam_beta1, o.adam_beta2), o.adam_eps, o.weight_decay),
+        "grad clip": f"{o.clip_grad:g}",
+        "lr schedule": f"{o.lr:g} {o.lr_decay_style}, warmup {o.lr_warmup_iters} steps",
+        "seed": f"{cfg.seed} (sampling {r.rollout_seed})",
+    }
+
+
+def run_miles(
+    w: Workload, model: Path, data: Path, run_dir: Path, placement: str, repeat: int, seed: int
+) -> RunRecord:
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = miles_command(w, model, data, run_dir, placement)
+    cmd = miles_command(w, model, data, run_dir, placement, seed)
+    settings = miles_settings(cmd, model)
     run = run_timed(cmd, base_env(), REPO, timeout_s=1800, log_path=run_dir / "output.log")
-    rec = _record("miles", w, repeat, placement, run)
+    rec = _record("miles", w, repeat, placement, run, seed)
     ends = [t - run.launched_at for t, line in run.lines if STEP_LINE.match(line)]
     metrics = _read_metrics(run_dir / "metrics.jsonl")
     rec.step_end_s = ends
     rec.rewards = [float(m.get("rollout/raw_reward", "nan")) for m in metrics]
     rec.response_lens = [float(m.get("rollout/response_len", "nan")) for m in metrics]
+    rec.settings = {
+        **settings,
+        "lr logged per step": lr_per_step_text([float(m.get("train/lr", "nan")) for m in metrics]),
+    }
     for key in ("rollout", "train", "refit"):
         rec.phases[key] = [float(m.get(f"timing/{key}", "nan")) for m in metrics]
     if ends and metrics:
@@ -304,29 +466,39 @@ def run_miles(w: Workload, model: Path, data: Path, run_dir: Path, placement: st
     return _check_steps(rec, w, run)
 
 
-def run_trl(w: Workload, model: Path, data: Path, run_dir: Path, venv: Path, repeat: int) -> RunRecord:
+def trl_events(lines: Iterable[str]) -> list[dict]:
+    """The `BENCH_EVENT {json}` lines of a `trl_child.py` run, parsed, in order."""
+    return [json.loads(line[len(EVENT) :]) for line in lines if line.startswith(EVENT)]
+
+
+def run_trl(
+    w: Workload, model: Path, data: Path, run_dir: Path, venv: Path, repeat: int, seed: int
+) -> RunRecord:
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = json.dumps(dataclasses.asdict(w))
     cmd = [str(trl_python(venv)), str(HERE / "trl_child.py"), "--model", str(model), "--data", str(data),
-           "--spec", spec, "--out", str(run_dir / "trainer")]  # fmt: skip
+           "--spec", spec, "--out", str(run_dir / "trainer"), "--seed", str(seed)]  # fmt: skip
     run = run_timed(cmd, base_env(), REPO, timeout_s=1800, log_path=run_dir / "output.log")
-    rec = _record("trl", w, repeat, None, run)
-    events = [
-        json.loads(line[len("BENCH_EVENT ") :]) for _, line in run.lines if line.startswith("BENCH_EVENT ")
-    ]
+    rec = _record("trl", w, repeat, None, run, seed)
+    events = trl_events(line for _, line in run.lines)
     begins = [e["time"] - run.launched_at for e in events if e["event"] == "step_begin"]
     rec.step_end_s = [e["time"] - run.launched_at for e in events if e["event"] == "step_end"]
     rec.startup_s = begins[0] if begins else float("nan")
     logs = [e["logs"] for e in events if e["event"] == "log" and "reward" in e["logs"]]
     rec.rewards = [float(lg["reward"]) for lg in logs]
     rec.response_lens = [float(lg.get("completions/mean_length", "nan")) for lg in logs]
+    settings = [e["settings"] for e in events if e["event"] == "settings"]
+    lrs = [float(lg.get("learning_rate", "nan")) for lg in logs]
+    rec.settings = {**(settings[0] if settings else {}), "lr logged per step": lr_per_step_text(lrs)}
     return _check_steps(rec, w, run)
 
 
-def _record(system: str, w: Workload, repeat: int, placement: str | None, run: TimedRun) -> RunRecord:
+def _record(
+    system: str, w: Workload, repeat: int, placement: str | None, run: TimedRun, seed: int
+) -> RunRecord:
     wall = (run.lines[-1][0] - run.launched_at) if run.lines else 0.0
     return RunRecord(
-        system=system, workload=w.name, repeat=repeat, placement=placement, returncode=run.returncode,
+        system=system, workload=w.name, repeat=repeat, seed=seed, placement=placement, returncode=run.returncode,
         wall_s=wall, startup_s=float("nan"), step_end_s=[], peak_rss=run.peak_rss, peak_pss=run.peak_pss,
         peak_procs=run.peak_procs,
     )  # fmt: skip
@@ -361,6 +533,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="miles placement for every workload (default: the best measured per workload)",
     )
     p.add_argument("--steps", type=int, default=None, help="override every workload's step count")
+    p.add_argument(
+        "--seed", type=int, default=1, help="seed of repeat 0; repeat r runs both systems with seed + r"
+    )
     p.add_argument("--quick", action="store_true", help="shrunk workloads, 3 steps, 1 repeat: a smoke check")
     p.add_argument("--trl-venv", default=str(REPO / ".venv-trl"), help="venv for TRL (created on first use)")
     p.add_argument("--trl-version", default=TRL_VERSION)
@@ -378,6 +553,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--systems {a.systems!r}: a comma-separated subset of {SYSTEMS}")
     if a.repeats < 1:
         p.error(f"--repeats {a.repeats}: must be >= 1")
+    if a.seed < 0:
+        p.error(f"--seed {a.seed}: must be >= 0")
     if a.steps is not None and a.steps < 2:
         p.error(f"--steps {a.steps}: must be >= 2 (the first step is warm-up)")
     a.workload_names, a.system_names = names, systems
@@ -414,14 +591,15 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(a.repeats):
             for system in a.system_names:  # A/B/A/B
                 run_dir = work / w.name / f"{system}-{rep}"
+                seed = a.seed + rep
                 if system == "miles":
-                    rec = run_miles(w, model, data, run_dir, placements[w.name], rep)
+                    rec = run_miles(w, model, data, run_dir, placements[w.name], rep, seed)
                 else:
-                    rec = run_trl(w, model, data, run_dir, venv, rep)
+                    rec = run_trl(w, model, data, run_dir, venv, rep, seed)
                 records.append(rec)
                 steps = step_intervals(rec.step_end_s, w.warmup_steps) if rec.ok else []
                 print(
-                    f"[vs_trl] {w.name} {system} #{rep}: "
+                    f"[vs_trl] {w.name} {system} #{rep} (seed {seed}): "
                     + (f"steady {Spread.of(steps).fmt()} s/step, startup {rec.startup_s:.1f}s, "
                        f"reward {rec.rewards[-1] if rec.rewards else float('nan'):.3f}, "
                        f"peak RSS {mib(rec.peak_rss):.0f} MiB / PSS {mib(rec.peak_pss):.0f} MiB "

@@ -64,6 +64,37 @@ def test_miles_command_passes_miles_config_validation(name: str, placement: str,
     assert cfg.rollout.rollout_max_response_len == w.max_response_len and cfg.optim.lr == w.lr
     assert cfg.cluster.colocate == vs_trl.PLACEMENTS[placement][2]
     assert cfg.data.apply_chat_template == w.chat and not cfg.data.rollout_shuffle
+    assert cfg.seed == 1 and cfg.rollout.rollout_seed == 1  # the default seed, both streams
+    seeded = parse_config(
+        vs_trl.miles_command(w, tmp_path / "m", tmp_path / "d", tmp_path / "r", placement, 7)[3:]
+    )
+    assert seeded.seed == 7 and seeded.rollout.rollout_seed == 7
+
+
+def test_both_systems_get_the_shared_settings(tmp_path: Path) -> None:
+    """miles' flags and TRL's GRPOConfig arguments both carry bench_workloads.SHARED (TRL's own defaults for the
+    optimizer are not relied on: a transformers release that changed them would change the experiment)."""
+    from miles.config import parse_config
+
+    s, w = bw.SHARED, bw.get_workload("quickstart")
+    cfg = parse_config(
+        vs_trl.miles_command(w, tmp_path / "m", tmp_path / "d", tmp_path / "r", "colocate1")[3:]
+    )
+    kw = trl_child.grpo_config_kwargs(dataclasses.asdict(w), "/tmp/x", seed=1)
+    pairs = [
+        (cfg.rollout.rollout_temperature, kw["temperature"], s.temperature),
+        (cfg.rollout.rollout_top_p, kw["top_p"], s.top_p),
+        (cfg.algo.eps_clip, kw["epsilon"], s.eps_clip),
+        (cfg.algo.eps_clip_high, kw["epsilon_high"], s.eps_clip_high),
+        (cfg.optim.clip_grad, kw["max_grad_norm"], s.clip_grad),
+        (cfg.optim.adam_beta1, kw["adam_beta1"], s.adam_beta1),
+        (cfg.optim.adam_beta2, kw["adam_beta2"], s.adam_beta2),
+        (cfg.optim.adam_eps, kw["adam_epsilon"], s.adam_eps),
+        (cfg.optim.weight_decay, kw["weight_decay"], s.weight_decay),
+    ]
+    assert all(m == t == v for m, t, v in pairs), pairs
+    assert cfg.rollout.rollout_skip_special_tokens is s.skip_special_tokens is True  # TRL's decode drops them
+    assert cfg.rollout.rollout_top_k == -1 and kw["top_k"] == 0  # both spellings of "off"
 
 
 @pytest.mark.parametrize("name", sorted(bw.WORKLOADS))
@@ -74,6 +105,69 @@ def test_trl_config_matches_the_workload(name: str) -> None:
     assert kw["num_generations"] == w.n_samples and kw["max_completion_length"] == w.max_response_len
     assert kw["learning_rate"] == w.lr and kw["max_steps"] == w.steps and kw["beta"] == 0.0
     assert kw["loss_type"] == "grpo" and kw["lr_scheduler_type"] == "constant" and not kw["shuffle_dataset"]
+
+
+def test_installed_trl_venv_needs_the_finished_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MILES_TRL_VENV", str(tmp_path))
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").touch()
+    assert vs_trl.installed_trl_venv() is None  # no stamp: the install did not finish
+    (tmp_path / vs_trl.STAMP).write_text("trl==x\n")
+    assert vs_trl.installed_trl_venv() == tmp_path
+
+
+# ------------------------------------------------------------------------------------------------ settings
+def test_settings_texts_spell_off_the_same_for_both_systems() -> None:
+    off = "temperature 1, top-p off, top-k off, min-p off, repetition penalty off"
+    assert bw.sampling_text(1.0, 1.0, -1, None, None) == off  # SGLang's spelling of "no top-k"
+    assert bw.sampling_text(1.0, 1.0, 0, 0.0, 1.0) == off  # transformers'
+    assert bw.sampling_text(0.7, 0.95, 50, 0.1, 1.2) == (
+        "temperature 0.7, top-p 0.95, top-k 50, min-p 0.1, repetition penalty 1.2"
+    )
+    assert bw.lr_per_step_text([5e-3] * 40) == "0.005 at all 40 steps"
+    assert bw.lr_per_step_text([1e-3, 2e-3, 3e-3]) == "0.001 first, 0.003 last, 0.001-0.003 over 3 steps"
+    assert bw.lr_per_step_text([]) == "not logged"
+
+
+def test_settings_table_marks_differences_but_not_seeds() -> None:
+    base = {k: f"v-{k}" for k in bw.SETTING_ROWS}
+    other = {**base, "sampling": "top-k 50", "seed": "2"}
+    assert bw.settings_mismatches(base, base) == []
+    assert bw.settings_mismatches(base, other) == ["sampling"]
+    assert bw.settings_mismatches(base, {}) == [k for k in bw.SETTING_ROWS if k != "seed"]
+    lines = bw.format_settings(base, other, indent="")
+    assert len(lines) == len(bw.SETTING_ROWS)
+    by_row = dict(zip(bw.SETTING_ROWS, lines))
+    assert by_row["grad clip"].endswith("v-grad clip (both)")
+    assert by_row["sampling"].endswith("miles v-sampling | TRL top-k 50  <-- DIFFERS")
+    assert by_row["seed"].endswith("miles v-seed | TRL 2")
+
+
+def test_miles_settings_read_the_parsed_config(tmp_path: Path) -> None:
+    """miles' side of the table comes from its parsed config, so a flag that changes the experiment changes it."""
+    w = bw.get_workload("quickstart")
+    model = bw.build_model(w, tmp_path / "model")
+    cmd = vs_trl.miles_command(w, model, tmp_path / "d.jsonl", tmp_path / "run", "colocate2", seed=3)
+    got = vs_trl.miles_settings(cmd, model)
+    assert set(got) == set(bw.SETTING_ROWS) - {"lr logged per step"}  # that row comes from the run's metrics
+    assert got["prompts x samples per rollout"] == "16 x 8" and got["optimizer steps per rollout"] == "1"
+    assert got["sampling"] == "temperature 1, top-p off, top-k off, min-p off, repetition penalty off"
+    assert got["stop token ids"] == "[2]" and got["reward text"] == "special tokens dropped"
+    assert got["policy loss"] == "PPO clip 0.2/0.28, sample_mean" and got["KL"] == "off"
+    assert got["optimizer"] == "AdamW betas (0.9, 0.999) eps 1e-08 weight decay 0"
+    assert got["lr schedule"] == "0.005 constant, warmup 0 steps" and got["seed"] == "3 (sampling 3)"
+    assert got["prompt format"] == "chat template" and got["advantages"] == "group mean / group std"
+    changed = vs_trl.miles_settings(
+        cmd + ["--rollout-top-k", "50", "--loss-reduction", "token_mean", "--lr-warmup-iters", "2",
+               "--use-kl-loss", "--kl-loss-coef", "0.1", "--rollout-stop-token-ids", "5"],
+        model,
+    )  # fmt: skip
+    assert bw.settings_mismatches(got, changed) == [
+        "sampling", "stop token ids", "policy loss", "KL", "lr schedule"
+    ]  # fmt: skip
+    assert changed["stop token ids"] == "[2, 5]" and changed["KL"] == "loss k1 x0.1"
 
 
 # ------------------------------------------------------------------------------------------------ workloads
@@ -188,7 +282,8 @@ def _rec(
     lens: list[float] | None = None,
 ) -> vs_trl.RunRecord:
     return vs_trl.RunRecord(
-        system=system, workload="quickstart", repeat=repeat, placement=None, returncode=rc, wall_s=ends[-1],
+        system=system, workload="quickstart", repeat=repeat, seed=1 + repeat, placement=None, returncode=rc,
+        wall_s=ends[-1],
         startup_s=5.0 + repeat, step_end_s=ends, rewards=[0.1, reward], response_lens=lens or [2.0, 4.0],
         peak_rss=200 * 2**20, peak_pss=100 * 2**20 * (2 if system == "miles" else 1),
     )  # fmt: skip
@@ -218,6 +313,31 @@ def test_vs_trl_report_maths() -> None:
     assert summary["quickstart"]["ratio_samples_per_s_best"] == pytest.approx(64 / 128)
     assert summary["quickstart"]["ratio_peak_pss"] == pytest.approx(2.0)
     assert "miles/TRL samples/s: 0.38x" in text and "colocate2" in text
+
+
+def test_vs_trl_reward_curves_and_seeds() -> None:
+    """The reward lines: each system's mean curve over its successful runs, and each seed's last reward (a
+    collapsed seed is shown, not hidden in a median)."""
+    recs = [
+        _rec("miles", 0, [1.0, 2.0, 3.0, 4.0]),
+        _rec("trl", 0, [1.0, 2.0, 3.0, 4.0], reward=0.2),
+        _rec("miles", 1, [1.0, 2.0, 3.0, 4.0], reward=0.9),
+        _rec("trl", 1, [1.0, 2.0, 3.0, 4.0], reward=0.8),
+        _rec("trl", 2, [1.0, 2.0, 3.0, 4.0], reward=0.0, rc=1),  # failed: left out
+    ]
+    for r, rewards in zip(
+        recs, ([0.1, 0.3, 0.5], [0.0, 0.1, 0.2], [0.1, 0.5, 0.9], [0.2, 0.5, 0.8], [9, 9, 9])
+    ):
+        r.rewards = rewards
+    lines, js = vs_trl.reward_lines(recs)
+    assert js["reward_curve"]["miles"] == pytest.approx([0.1, 0.4, 0.7])
+    assert js["reward_curve"]["trl"] == pytest.approx([0.1, 0.3, 0.5])
+    assert js["reward_at_last_by_seed"] == {"miles": {1: 0.5, 2: 0.9}, "trl": {1: 0.2, 2: 0.8}}
+    assert "steps 1/2/3: miles 0.10 0.40 0.70 | trl 0.10 0.30 0.50" in lines[0]
+    assert lines[1] == "   reward@last by seed: miles s1:0.50 s2:0.90 | trl s1:0.20 s2:0.80"
+    assert vs_trl.curve_steps(40) == [1, 10, 20, 30, 40] and vs_trl.curve_steps(1) == [1]
+    assert vs_trl.curve_steps(0) == []
+    assert vs_trl.reward_curve([_rec("miles", 0, [1.0], rc=1)]) == []
 
 
 def test_vs_trl_response_token_rate() -> None:
