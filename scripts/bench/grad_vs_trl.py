@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
-from bench_workloads import Workload, build_model, get_workload, make_rows, write_rows  # noqa: E402
+from bench_workloads import SHARED, Workload, build_model, get_workload, make_rows, write_rows  # noqa: E402
 
 DEFAULT_TRL_VENV = REPO / ".venv-trl"
 
@@ -147,8 +147,8 @@ def miles_rank(rank: int, world: int, w: Workload, model_dir: Path, batch: Fixed
     samples = []
     for i, resp in enumerate(batch.responses):
         p = i // w.n_samples
-        # miles decodes with special tokens by default (--rollout-skip-special-tokens off)
-        text = tok.decode(resp, skip_special_tokens=False)
+        # as vs_trl runs miles (bench_workloads.SHARED.skip_special_tokens: --rollout-skip-special-tokens, TRL's way)
+        text = tok.decode(resp, skip_special_tokens=SHARED.skip_special_tokens)
         samples.append(
             Sample(index=i, group_index=p, prompt=batch.prompts[p], tokens=batch.prompt_ids[p] + resp,
                    response_length=len(resp), response=text, label=batch.labels[p],
