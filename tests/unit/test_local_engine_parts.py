@@ -189,6 +189,41 @@ def test_pool_runner_prompts_of_very_different_lengths_are_bucketed():
     _check_against_forward(model, done, seen)
 
 
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_identical_prompts_are_fed_once_and_copied(chunk):
+    """GRPO's n samples of a prompt: the first feeds the prompt, the others get a copy of its keys/values and its
+    logits (whole prompts, or identical first chunks when prompts are chunked); every sample still draws its own
+    tokens, and all logits equal HF's forward of each sequence."""
+    model = _tiny("qwen3")
+    runner = make_runner(model, num_slots=10, capacity=40)
+    prompts = [[3, 4, 5, 6, 7, 8], [9, 10, 11], [3, 4, 5, 6, 7, 8, 12]]  # the third starts like the first
+    reqs = [_req(f"p{i}s{j}", p, 5, temperature=1.0) for i, p in enumerate(prompts) for j in range(3)]
+    late = _req("late", prompts[0], 4, temperature=1.0)  # arrives once the others decode: fed on its own
+    fed = []
+    original = runner._pack
+
+    def spy(batch):
+        packed = original(batch)
+        fed.append((packed.ids.numel(), packed.copies))
+        return packed
+
+    runner._pack = spy
+    done, seen, batches = drive(runner, {0: reqs, 2: [late]}, slots=10, chunk=chunk)
+    assert len(done) == 10
+    prompt_tokens = [sum(len(r.token_ids) for r in b.rows if not r.is_decode) for b in batches]
+    packed_tokens = [n - b.num_decode_rows for (n, _), b in zip(fed, batches)]
+    copied = [c for _, cs in fed for c in cs]
+    if chunk is None:  # one batch: 3 distinct prompts of 6 + 3 + 7 tokens fed, the 6 other samples copied
+        assert packed_tokens[0] == 16 and prompt_tokens[0] == 48
+        assert sorted(n for _, _, n in fed[0][1]) == [3, 3, 6, 6, 7, 7]
+    else:  # 8 prompt tokens per forward: identical first chunks still go once
+        assert copied and sum(packed_tokens) < sum(prompt_tokens)
+    late_batch = next(i for i, b in enumerate(batches) if any(r.req.rid == "late" for r in b.rows))
+    assert not fed[late_batch][1]  # its twins are decoding: nothing to copy from in this forward
+    assert len({tuple(r.output_ids) for r in done.values()}) > 3  # samples of one prompt differ
+    _check_against_forward(model, done, seen)
+
+
 def test_fallback_runner_for_other_architectures():
     model = _tiny("gpt2")
     runner = make_runner(model, num_slots=3, capacity=32)

@@ -155,6 +155,26 @@ def _slot_selector(slots: list[int], device: torch.device) -> slice | torch.Tens
     return torch.tensor(slots, device=device)
 
 
+def _shared_prompts(rows: list[BatchRow]) -> tuple[list[BatchRow], list[tuple[BatchRow, BatchRow]]]:
+    """Split prompt rows into those to feed and (row, first) pairs of rows that feed, from position 0, the same
+    tokens as an earlier row `first`: their keys/values are a copy of first's (same tokens at the same positions,
+    nothing before them), and so are the logits after their last token. GRPO sends every prompt n-samples
+    times, so this feeds each distinct prompt once (what SGLang's radix cache gets from its prefix tree)."""
+    fed: list[BatchRow] = []
+    same_as: list[tuple[BatchRow, BatchRow]] = []
+    first_of: dict[tuple[int, ...], BatchRow] = {}
+    for r in rows:
+        if r.start != 0:
+            fed.append(r)
+            continue
+        first = first_of.setdefault(tuple(r.token_ids), r)
+        if first is r:
+            fed.append(r)
+        else:
+            same_as.append((r, first))
+    return fed, same_as
+
+
 def _pad_buckets(rows: list[BatchRow], slack: int = 64) -> list[list[BatchRow]]:
     """Split prompt rows into groups padded to their longest row, so that padding at most doubles a group's
     tokens (plus `slack`): one group in slot order when that already holds, else buckets of similar length."""
@@ -186,6 +206,9 @@ class _Packed:
     kv_index: torch.Tensor  # [N] row of each token's keys/values (all KV heads) in a layer's pool viewed 2-D
     groups: list[_Group]  # attention groups, in packing order
     picked: torch.Tensor | None  # packed index of each sampling row's last token; None: all tokens, in order
+    # (source slot, destination slot, tokens) to copy after the layers: prompt rows fed as a copy of an identical
+    # row's keys/values instead of their own tokens (see `_shared_prompts`)
+    copies: list[tuple[int, int, int]]
 
 
 @dataclass
@@ -314,6 +337,8 @@ class PoolRunner:
         cos, sin_signed = rope[:, :1], rope[:, 1:]  # [N, 1, D] each
         for li, refs in enumerate(self.layers):
             hidden = self._layer(li, refs, hidden, cos, sin_signed, packed)
+        for src, dst, length in packed.copies:
+            self.pool.move(src, dst, length)
         if packed.picked is not None:
             hidden = hidden.index_select(0, packed.picked)
         return self.lm_head(self.final_norm(hidden)).float()
@@ -322,7 +347,7 @@ class PoolRunner:
         """Token ids, positions and pool indices of the batch, packed as decode rows then prompt buckets."""
         dev = self.device
         decode = [r for r in batch.rows if len(r.token_ids) == 1]
-        prompts = [r for r in batch.rows if len(r.token_ids) > 1]
+        prompts, same_as = _shared_prompts([r for r in batch.rows if len(r.token_ids) > 1])
         buckets = _pad_buckets(prompts)
         ids = [r.token_ids[0] for r in decode]
         pos_of = [r.start for r in decode]
@@ -340,10 +365,14 @@ class PoolRunner:
         kernel = self.decode_attention is not None and cpu_attention.usable_now()
         groups = [self._decode_group(decode, positions[: len(decode)], kernel)] if decode else []
         groups += [self._prefill_group(b) for b in buckets]
-        # the logits wanted: last token of each sampling row, in batch order (the scheduler's order)
+        # the logits wanted: last token of each sampling row, in batch order (the scheduler's order); a shared
+        # prompt's copies take its logits
+        for r, first in same_as:
+            last[id(r)] = last[id(first)]
         picked = [last[id(r)] for r in batch.rows if r.sample]
         picked_t = None if picked == list(range(len(ids))) else torch.tensor(picked, device=dev)
-        return _Packed(ids_t, positions, kv_index, groups, picked_t)
+        copies = [(first.slot, r.slot, len(r.token_ids)) for r, first in same_as]
+        return _Packed(ids_t, positions, kv_index, groups, picked_t, copies)
 
     def _layer(
         self,
