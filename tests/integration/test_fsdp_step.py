@@ -17,12 +17,14 @@ from safetensors.torch import load_file
 
 from miles.backends.fsdp_utils.broadcast_refit import DistributedWeightUpdater
 from miles.backends.fsdp_utils.model import (
+    apply_fsdp2,
     build_fsdp_model,
     build_optimizer,
     build_reference_model,
     clip_grad_norm_sharded,
     default_defer_gradient_sync,
     load_hf_model,
+    per_layer_units,
     sync_gradients_after,
 )
 from miles.backends.fsdp_utils.offload import load_to_device, offload_to_cpu
@@ -179,6 +181,41 @@ def _deferred_sync_body(rank: int, world_size: int, path: str) -> None:
 def test_deferred_gradient_sync_reduces_once_per_step(tmp_path) -> None:
     path = save_tiny_qwen3(str(tmp_path / "tiny"), vocab_size=VOCAB)
     run_distributed(_deferred_sync_body, 2, path, init_pg=False)
+
+
+def _root_unit_body(rank: int, world_size: int, path: str) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    state = init_distributed("gloo", timeout_s=60)
+    assert not per_layer_units("cpu", cpu_offload=False, reshard_after_forward=False)
+    assert per_layer_units("cpu", cpu_offload=False, reshard_after_forward=True)
+    assert per_layer_units("cpu", cpu_offload=True, reshard_after_forward=False)
+    assert per_layer_units("cuda", cpu_offload=False, reshard_after_forward=False)
+    micro_batches = _batch(seed=11 + rank, n=4).chunk(2)  # two micro-batches per rank, different on each rank
+    after: dict[bool, dict[str, torch.Tensor]] = {}
+    for per_layer in (True, False):
+        if per_layer:  # every rank loads the same weights and keeps its shards of them
+            model = load_hf_model(path)
+            apply_fsdp2(model, state.fsdp_mesh, torch.float32, torch.float32, False, False, per_layer=True)
+        else:  # on CPU, build_fsdp_model makes the root the only unit
+            model = build_fsdp_model(path, state.fsdp_mesh, reshard_after_forward=False)
+        units = sum(isinstance(m, FSDPModule) for m in model.modules())
+        assert units == (1 + model.config.num_hidden_layers if per_layer else 1), (per_layer, units)
+        opt = build_optimizer(model.parameters(), lr=1e-2)
+        for i, tokens in enumerate(micro_batches):
+            sync_gradients_after(model, i == len(micro_batches) - 1, defer=True)
+            _token_ce_sum(model, tokens).backward()
+        clip_grad_norm_sharded(model.parameters(), 1.0)
+        opt.step()
+        after[per_layer] = _full_params(model)
+    for name, p in after[True].items():  # shards are per parameter and an all-gather is a copy: bitwise equal
+        assert torch.equal(after[False][name], p), name
+    dist.barrier()
+
+
+def test_cpu_root_only_unit_steps_like_per_layer_units(tmp_path) -> None:
+    path = save_tiny_qwen3(str(tmp_path / "tiny"), vocab_size=VOCAB)
+    run_distributed(_root_unit_body, 2, path, init_pg=False)
 
 
 def _sharded_clip_body(rank: int, world_size: int, path: str) -> None:

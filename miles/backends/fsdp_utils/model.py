@@ -104,8 +104,10 @@ def apply_fsdp2(
     reduce_dtype: torch.dtype,
     cpu_offload: bool,
     reshard_after_forward: bool = True,
+    per_layer: bool = True,
 ) -> nn.Module:
-    """Shard every decoder layer, then the root, over the 1-D ``mesh``; returns the (same) model.
+    """Shard every decoder layer, then the root, over the 1-D ``mesh`` (``per_layer=False``: the root only, one
+    unit for the whole model, see `per_layer_units`); returns the (same) model.
 
     Gradients are *averaged* over the mesh ranks by FSDP's reduce-scatter: a loss that is a sum over the global
     batch must be scaled by the mesh size on each rank. ``cpu_offload`` keeps parameters, gradients and the
@@ -125,7 +127,7 @@ def apply_fsdp2(
     pin = torch.cuda.is_available()
     offload_policy: OffloadPolicy = CPUOffloadPolicy(pin_memory=pin) if cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
-    for layer in decoder_layers(model):
+    for layer in decoder_layers(model) if per_layer else ():
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
     return model
@@ -178,7 +180,8 @@ def build_fsdp_model(
     shard_device = torch.device("cpu") if cpu_offload else torch.device(device)
     if is_src:
         model.to(shard_device)
-    apply_fsdp2(model, mesh, param_dtype, reduce_dtype, cpu_offload, reshard_after_forward)
+    per_layer = per_layer_units(device, cpu_offload, reshard_after_forward)
+    apply_fsdp2(model, mesh, param_dtype, reduce_dtype, cpu_offload, reshard_after_forward, per_layer)
     if not is_src:
         model.to_empty(device=shard_device)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=cpu_offload)
@@ -195,6 +198,20 @@ def default_reshard_after_forward(device: torch.device | str) -> bool:
     second all-gather (measured: ~0.4 s of a 15 s step of a 25M model on 2 gloo ranks, scripts/bench/train_step.py).
     The backward frees it either way; the numbers are the same (an all-gather is a copy)."""
     return torch.device(device).type != "cpu"
+
+
+def per_layer_units(device: torch.device | str, cpu_offload: bool, reshard_after_forward: bool) -> bool:
+    """Whether `apply_fsdp2` makes every decoder layer an FSDP unit of its own, or only the root. Per-layer
+    units free a layer's gathered parameters after its forward (``reshard_after_forward``), let an accelerator
+    overlap one layer's collectives with the next layer's compute, and with --fsdp-cpu-offload move one layer at
+    a time to the compute device. Computing on CPU without either there is none of that to gain: gloo's
+    collectives block (nothing overlaps), every layer stays gathered from its forward to the end of the backward,
+    so one unit holds the same memory at the peak, while each extra unit costs an all-gather, a reduce-scatter
+    and FSDP's Python hooks around every forward and backward (`scripts/bench/train_step.py --workload
+    quickstart`, 2 ranks: 0.052 -> 0.046 s per step). One unit keeps the whole unsharded gradient until the
+    backward ends, which the deferred sync of several micro-batches (`default_defer_gradient_sync`) does anyway.
+    The numbers are the same: parameters are sharded one by one either way, and an all-gather is a copy."""
+    return reshard_after_forward or cpu_offload or torch.device(device).type != "cpu"
 
 
 def default_defer_gradient_sync(device: torch.device | str, cpu_offload: bool) -> bool:
