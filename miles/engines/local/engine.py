@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
-from miles.engines.local import cpu_attention
 from miles.engines.local.control import Reply, WeightControl
 from miles.engines.local.engine_loop import EngineLoop
 from miles.engines.local.model_runner import make_runner
@@ -345,16 +344,10 @@ class LocalEngine(WeightControl):
             "architectures": getattr(self.model.config, "architectures", None),
         }
 
-    def _decode_attention(self) -> str:
-        """How decode steps attend now: the CPU kernel (its library) or matmuls."""
-        kernel = self.runner.decode_attention
-        if kernel is not None and cpu_attention.usable_now():
-            return f"cpu kernel {kernel.path.name}"
-        return "matmul"
-
     def server_info(self, host: str, port: int) -> dict[str, JSON]:
         """Body of GET /get_server_info: the startup options plus live state."""
         stats = dict(self.scheduler.stats)
+        kernel = self.runner.active_decode_kernel()  # how decode steps attend now: the CPU kernel or matmuls
         secs = stats["decode_seconds"]
         stats["decode_tokens_per_s"] = stats["decode_tokens"] / secs if secs > 0 else 0.0
         return {
@@ -372,7 +365,7 @@ class LocalEngine(WeightControl):
             "random_seed": self.config.random_seed,
             "kv_cache": "slot pool" if self.runner.uses_kv_cache else "none (full forward per step)",
             "kv_cache_bytes": self.runner.kv_allocated_bytes(),
-            "decode_attention": self._decode_attention(),
+            "decode_attention": "matmul" if kernel is None else f"cpu kernel {kernel.path.name}",
             "context_length": self.context_len,
             "chunked_prefill_size": self.config.chunked_prefill_size,
             "weight_version": self.weight_version,

@@ -288,6 +288,11 @@ class PoolRunner:
                 self.kv_heads, self.group, self.head_dim
             )
 
+    def active_decode_kernel(self) -> cpu_attention.DecodeAttention | None:
+        """The CPU decode-attention kernel when decode steps use it now (loaded, and the thread count suits it)."""
+        kernel = self.decode_attention
+        return kernel if kernel is not None and cpu_attention.usable_now() else None
+
     # ------------------------------------------------------------------ packed weights
     def drop_prepacked(self) -> None:
         """Drop the packed copies (the weights changed or are released); the next forward packs them again."""
@@ -362,7 +367,7 @@ class PoolRunner:
         ids_t, positions, slots = torch.tensor([ids, pos_of, slot_of], device=dev).unbind(0)
         # row of (position, slot) in a layer's pool viewed as [capacity * slots, kv_heads * D]
         kv_index = positions * self.pool.num_slots + slots
-        kernel = self.decode_attention is not None and cpu_attention.usable_now()
+        kernel = self.active_decode_kernel() is not None
         groups = [self._decode_group(decode, positions[: len(decode)], kernel)] if decode else []
         groups += [self._prefill_group(b) for b in buckets]
         # the logits wanted: last token of each sampling row, in batch order (the scheduler's order); a shared
@@ -482,9 +487,10 @@ class NoCacheRunner:
     """Fallback for architectures `PoolRunner` does not know: a full forward of each row's sequence."""
 
     uses_kv_cache = False
-    decode_attention: cpu_attention.DecodeAttention | None = (
-        None  # the full forward has no decode step of its own
-    )
+
+    def active_decode_kernel(self) -> None:
+        """The full forward has no decode attention of its own."""
+        return None
 
     def __init__(self, model: nn.Module):
         self.model = model
