@@ -136,6 +136,11 @@ class ModelConfig:
         choices=("eager", "sdpa", "flash_attention_2", "flash_attention_3", "miles_varlen"),
     )
     gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
+    fused_elementwise: bool = opt(
+        True,
+        "on CUDA, run RMSNorm, rotary embedding and SwiGLU of the trained models as torch.compile'd fused kernels "
+        "(same formulas; off: HF's eager modules)",
+    )
     train_dtype: str = opt(
         "auto",
         "parameter dtype for training; auto: bfloat16 on GPU, float32 on CPU (resolved by the backend)",

@@ -219,7 +219,7 @@ def test_attention_errors():
         set_varlen_backend("auto")
 
 
-def test_flash_import_error_names_gpu_extra():
+def test_flash_import_error_names_gpu_extra(monkeypatch):
     pytest.importorskip("torch")
     try:
         import flash_attn  # noqa: F401
@@ -227,10 +227,50 @@ def test_flash_import_error_names_gpu_extra():
         pytest.skip("flash-attn is installed")
     except ImportError:
         pass
-    from miles.backends.fsdp_utils.attention import _import_flash_varlen
+    from miles.backends.fsdp_utils import attention
 
+    monkeypatch.setattr(attention, "torch_varlen_func", lambda: None)  # a torch without its own varlen kernel
     with pytest.raises(ImportError, match=r"miles\[gpu\]"):
-        _import_flash_varlen()
+        attention._import_flash_varlen()
+
+
+@pytest.mark.parametrize("style", ["window_size", "is_causal"])
+def test_torch_varlen_adapter_passes_what_the_installed_signature_takes(monkeypatch, style):
+    """Without flash-attn the CUDA varlen path calls torch.nn.attention.varlen.varlen_attn through an adapter with
+    flash-attn's call shape; torch releases spell causality differently (window_size=(-1, 0) or is_causal)."""
+    import sys
+    import types
+
+    from miles.backends.fsdp_utils import attention
+
+    calls = []
+    if style == "window_size":
+
+        def varlen_attn(
+            q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+        ):
+            calls.append({"scale": scale, "window_size": window_size, "enable_gqa": enable_gqa})
+            return q
+    else:
+
+        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False, scale=None):
+            calls.append({"scale": scale, "is_causal": is_causal})
+            return q
+
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import flash_attn raises ImportError
+    monkeypatch.setitem(
+        sys.modules, "torch.nn.attention.varlen", types.SimpleNamespace(varlen_attn=varlen_attn)
+    )
+    fn = attention._import_flash_varlen()
+    q, kv = torch.zeros(6, 4, 8), torch.zeros(6, 2, 8)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    assert fn(q, kv, kv, cu, cu, 4, 4, dropout_p=0.0, softmax_scale=0.5, causal=True) is q
+    if style == "window_size":
+        assert calls == [{"scale": 0.5, "window_size": (-1, 0), "enable_gqa": True}]
+    else:
+        assert calls == [{"scale": 0.5, "is_causal": True}]
+    with pytest.raises(ValueError, match="dropout"):
+        fn(q, kv, kv, cu, cu, 4, 4, dropout_p=0.1, causal=True)
 
 
 def test_forward_packed_rejects_empty_pack():

@@ -88,6 +88,8 @@ class FSDPTrainer(TrainBackend):
         self.ref_is_base = with_ref and self.lora
         if with_ref and not self.lora:
             self.ref_model = _build_reference(cfg, ps.fsdp_mesh, model_kwargs)
+        if ps.is_cuda and cfg.model.fused_elementwise:
+            fuse_models_elementwise([self.model, self.ref_model], ps.device, self.param_dtype)
         o = cfg.optim
         self.optimizer = build_optimizer(
             self.model.parameters(),
@@ -500,6 +502,24 @@ def _select_attention_kernel(attn_implementation: str, is_cuda: bool) -> None:
         set_varlen_backend("auto")
     else:
         set_varlen_backend("sdpa")
+
+
+def fuse_models_elementwise(
+    models: list[torch.nn.Module | None], device: torch.device, dtype: torch.dtype
+) -> None:
+    """--fused-elementwise on CUDA: compiled RMSNorm/rotary/SwiGLU in `models` (see fused_ops), or a warning
+    naming why not when torch.compile cannot run here (the eager modules stay)."""
+    from miles.backends.fsdp_utils.fused_ops import compile_works, fuse_elementwise_ops
+
+    why = compile_works(device, dtype)
+    if why is not None:
+        logger.warning(
+            "--fused-elementwise: torch.compile does not work here (%s); training uses eager ops", why
+        )
+        return
+    for model in models:
+        if model is not None:
+            fuse_elementwise_ops(model)
 
 
 def _param_dtype(train_dtype: str, is_cuda: bool) -> torch.dtype:

@@ -67,14 +67,55 @@ def use_flash_kernel(query: torch.Tensor) -> bool:
 
 
 def _import_flash_varlen() -> Callable[..., torch.Tensor]:
+    """flash-attn's `flash_attn_varlen_func`, else the same call over torch's own flash varlen kernel
+    (`torch.nn.attention.varlen.varlen_attn`, CUDA builds of torch >= 2.9), else ImportError naming the extra."""
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError as e:
+        torch_varlen = torch_varlen_func()
+        if torch_varlen is not None:
+            return torch_varlen
         raise ImportError(
             "miles_varlen attention on CUDA uses flash-attn, which is not importable "
-            f"({e}); install the GPU extra: pip install 'miles[gpu]' (or set MILES_VARLEN_BACKEND=sdpa)"
+            f"({e}), and this torch has no torch.nn.attention.varlen; install the GPU extra: "
+            "pip install 'miles[gpu]' (or set MILES_VARLEN_BACKEND=sdpa)"
         ) from e
     return flash_attn_varlen_func
+
+
+def torch_varlen_func() -> Callable[..., torch.Tensor] | None:
+    """torch's built-in flash-attention varlen kernel behind flash-attn's `flash_attn_varlen_func` call
+    (q/k/v [T, H, D], cu_seqlens, max lengths, `dropout_p`, `softmax_scale`, `causal`), or None when this torch
+    has none. Its signature changed between releases (`is_causal` vs `window_size`, `scale`, `enable_gqa`): the
+    adapter passes what the installed one takes. GQA (fewer K/V heads) is native to the kernel."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    import inspect
+
+    params = inspect.signature(varlen_attn).parameters
+
+    def call(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False):
+        if dropout_p:
+            raise ValueError(
+                "torch's varlen attention has no dropout; use flash-attn or MILES_VARLEN_BACKEND=sdpa"
+            )
+        kwargs: dict[str, Any] = {}
+        if causal:
+            if "is_causal" in params:
+                kwargs["is_causal"] = True
+            else:
+                kwargs["window_size"] = (-1, 0)
+        if softmax_scale is not None:
+            if "scale" not in params:
+                raise ValueError("this torch's varlen_attn takes no scale; use flash-attn")
+            kwargs["scale"] = softmax_scale
+        if "enable_gqa" in params and q.shape[1] != k.shape[1]:
+            kwargs["enable_gqa"] = True
+        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+    return call
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ from miles.backends.fsdp_utils.actor import (
     _select_attention_kernel,
     _set_cpu_threads,
     clipped_optimizer_step,
+    fuse_models_elementwise,
 )
 from miles.utils.types import JSON, Sample
 
@@ -90,6 +91,8 @@ class FSDPCritic(FSDPTrainer):
             load_model_weights(init_dcp, self.model)
             logger.info("critic: weights of %s", init_dcp)
         self.model.train()
+        if ps.is_cuda and cfg.model.fused_elementwise:
+            fuse_models_elementwise([self.model], ps.device, self.param_dtype)
         self.defer_grad_sync = default_defer_gradient_sync(ps.device, cfg.train.fsdp_cpu_offload)
         self.ref_model = None
         o, c = cfg.optim, cfg.critic

@@ -46,6 +46,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--workdir", default=None, help="where the models are written (default: a temp dir, removed)"
     )
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument(
+        "--eager", action="store_true", help="train with HF's eager elementwise ops (--no-fused-elementwise)"
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="torch-profile the timed train step: top ops printed, table written here",
+    )
     args = p.parse_args(argv)
     gpu = args.device == "cuda"
     args.preset = args.preset or ("0.6b" if gpu else "tiny")
@@ -81,7 +89,10 @@ def _environment(device) -> str:
     import torch
     import transformers
 
+    from miles.backends.fsdp_utils.attention import torch_varlen_func
+
     parts = [f"torch {torch.__version__}", f"transformers {transformers.__version__}"]
+    parts.append("torch varlen attention" + ("" if torch_varlen_func() else ": absent"))
     for mod in ("triton", "flash_attn"):
         spec = importlib.util.find_spec(mod)
         parts.append(f"{mod} {_version(mod)}" if spec else f"{mod}: not installed")
@@ -91,6 +102,13 @@ def _environment(device) -> str:
         else "CPU"
     )
     return f"{where}; " + ", ".join(parts)
+
+
+def _varlen_kernel_at_hand() -> bool:
+    """A CUDA varlen kernel the trainer can use: flash-attn, else torch's own (torch.nn.attention.varlen)."""
+    from miles.backends.fsdp_utils.attention import torch_varlen_func
+
+    return importlib.util.find_spec("flash_attn") is not None or torch_varlen_func() is not None
 
 
 def _version(mod: str) -> str:
@@ -108,12 +126,13 @@ def _settings(args: argparse.Namespace, workdir: Path):
 
     device = torch.device(args.device)
     dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    flash = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+    flash = device.type == "cuda" and _varlen_kernel_at_hand()
     return Settings(
         device=device, dtype=getattr(torch, dtype_name), preset_name=args.preset, preset=PRESETS[args.preset],
         workdir=workdir, num_seqs=args.num_seqs, seq_len=args.seq_len, max_tokens_per_mb=args.max_tokens_per_mb,
         gen_prompts=args.gen_prompts, gen_tokens=args.gen_tokens, bucket_bytes=args.bucket_mb * 1024**2,
-        peak_tflops=args.peak_tflops, flash=flash,
+        peak_tflops=args.peak_tflops, flash=flash, profile=Path(args.profile) if args.profile else None,
+        fused=not args.eager,
     )  # fmt: skip
 
 

@@ -22,6 +22,9 @@ class Tolerances:
     engine's SDPA round differently and 28 layers accumulate more, so the bounds leave about 10x room. A wrong
     weight, position or temperature moves log-probs by O(0.1 - 1) on average: the generation check also requires
     the engine's log-probs before the refit (another seed's weights) to differ by at least `POWER` x `gen_mean`.
+    Measured on an H200 with the 1.7b preset (28 layers, torch varlen attention, 2026-11): packed vs per-sequence
+    mean 0.025 / max 0.14, engine vs trainer mean 0.033 / max 0.14 (before the refit: mean 1.64), so the CUDA bf16
+    mean bound is 0.06.
     """
 
     varlen_max: float  # packed varlen forward vs per-sequence forwards, max over tokens
@@ -34,7 +37,7 @@ TOLERANCES: dict[tuple[str, torch.dtype], Tolerances] = {
     ("cpu", torch.float32): Tolerances(1e-5, 1e-5, 1e-5),
     ("cuda", torch.float32): Tolerances(1e-4, 1e-4, 1e-3),
     ("cpu", torch.bfloat16): Tolerances(0.25, 0.03, 0.5),
-    ("cuda", torch.bfloat16): Tolerances(0.25, 0.03, 0.5),
+    ("cuda", torch.bfloat16): Tolerances(0.25, 0.06, 0.5),
 }
 
 
@@ -56,7 +59,9 @@ class Settings:
     temperature: float = 0.8
     seed: int = 0
     peak_tflops: float | None = None  # None: miles.utils.perf's table for the GPU
-    flash: bool = False  # flash-attn importable: the trainer's varlen kernel
+    flash: bool = False  # a CUDA varlen kernel (flash-attn, else torch's): the trainer's packed attention
+    fused: bool = True  # --fused-elementwise (compiled RMSNorm/rotary/SwiGLU on CUDA)
+    profile: Path | None = None  # torch-profile the timed train step, write the op table here
 
     @property
     def tolerances(self) -> Tolerances:

@@ -3,6 +3,7 @@ forwards. The trainer is miles's own `FSDPTrainer` in one process (world size 1,
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import time
@@ -27,7 +28,8 @@ def start_trainer(s: Settings, model_dir: str) -> FSDPTrainer:
         os.environ[key] = value
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    attn = "flash_attention_2" if s.flash else "sdpa"
+    # miles_varlen: flash-attn's varlen kernel, else torch's (s.flash says one is there), SDPA on CPU
+    attn = "miles_varlen" if s.flash else "sdpa"
     pairs = s.num_seqs // 2
     cfg = parse_config([
         "--hf-checkpoint", model_dir, "--prompt-data", "unused.jsonl", "--num-rollout", "2",
@@ -35,7 +37,7 @@ def start_trainer(s: Settings, model_dir: str) -> FSDPTrainer:
         "--actor-num-gpus-per-node", "1", "--colocate", "--train-dtype", s.dtype_name, "--attn-implementation", attn,
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(s.max_tokens_per_mb),
         "--rollout-temperature", str(s.temperature), "--lr", "1e-5", "--seed", str(s.seed),
-        "--run-dir", str(s.workdir / "run"),
+        "--run-dir", str(s.workdir / "run"), *([] if s.fused else ["--no-fused-elementwise"]),
     ])  # fmt: skip
     trainer = FSDPTrainer(cfg, 0, 1)
     trainer.init("actor", with_ref=False)
@@ -58,6 +60,8 @@ def check_train_step(trainer: FSDPTrainer, s: Settings) -> CheckResult:
     metrics = trainer.train(1, samples)
     sync(s.device)
     seconds = time.perf_counter() - t0
+    if s.profile is not None:
+        profile_step(trainer, samples, s)
     loss, grad_norm = float(metrics["train/loss"]), float(metrics["train/grad_norm"])
     # forward-equivalents the trainer ran (forward + backward = 3, plus the no-grad passes it did not skip)
     flops = perf.model_forward_flops(trainer.model, seq_lens) * metrics["perf/forward_passes"]
@@ -90,6 +94,30 @@ def check_train_step(trainer: FSDPTrainer, s: Settings) -> CheckResult:
     return CheckResult("train step", passed, summary, numbers)
 
 
+def profile_step(trainer: FSDPTrainer, samples: list, s: Settings, rows: int = 30) -> None:
+    """One more train call under torch.profiler (after the timed one, so the numbers above are unprofiled): the
+    top `rows` ops by self device time (CPU time on CPU) printed and the full table written to `s.profile`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        trainer.train(2, samples)
+        sync(s.device)
+    averages = prof.key_averages()
+    key = "self_cpu_time_total"
+    if s.device.type == "cuda":
+        key = (
+            "self_device_time_total"
+            if hasattr(averages[0], "self_device_time_total")
+            else "self_cuda_time_total"
+        )
+    table = averages.table(sort_by=key, row_limit=rows)
+    print(table, flush=True)
+    assert s.profile is not None
+    s.profile.parent.mkdir(parents=True, exist_ok=True)
+    s.profile.write_text(averages.table(sort_by=key, row_limit=200))
+
+
 @torch.no_grad()
 def check_varlen(trainer: FSDPTrainer, s: Settings) -> CheckResult:
     """The trainer's packed forward (`miles_varlen` attention, the kernel training uses) over several sequences
@@ -108,7 +136,9 @@ def check_varlen(trainer: FSDPTrainer, s: Settings) -> CheckResult:
     (packed,) = pack_sequences(rows, num_packs=1)
     packed_lp, _ = forward_packed(model, packed, 1.0)
     probe = torch.empty(1, device=s.device)
-    kernel = "flash-attn varlen" if use_flash_kernel(probe) else "per-sequence SDPA"
+    kernel = "per-sequence SDPA"
+    if use_flash_kernel(probe):
+        kernel = "flash-attn varlen" if importlib.util.find_spec("flash_attn") else "torch varlen"
     model.set_attn_implementation("sdpa")  # forward_packed switches it back
     worst, total, count = 0.0, 0.0, 0
     for lp, index in zip(packed_lp, packed.sample_indices.tolist()):
