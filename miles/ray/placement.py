@@ -126,10 +126,11 @@ def engine_gpu_plan(
                 f"the GPUs per node (and, disaggregated, the training GPUs)"
             )
         for b, loc in zip(bundles, where, strict=True):
-            other = owner.setdefault((loc.node_id, loc.gpu_id), e)
-            if other != e:
+            other = owner.get((loc.node_id, loc.gpu_id))
+            owner[(loc.node_id, loc.gpu_id)] = e
+            if other is not None:
                 raise PlacementError(
-                    f"engine {e} (bundle {b}) and engine {other} both got {loc}: two engines on one GPU"
+                    f"engine {e} (bundle {b}) and engine {other} both got {loc}: one GPU given twice"
                 )
         if colocate and actor_bundles:  # (a rollout-only run has no training ranks)
             ranks = range(e * gpus_per_engine, (e + 1) * gpus_per_engine)
@@ -304,7 +305,8 @@ def probe_bundles(pg: PlacementGroup, num_bundles: int, timeout_s: float) -> lis
 
     from miles.ray.utils import ray_get
 
-    task = ray.remote(_where_am_i)
+    # it touches no GPU: one worker may answer several probes (Ray's default for a GPU task is one call a worker)
+    task = ray.remote(max_calls=0)(_where_am_i)
     refs = [
         task.options(
             num_cpus=0,

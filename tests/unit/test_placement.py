@@ -143,6 +143,9 @@ def test_two_engines_on_one_gpu_are_refused():
     locs = [BundleLocation(*NODE_A, "0"), BundleLocation(*NODE_A, "1"), BundleLocation(*NODE_A, "1")]
     with pytest.raises(PlacementError, match=r"engine 2 \(bundle 2\) and engine 1 both got 10.0.0.9 GPU 1"):
         engine_gpu_plan(locs, [0, 1, 2], [], 1, colocate=False)
+    # within one engine too: two TP ranks on one GPU
+    with pytest.raises(PlacementError, match=r"engine 0 \(bundle 2\) and engine 0 both got 10.0.0.9 GPU 1"):
+        engine_gpu_plan(locs, [1, 2], [], 2, colocate=False)
 
 
 def test_colocated_engine_on_other_gpus_than_its_training_ranks_is_refused():
