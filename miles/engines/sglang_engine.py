@@ -16,13 +16,16 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from miles.engines.managed_server import EngineStartupError, ManagedServer
 from miles.engines.sglang_launch import ADMIN_API_KEY_ENV, API_KEY_ENV
 from miles.utils.engine_http import EngineStatusError, engine_headers, health_problem, request
 from miles.utils.net import free_port, node_ip
 from miles.utils.types import JSON
+
+if TYPE_CHECKING:
+    from miles.ray.placement import EngineGPUs
 
 # server flags by name (`mem_fraction_static` or `mem-fraction-static`): a string, a number, or a bool switch
 FlagValues = Mapping[str, object]
@@ -268,7 +271,8 @@ class EngineProcess(EngineCalls, ManagedServer):
         self.shutdown()
 
 
-# A GPU engine with tp_size > 1 spans several bundles' GPUs, so its actor must not be confined to one device.
+# A GPU engine with tp_size > 1 spans several bundles' GPUs, so its actor must not be confined to one device: the
+# server gets CUDA_VISIBLE_DEVICES set to the engine's planned GPUs (`miles.ray.placement.check_engine_gpus`).
 ENGINE_ACTOR_RUNTIME_ENV = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
 
 
@@ -309,18 +313,37 @@ def make_engine_actor_class() -> Any:  # a Ray actor class (ray.remote output): 
     import ray
 
     class RolloutEngineActor(EngineActorMethods):
-        """Ray actor holding one engine server process; methods mirror `EngineProcess`."""
+        """Ray actor holding one engine server process; methods mirror `EngineProcess`. `gpus` is the engine's
+        planned GPUs (`miles.ray.placement.EngineGPUs`; None without GPUs), checked before the server starts."""
 
-        def __init__(self, **engine_kwargs: Any):  # EngineProcess's keyword arguments, checked there
+        def __init__(self, gpus: EngineGPUs | None = None, **engine_kwargs: Any):  # EngineProcess's arguments
+            self.gpus = gpus
             self.engine = EngineProcess(**engine_kwargs)
 
+        def placed_gpus(self) -> list[str]:
+            """Check that this engine runs on its planned GPUs and set the server up for them (CUDA_VISIBLE_DEVICES
+            and, for SGLang, base_gpu_id 0: SGLang's base_gpu_id indexes the devices the server sees); returns
+            the GPUs (Ray's ids) the server's TP ranks will use. PlacementError on a mismatch."""
+            if self.gpus is None:
+                return []
+            from miles.ray.placement import check_engine_gpus
+
+            args = self.engine.sglang_args
+            if self.engine.kind == "sglang" and "base-gpu-id" not in args:
+                args.setdefault("base_gpu_id", "0")  # the first of the devices the server sees
+            env, launched = check_engine_gpus(
+                self.gpus,
+                self.engine.kind,
+                self.engine.sglang_args,
+                ray.get_gpu_ids(),
+                ray.get_runtime_context().get_node_id(),
+                os.environ.get("CUDA_VISIBLE_DEVICES"),
+            )
+            self.engine.env.update(env)
+            return launched
+
         def launch(self) -> str:
-            gpu_ids = ray.get_gpu_ids()
-            if self.engine.kind == "sglang" and gpu_ids:
-                # The actor is started with RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES (see
-                # ENGINE_ACTOR_RUNTIME_ENV), so the server sees every GPU of the node and its tp_size GPUs
-                # start at the one Ray assigned to this actor's bundle.
-                self.engine.sglang_args.setdefault("base_gpu_id", str(int(min(float(g) for g in gpu_ids))))
+            self.placed_gpus()
             return self.engine.launch().url
 
     return ray.remote(RolloutEngineActor)

@@ -8,6 +8,7 @@ running one of `--sglang-router-ip/--sglang-router-port`). Memory release/resume
 Generation does not go through it either: the rollout runner's engine client sends requests to the engines
 directly, reading the router's worker list to learn which engines are admitted, or through the router (see
 `miles.engines.router.generation_via_router`).
+Engines get their GPUs from the placement's sorted bundle order (`Placement.engine_gpus`); each checks them at start.
 With `--use-fault-tolerance` it runs a `HealthMonitor` while rollouts run (see `miles.ray.engine_health`); an
 external engine that fails its health check is taken out of the router and fails the run, named as external.
 """
@@ -112,6 +113,11 @@ class EngineFleet:
         per_engine = int(cfg.cluster.rollout_num_gpus_per_engine)
         num_engines = max(1, num_rollout_workers // per_engine)
         actor_cls = make_engine_actor_class()
+        # each engine's GPUs by sorted (node, GPU id), checked here (one node per engine, no GPU shared, colocated:
+        # the GPUs of its training ranks) and again by the engine at start against what Ray gave it
+        plan = placement.engine_gpus(per_engine)
+        for gpus in plan or []:
+            logger.info("%s: GPUs %s", gpus.describe(), list(gpus.gpu_ids))
         local_args = {
             "max-running-requests": cfg.engine.engine_max_running_requests,
             "request-timeout": self.timeout,
@@ -129,6 +135,7 @@ class EngineFleet:
                     **placement.engine_options(i, per_engine),
                     **({"runtime_env": ENGINE_ACTOR_RUNTIME_ENV} if kind == "sglang" else {}),
                 ).remote(
+                    gpus=plan[i] if plan is not None else None,
                     model_path=cfg.model.hf_checkpoint,
                     kind=kind,
                     host=cfg.engine.engine_host,
