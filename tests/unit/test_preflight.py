@@ -69,13 +69,13 @@ def test_tracker_file_name_matches_the_checkpoint_module():
 def test_load_dir_rules(tmp_path, caplog):
     fresh = str(tmp_path / "new")
     with caplog.at_level("WARNING", logger="miles.config.preflight"):
-        assert load_dir_problems(fresh, fresh) == []
-    assert "does not exist yet; it is also --save: starting fresh" in caplog.text
+        assert load_dir_problems(fresh, fresh, "/m") == []
+    assert "does not exist yet; it is also --save: the run starts from the --hf-checkpoint weights" in caplog.text
     (tmp_path / "ckpt").mkdir()
     (problem,) = load_dir_problems(str(tmp_path / "ckpy"), None)
     assert "does not exist" in problem and "did you mean" in problem and "ckpt" in problem
-    (problem,) = load_dir_problems(str(tmp_path / "ckpt"), str(tmp_path / "other"))
-    assert f"holds no {TRACKER_FILE}" in problem
+    (problem,) = load_dir_problems(str(tmp_path / "nowhere"), str(tmp_path / "other"))
+    assert problem.startswith(f"--load={str(tmp_path / 'nowhere')!r}: directory does not exist"), problem
     assert load_dir_problems(str(tmp_path / "ckpt"), str(tmp_path / "ckpt")) == []
     (tmp_path / "ckpt" / TRACKER_FILE).write_text("3\n")
     (problem,) = load_dir_problems(str(tmp_path / "ckpt"), None)
@@ -86,6 +86,26 @@ def test_load_dir_rules(tmp_path, caplog):
     assert load_dir_problems(str(tmp_path / "ckpt"), None) == []
     (problem,) = load_dir_problems(str(tmp_path / "ckpt" / "iter_0000003"), None)
     assert "pass" in problem and repr(str(tmp_path / "ckpt")) in problem
+    (tmp_path / "ckpt" / TRACKER_FILE).unlink()  # checkpoints whose tracker is gone: not a fresh start
+    (problem,) = load_dir_problems(str(tmp_path / "ckpt"), None)
+    assert "holds checkpoints (iter_0000003)" in problem and TRACKER_FILE in problem
+    (tmp_path / "file").write_text("x")
+    (problem,) = load_dir_problems(str(tmp_path / "file"), None)
+    assert "is a file" in problem
+
+
+def test_load_of_a_directory_without_checkpoint_starts_from_hf(tmp_path, caplog):
+    """The reference's `--load /root/Qwen3-4B` (the HF directory, no --save): the run starts from the HF weights
+    and one log line says so; the same directory with a checkpoint in it resumes."""
+    hf = tmp_path / "Qwen3-4B"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    with caplog.at_level("INFO", logger="miles.config.preflight"):
+        assert load_dir_problems(str(hf), None, str(hf)) == []
+        assert load_dir_problems(str(hf), str(tmp_path / "elsewhere"), str(hf)) == []
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [f"--load={str(hf)!r} holds no checkpoint (no {TRACKER_FILE}): the run starts from the "
+                     f"--hf-checkpoint weights ({str(hf)!r})"] * 2  # fmt: skip
 
 
 def test_safetensors_checks(tmp_path):
