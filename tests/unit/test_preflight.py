@@ -60,6 +60,46 @@ def test_public_engine_host_needs_a_key(host):
     assert parse_config(BASE + ["--engine-host", host, "--engine-api-key", "k"]).engine.engine_host == host
 
 
+def test_multi_node_run_refuses_a_loopback_engine_host():
+    two_nodes = ["--actor-num-nodes", "2", "--actor-num-gpus-per-node", "2", "--rollout-batch-size", "4"]
+    (problem,) = _violations(two_nodes)  # the default --engine-host 127.0.0.1
+    assert problem.startswith(
+        "--engine-host='127.0.0.1' [default]: is a loopback address, but --actor-num-nodes=2"
+    )
+    assert "--engine-host 0.0.0.0" in problem and "--engine-api-key" in problem
+    (problem,) = _violations(two_nodes + ["--engine-host", "localhost"])
+    assert problem.startswith("--engine-host='localhost': is a loopback address")
+    cfg = parse_config(BASE + two_nodes + ["--engine-host", "0.0.0.0", "--engine-api-key", "k"])
+    assert cfg.cluster.actor_num_nodes == 2 and cfg.engine.engine_host == "0.0.0.0"
+    assert parse_config(BASE).engine.engine_host == "127.0.0.1"  # one node: loopback is right
+
+
+def test_engines_placed_on_several_machines_refuse_a_loopback_engine_host(monkeypatch):
+    """Ray may put engines on another machine than the trainers with --actor-num-nodes 1; start-up refuses a
+    loopback --engine-host then (simulated nodes of one machine share its address and pass)."""
+    import ray
+
+    from miles.config.validate import loopback_engine_host_problem
+    from miles.ray import setup
+
+    assert loopback_engine_host_problem("127.0.0.1", {"10.0.0.1"}) is None
+    assert loopback_engine_host_problem("0.0.0.0", {"10.0.0.1", "10.0.0.2"}) is None
+    problem = loopback_engine_host_problem("127.0.0.1", {"10.0.0.2", "10.0.0.1"})
+    assert problem is not None and "on 2 machines (10.0.0.1, 10.0.0.2)" in problem and "0.0.0.0" in problem
+
+    nodes = [{"NodeID": "a", "NodeManagerAddress": "10.0.0.1"}, {"NodeID": "b", "NodeManagerAddress": "10.0.0.2"},
+             {"NodeID": "c", "NodeManagerAddress": "10.0.0.1"}]  # fmt: skip
+    table = {"bundles_to_node_id": {0: "a", 1: "c"}}
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    monkeypatch.setattr(ray.util, "placement_group_table", lambda pg: table)
+    placement = setup.Placement(None, True, [0], [1], colocate=False)  # type: ignore[arg-type]
+    setup.check_engine_host_reachable("127.0.0.1", placement)  # two nodes, one machine
+    table["bundles_to_node_id"][1] = "b"
+    with pytest.raises(ValueError, match=r"--engine-host='127.0.0.1' is a loopback address.*2 machines"):
+        setup.check_engine_host_reachable("127.0.0.1", placement)
+    setup.check_engine_host_reachable("0.0.0.0", placement)
+
+
 def test_tracker_file_name_matches_the_checkpoint_module():
     from miles.backends.fsdp_utils import checkpoint
 
@@ -70,7 +110,10 @@ def test_load_dir_rules(tmp_path, caplog):
     fresh = str(tmp_path / "new")
     with caplog.at_level("WARNING", logger="miles.config.preflight"):
         assert load_dir_problems(fresh, fresh, "/m") == []
-    assert "does not exist yet; it is also --save: the run starts from the --hf-checkpoint weights" in caplog.text
+    assert (
+        "does not exist yet; it is also --save: the run starts from the --hf-checkpoint weights"
+        in caplog.text
+    )
     (tmp_path / "ckpt").mkdir()
     (problem,) = load_dir_problems(str(tmp_path / "ckpy"), None)
     assert "does not exist" in problem and "did you mean" in problem and "ckpt" in problem
