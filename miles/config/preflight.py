@@ -139,6 +139,8 @@ def load_dir_problems(load: str | None, save: str | None, hf_checkpoint: str | N
         return [f"--load={load!r}: is a file, not a checkpoint directory"]
     start = f"the run starts from the --hf-checkpoint weights ({hf_checkpoint!r})"
     if not root.exists():
+        if hf_checkpoint is not None and os.path.abspath(load) == os.path.abspath(hf_checkpoint):
+            return []  # the --hf-checkpoint check names the missing directory
         if save is not None and os.path.abspath(load) == os.path.abspath(save):
             logger.warning("--load=%r does not exist yet; it is also --save: %s", load, start)
             return []

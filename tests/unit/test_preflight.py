@@ -132,6 +132,9 @@ def test_load_dir_rules(tmp_path, caplog):
     (tmp_path / "ckpt" / TRACKER_FILE).unlink()  # checkpoints whose tracker is gone: not a fresh start
     (problem,) = load_dir_problems(str(tmp_path / "ckpt"), None)
     assert "holds checkpoints (iter_0000003)" in problem and TRACKER_FILE in problem
+    assert (
+        load_dir_problems(str(tmp_path / "gone"), None, str(tmp_path / "gone")) == []
+    )  # named by --hf-checkpoint
     (tmp_path / "file").write_text("x")
     (problem,) = load_dir_problems(str(tmp_path / "file"), None)
     assert "is a file" in problem
