@@ -51,6 +51,7 @@ def test_batch_rules_match_reference(
         "--actor-num-nodes", str(nodes), "--actor-num-gpus-per-node", str(gpus),
         "--context-parallel-size", str(cp), "--micro-batch-size", str(mbs), "--max-tokens-per-gpu", "512",
         "--use-dynamic-batch-size" if dynamic else "--no-use-dynamic-batch-size",
+        "--engine-host", "0.0.0.0", "--engine-api-key", "k",  # reachable from other nodes when nodes > 1
     ]  # fmt: skip
     expected = _reference_ok(rbs, n, gbs, nodes * gpus, cp, mbs, dynamic)
     try:
@@ -149,7 +150,7 @@ def test_update_weight_transfer_mode_rules() -> None:
     base = ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--num-rollout", "1", "--rollout-batch-size", "2",
             "--global-batch-size", "2"]  # fmt: skip
     assert parse_config([*base, "--colocate"]).train.update_weight_transfer_mode == "auto"
-    disagg = [*base, "--rollout-num-gpus", "1"]
+    disagg = [*base, "--rollout-num-gpus", "1", "--engine-host", "0.0.0.0", "--engine-api-key", "k"]
     assert parse_config(
         [*disagg, "--update-weight-transfer-mode", "broadcast"]
     ).train.update_weight_transfer_mode == ("broadcast")
