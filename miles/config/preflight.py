@@ -219,7 +219,9 @@ def run_preflight(cfg: Config) -> None:
 
 def _has_checkpoint(load: str | None) -> bool:
     """Whether `--load` names a checkpoint to resume from (a tracker file), not a directory to start fresh from."""
-    return bool(load) and (Path(load) / TRACKER_FILE).is_file()
+    if not load:
+        return False
+    return (Path(load) / TRACKER_FILE).is_file()
 
 
 def _debug_data_problems(path: str | None, num_rollout: int | None, resuming: bool) -> list[str]:
