@@ -171,3 +171,19 @@ def test_safetensors_checks(tmp_path):
     assert "shorter than the 8-byte" in safetensors_problem(tmp_path / "tiny.safetensors")
     (tmp_path / "junk.safetensors").write_bytes(struct.pack("<Q", 4) + b"{{{{")
     assert "corrupt safetensors header" in safetensors_problem(tmp_path / "junk.safetensors")
+
+
+def test_replay_data_is_checked_in_full_unless_load_resumes_a_checkpoint(tmp_path):
+    """--load of a directory without a checkpoint starts at rollout 0, so every saved rollout must be there;
+    resuming a checkpoint needs only the last one."""
+    from miles.config.preflight import _debug_data_problems, _has_checkpoint
+
+    data = str(tmp_path / "r_{rollout_id}.jsonl")
+    (tmp_path / "r_2.jsonl").write_text("")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    assert not _has_checkpoint(str(hf)) and not _has_checkpoint(None)
+    (problem,) = _debug_data_problems(data, 3, resuming=_has_checkpoint(str(hf)))
+    assert "2 of the 3 rollouts are missing" in problem
+    (hf / TRACKER_FILE).write_text("1\n")
+    assert _has_checkpoint(str(hf)) and _debug_data_problems(data, 3, resuming=True) == []
