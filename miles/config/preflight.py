@@ -6,7 +6,8 @@
 Checked: no unbuilt flag is set; a reward is configured, `--rm-type` is registered and every `--custom-*-path`
 imports; the rollout seams (generate, filter, rollout, eval functions, tool) import and have their signatures; the prompt and eval files exist and their first rows parse with `--input-key` / `--label-key`; the
 model directories hold a config, weights (safetensors complete) and, for the policy, a tokenizer; `--load`
-is a checkpoint root (or, when it does not exist yet, equals `--save`: the run starts fresh and says so).
+is a checkpoint root, or a directory without one (the run starts from `--hf-checkpoint` and says so), or
+`--save` not created yet.
 
 This module imports no torch, ray or transformers; user modules named by `--custom-*-path` are imported.
 """
@@ -17,6 +18,7 @@ import difflib
 import functools
 import logging
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypedDict
@@ -26,6 +28,7 @@ from miles.config.core import Config, ConfigError, required
 logger = logging.getLogger(__name__)
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"  # = miles.backends.fsdp_utils.checkpoint.TRACKER_FILE
+_CHECKPOINT_NAME = re.compile(r"^iter_\d{7}(\.old)?$")  # what --save writes (checkpoint.checkpoint_dir)
 CUSTOM_FUNCTION_FLAGS = (
     ("rollout", "custom_rm_path"),
     ("algo", "custom_advantage_function_path"),
@@ -118,33 +121,48 @@ def data_file_problems(flag: str, path: str, keys: RowKeys) -> list[str]:
     return []
 
 
-def load_dir_problems(load: str | None, save: str | None) -> list[str]:
-    """`--load` must be a checkpoint root written by `--save`, unless it is `--save` itself and holds nothing
-    yet: then the run starts fresh (logged)."""
+def load_dir_problems(load: str | None, save: str | None, hf_checkpoint: str | None = None) -> list[str]:
+    """`--load` is a checkpoint root written by `--save`, or an existing directory without a checkpoint (the
+    reference passes the HF model directory itself), or `--save` not created yet: in the last two cases the
+    run starts from the `--hf-checkpoint` weights, and one log line says so.
+
+    Refused: a file; a path that does not exist and is not `--save` (a typo would silently start over); one
+    `iter_N` of a checkpoint root instead of the root; a directory holding `iter_N` checkpoints but no tracker.
+    """
     if not load:
         return []
     root = Path(load)
-    same_as_save = save is not None and os.path.abspath(load) == os.path.abspath(save)
     tracker = root / TRACKER_FILE
     if root.is_dir() and tracker.is_file():
         return _tracker_problems(root, tracker)
     if root.exists() and not root.is_dir():
         return [f"--load={load!r}: is a file, not a checkpoint directory"]
-    if same_as_save:
-        state = "does not exist yet" if not root.exists() else f"holds no {TRACKER_FILE} yet"
-        logger.warning("--load=%r %s; it is also --save: starting fresh", load, state)
-        return []
+    start = f"the run starts from the --hf-checkpoint weights ({hf_checkpoint!r})"
     if not root.exists():
+        if hf_checkpoint is not None and os.path.abspath(load) == os.path.abspath(hf_checkpoint):
+            return []  # the --hf-checkpoint check names the missing directory
+        if save is not None and os.path.abspath(load) == os.path.abspath(save):
+            logger.warning("--load=%r does not exist yet; it is also --save: %s", load, start)
+            return []
         hint = ""
         if root.parent.is_dir():
             close = difflib.get_close_matches(root.name, [p.name for p in root.parent.iterdir()], n=1)
             hint = f" (did you mean {str(root.parent / close[0])!r}?)" if close else ""
         return [
-            f"--load={load!r}: directory does not exist{hint}; to start fresh, drop --load or set it to --save"
+            f"--load={load!r}: directory does not exist{hint}; to start from --hf-checkpoint, drop --load, set "
+            "it to --save, or point it at an existing directory"
         ]
     if root.name.startswith("iter_") and (root.parent / TRACKER_FILE).is_file():
         return [f"--load={load!r}: is one checkpoint, not the root --save wrote: pass {str(root.parent)!r}"]
-    return [f"--load={load!r}: holds no {TRACKER_FILE}: not a checkpoint directory written by --save"]
+    saved = sorted(p.name for p in root.iterdir() if _CHECKPOINT_NAME.match(p.name) and p.is_dir())
+    if saved:
+        shown = ", ".join(saved[-3:])
+        return [
+            f"--load={load!r}: holds checkpoints ({shown}) but no {TRACKER_FILE}: write the rollout id to "
+            "resume from into it (e.g. the N of the newest complete iter_N), or point --load elsewhere"
+        ]
+    logger.warning("--load=%r holds no checkpoint (no %s): %s", load, TRACKER_FILE, start)
+    return []
 
 
 def _tracker_problems(root: Path, tracker: Path) -> list[str]:
@@ -172,8 +190,10 @@ def run_preflight(cfg: Config) -> None:
         ),
         lambda: _hf_problems(m.hf_checkpoint, "--hf-checkpoint", need_tokenizer=True),
         lambda: _ref_load_problems(c.ref_load) if c.ref_load else [],
-        lambda: load_dir_problems(c.load, c.save),
-        lambda: _debug_data_problems(cfg.debug.load_debug_rollout_data, cfg.rollout.num_rollout, c.load),
+        lambda: load_dir_problems(c.load, c.save, m.hf_checkpoint),
+        lambda: _debug_data_problems(
+            cfg.debug.load_debug_rollout_data, cfg.rollout.num_rollout, resuming=_has_checkpoint(c.load)
+        ),
     ]
     keys = RowKeys(
         input_key=d.input_key,
@@ -197,7 +217,14 @@ def run_preflight(cfg: Config) -> None:
         raise PreflightError(problems)
 
 
-def _debug_data_problems(path: str | None, num_rollout: int | None, load: str | None) -> list[str]:
+def _has_checkpoint(load: str | None) -> bool:
+    """Whether `--load` names a checkpoint to resume from (a tracker file), not a directory to start fresh from."""
+    if not load:
+        return False
+    return (Path(load) / TRACKER_FILE).is_file()
+
+
+def _debug_data_problems(path: str | None, num_rollout: int | None, resuming: bool) -> list[str]:
     """--load-debug-rollout-data holds a file for every rollout the run trains on (the last one when resuming)."""
     if path is None:
         return []
@@ -205,7 +232,7 @@ def _debug_data_problems(path: str | None, num_rollout: int | None, load: str | 
 
     num_rollout = required(num_rollout, "--num-rollout")
 
-    ids = range(num_rollout - 1, num_rollout) if load else range(num_rollout)
+    ids = range(num_rollout - 1, num_rollout) if resuming else range(num_rollout)
     missing = missing_rollouts(path, ids)
     if not missing:
         return []

@@ -334,9 +334,22 @@ class TrainConfig:
         None, "copy policy weights into the reference every N rollouts", ge=1
     )
     train_timeout: float = opt(1800.0, "seconds to wait for a collective or a Ray call", gt=0)
-    refit_timeout: float = opt(
-        300.0, "seconds one engine call of a weight refit may take (an expiry names the engine)", gt=0
+    refit_timeout: float | None = opt(
+        None,
+        "seconds one engine call of a weight refit may take (an expiry names the engine); "
+        "None: min(300, --train-timeout / 2)",
+        gt=0,
     )
+
+    @property
+    def refit_timeout_s(self) -> float:
+        """--refit-timeout, or its default below --train-timeout when unset (validation fills it in already)."""
+        return derived_refit_timeout(self.train_timeout) if self.refit_timeout is None else self.refit_timeout
+
+
+def derived_refit_timeout(train_timeout: float) -> float:
+    """The default --refit-timeout: 300 s, or half of --train-timeout when that is shorter (it must expire first)."""
+    return min(300.0, train_timeout / 2)
 
 
 @section

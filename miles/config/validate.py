@@ -14,6 +14,7 @@ from contextlib import suppress
 from typing import Any
 
 from miles.config.schema import FIELDS, check_field, coerce
+from miles.config.sections import derived_refit_timeout
 from miles.utils.parallel_dims import ParallelDims
 
 DEFAULT = "default"
@@ -161,6 +162,12 @@ def _sglang_args(v: Values) -> None:
     v.values["sglang_args"] = args
 
 
+def _refit_timeout(v: Values) -> None:
+    """--refit-timeout defaults below --train-timeout (derived from it): lowering one never trips the other."""
+    if v.values["refit_timeout"] is None and "refit_timeout" not in v.bad:
+        v.set_derived("refit_timeout", derived_refit_timeout(v["train_timeout"]))
+
+
 RESOLVERS: list[Callable[[Values], None]] = [
     _loss_reduction,
     _rollout_external,
@@ -169,6 +176,7 @@ RESOLVERS: list[Callable[[Values], None]] = [
     _lr_decay_iters,
     _run_dir,
     _sglang_args,
+    _refit_timeout,
 ]
 
 
@@ -432,7 +440,8 @@ def _deadlines(v: Values) -> None:
         v.fail(
             "refit_timeout",
             f"must be below --train-timeout ({v['train_timeout']:g}): the driver waits that long for a whole "
-            "refit, and an engine call that hangs must expire first so that the error names the engine",
+            "refit, and an engine call that hangs must expire first so that the error names the engine "
+            "(unset, it defaults to min(300, --train-timeout / 2))",
         )
 
 
@@ -474,6 +483,39 @@ def _engine_access(v: Values) -> None:
             "is reachable from other machines, but no --engine-api-key is set: anyone on the network could "
             "update the engines' weights; set --engine-api-key or bind 127.0.0.1",
         )
+
+
+_LOOPBACK_FIX = (
+    "an engine bound there is unreachable from the other nodes (router, trainers' refit); set --engine-host "
+    "0.0.0.0 (each engine then registers its node's address) with --engine-api-key"
+)
+
+
+def _multi_node_engine_host(v: Values) -> None:
+    """A run over several nodes needs engines the other nodes can reach: a loopback --engine-host is refused.
+
+    Here: --actor-num-nodes > 1. Engines placed on several machines by Ray are refused at start-up by
+    `loopback_engine_host_problem` (the placement is known only then)."""
+    if v["rollout_external"] or not is_loopback_host(v["engine_host"]):
+        return
+    nodes = v["actor_num_nodes"]
+    if nodes > 1:
+        v.fail(
+            "engine_host",
+            f"is a loopback address, but --actor-num-nodes={nodes} spreads the run over several nodes: "
+            + _LOOPBACK_FIX,
+        )
+
+
+def loopback_engine_host_problem(engine_host: str, machine_addresses: set[str]) -> str | None:
+    """The problem with a loopback `--engine-host` when the run's placement spans `machine_addresses` (the
+    addresses of the nodes holding its trainers and engines; simulated nodes of one machine share one), or None."""
+    if not is_loopback_host(engine_host) or len(machine_addresses) <= 1:
+        return None
+    return (
+        f"--engine-host={engine_host!r} is a loopback address, but Ray placed the trainers and engines on "
+        f"{len(machine_addresses)} machines ({', '.join(sorted(machine_addresses))}): " + _LOOPBACK_FIX
+    )
 
 
 _SEAM_PATHS = (
@@ -564,6 +606,7 @@ RULES: list[Callable[[Values], None]] = [
     _sampling,
     _optim,
     _engine_access,
+    _multi_node_engine_host,
     _function_paths,
     _rollout_seams,
 ]

@@ -256,6 +256,17 @@ def check_external_refit(cfg: Config, use_gpu: bool, num_actor: int) -> None:
         )
 
 
+def check_engine_host_reachable(engine_host: str, placement: Placement) -> None:
+    """Refuse a loopback --engine-host once Ray has placed trainers and engines on more than one machine."""
+    from miles.config.validate import loopback_engine_host_problem
+
+    nodes = set(ray.util.placement_group_table(placement.pg)["bundles_to_node_id"].values())
+    address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    problem = loopback_engine_host_problem(engine_host, {address.get(n, n) for n in nodes})
+    if problem:
+        raise ValueError(problem)
+
+
 def build_system(cfg: Config) -> System:
     """Engines, router, rollout manager and trainers, placed and started; the engines hold the trainer's weights.
 
@@ -277,6 +288,8 @@ def build_system(cfg: Config) -> System:
         if num_actor + num_rollout
         else None
     )
+    if placement is not None and num_rollout:
+        check_engine_host_reachable(cfg.engine.engine_host, placement)
     timeout = float(cfg.train.train_timeout)
 
     tracker = Tracker(

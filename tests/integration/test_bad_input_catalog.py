@@ -275,7 +275,7 @@ CATALOG = [
     Bad("ref_load_missing", ("--ref-load=", "noref", "does not exist"), argv=lambda w: w.base + ["--ref-load", str(w.tmp / "noref")]),
     # ---- checkpoints: --load before anything starts -----------------------------------------------------
     Bad("load_typo", ("--load=", "does not exist", "did you mean", "ckpt"), argv=lambda w: w.base + ["--load", w.checkpoint() + "x"]),
-    Bad("load_no_tracker", ("--load=", TRACKER_FILE), argv=lambda w: w.base + ["--load", str(w.tmp)]),
+    Bad("load_lost_tracker", ("--load=", "holds checkpoints (iter_0000000)", TRACKER_FILE), argv=lambda w: w.base + ["--load", w.checkpoint(lambda d: (d.parent / TRACKER_FILE).unlink())]),
     Bad("load_iter_dir", ("--load=", "is one checkpoint", "pass"), argv=lambda w: w.base + ["--load", w.checkpoint() + "/iter_0000000"]),
     Bad("load_bad_tracker", (TRACKER_FILE, "should hold a rollout id", "'seven'"), argv=lambda w: w.base + ["--load", w.checkpoint(lambda d: (d.parent / TRACKER_FILE).write_text("seven\n"))]),
     Bad("load_tracker_dangling", ("names rollout 7", "iter_0000007"), argv=lambda w: w.base + ["--load", w.checkpoint(lambda d: (d.parent / TRACKER_FILE).write_text("7\n"))]),
@@ -347,6 +347,17 @@ def test_valid_launch_line_passes_dry_run(world, capsys):
 
     assert main(world.base) == 0, capsys.readouterr().err
     assert "hf_checkpoint" in capsys.readouterr().out and not world.run_dir.exists()
+
+
+def test_load_of_the_hf_directory_starts_from_it(world, capsys, caplog):
+    """The reference's `--load /root/Qwen3-4B` (a directory without a checkpoint, no --save) passes, saying once
+    that the run starts from the --hf-checkpoint weights."""
+    from miles.train import main
+
+    with caplog.at_level("WARNING", logger="miles.config.preflight"):
+        assert main(world.base + ["--load", world.model]) == 0, capsys.readouterr().err
+    (line,) = [r.getMessage() for r in caplog.records if "--load" in r.getMessage()]
+    assert "holds no checkpoint" in line and "starts from the --hf-checkpoint weights" in line
 
 
 @pytest.mark.parametrize("bad", CATALOG, ids=[b.name for b in CATALOG])

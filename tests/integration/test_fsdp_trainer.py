@@ -213,6 +213,22 @@ def test_dp2_update_equals_dp1(tmp_path, extra):
     assert changed, "the optimizer step did not change any weight"
 
 
+@pytest.mark.parametrize("cp", [1, 2])
+def test_samples_over_the_token_cap_train_alone_with_the_same_update(tmp_path, cp):
+    """--max-tokens-per-gpu below the longest samples (2..13 tokens here): each such sample is a micro-batch of
+    its own (the reference's behaviour) instead of an error mid-run, and the update equals the one where every
+    sample fits (under SGD, as packs change the summation order)."""
+    sgd = ["--use-dynamic-batch-size", "--optimizer", "sgd", "--lr", "0.5"]
+    cp_args = ["--context-parallel-size", str(cp)] if cp > 1 else []
+    w_fit, m_fit = _run(tmp_path, cp, [*sgd, "--max-tokens-per-gpu", "64", *cp_args], "fit")
+    w_long, m_long = _run(tmp_path, cp, [*sgd, "--max-tokens-per-gpu", str(8 // cp), *cp_args], "long")
+    assert max(len(s.tokens) for s in _rollout(str(tmp_path / "model"))) > 8  # some samples exceed the cap
+    for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/train_rollout_logprob_abs_diff"):
+        assert m_fit[key] == pytest.approx(m_long[key], abs=1e-5), key
+    for k in w_fit:
+        torch.testing.assert_close(w_fit[k], w_long[k], atol=1e-5, rtol=0)
+
+
 def test_kl_loss_with_reference_model_keeps_first_ppo_kl_zero(tmp_path):
     _, m = _run(tmp_path, 2, ["--use-kl-loss", "--kl-loss-coef", "0.1", "--kl-loss-type", "low_var_kl"], "kl")
     assert m["train/first_mb_ppo_kl_abs_max"] == 0.0

@@ -12,35 +12,66 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_qwen3_4b_script_passes_dry_run(tmp_path):
-    # The flags validate; the pre-flight checks of --dry-run then refuse only what this machine lacks: the
-    # model and the data files the script expects under /root.
-    proc = subprocess.run(
-        ["bash", "scripts/run-qwen3-4B-fsdp.sh", "--dry-run"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    if Path("/root/Qwen3-4B").is_dir():
-        assert proc.returncode == 0, proc.stderr
-    else:
-        assert proc.returncode == 2 and "pre-flight check failed" in proc.stderr, proc.stderr
-        assert "invalid configuration" not in proc.stderr
-        for path in (
-            "/root/Qwen3-4B",
-            "/root/dapo-math-17k/dapo-math-17k.jsonl",
-            "/root/aime-2024/aime-2024.jsonl",
-        ):
-            assert path in proc.stderr, path
-        problems = proc.stderr.split("pre-flight check failed", 1)[1]
-        assert "--load" not in problems and "starting fresh" in proc.stderr  # --load == --save: a first run
+# The reference miles recipe, flag for flag: radixark/miles scripts/run-qwen3-4B-fsdp.sh (commit 5699329422c9),
+# its CKPT, ROLLOUT, GRPO, OPTIMIZER, SGLANG, TRAIN_BACKEND, PERF and MISC arrays (the wandb ones only when
+# WANDB_API_KEY is set; the Ray start-up around it is not a flag). Switches map to [].
+REFERENCE_RECIPE: dict[str, list[str]] = {
+    "--hf-checkpoint": ["/root/Qwen3-4B"],
+    "--load": ["/root/Qwen3-4B"],
+    "--ref-load": ["/root/Qwen3-4B"],
+    "--prompt-data": ["/root/dapo-math-17k/dapo-math-17k.jsonl"],
+    "--input-key": ["prompt"],
+    "--label-key": ["label"],
+    "--apply-chat-template": [],
+    "--rollout-shuffle": [],
+    "--balance-data": [],
+    "--rm-type": ["deepscaler"],
+    "--num-rollout": ["100"],
+    "--rollout-batch-size": ["8"],
+    "--n-samples-per-prompt": ["8"],
+    "--rollout-max-response-len": ["4096"],
+    "--rollout-temperature": ["1"],
+    "--global-batch-size": ["64"],
+    "--use-kl-loss": [],
+    "--advantage-estimator": ["grpo"],
+    "--kl-loss-coef": ["0.00"],
+    "--kl-loss-type": ["low_var_kl"],
+    "--kl-coef": ["0.00"],
+    "--entropy-coef": ["0.00"],
+    "--eps-clip": ["0.2"],
+    "--eps-clip-high": ["0.28"],
+    "--optimizer": ["adam"],
+    "--lr": ["1e-6"],
+    "--lr-decay-style": ["constant"],
+    "--weight-decay": ["0.1"],
+    "--adam-beta1": ["0.9"],
+    "--adam-beta2": ["0.98"],
+    "--rollout-num-gpus-per-engine": ["1"],
+    "--sglang-mem-fraction-static": ["0.75"],
+    "--sglang-decode-log-interval": ["1000"],
+    "--sglang-chunked-prefill-size": ["4096"],
+    "--sglang-attention-backend": ["fa3"],
+    "--train-backend": ["fsdp"],
+    "--update-weight-buffer-size": ["536870912"],
+    "--gradient-checkpointing": [],
+    "--attn-implementation": ["flash_attention_3"],
+    "--train-env-vars": ['{"PYTORCH_CUDA_ALLOC_CONF":"expandable_segments:True"}'],
+    "--use-dynamic-batch-size": [],
+    "--max-tokens-per-gpu": ["9216"],
+    "--actor-num-nodes": ["1"],
+    "--actor-num-gpus-per-node": ["8"],
+    "--colocate": [],
+    "--use-fault-tolerance": [],
+    "--dump-details": ["/root/shared_data/qwen3-4B-fsdp-1116-noref/dump_details"],
+}
 
-    # The resolved values, from the exact argv the script builds (a `python3` stand-in prints it).
+
+def _script_argv(tmp_path: Path, wandb_key: str = "") -> list[str]:
+    """The exact argv scripts/run-qwen3-4B-fsdp.sh hands to `python3 -m miles.train` (a stand-in prints it)."""
     shim = tmp_path / "python3"
     shim.write_text('#!/bin/sh\nshift 2\nprintf "%s\\n" "$@"\n')
     shim.chmod(0o755)
-    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    env = {**os.environ, "WANDB_API_KEY": wandb_key, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
     out = subprocess.run(
         ["bash", "scripts/run-qwen3-4B-fsdp.sh"],
         cwd=REPO,
@@ -50,13 +81,92 @@ def test_qwen3_4b_script_passes_dry_run(tmp_path):
         env=env,
     )
     assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+def _flags(argv: list[str]) -> dict[str, list[str]]:
+    """`--flag v1 v2 --switch` -> {"--flag": ["v1", "v2"], "--switch": []}; a flag given twice is refused."""
+    flags: dict[str, list[str]] = {}
+    current = None
+    for token in argv:
+        if token.startswith("--"):
+            assert token not in flags, f"{token} given twice"
+            flags[token] = []
+            current = token
+        else:
+            assert current is not None, f"value {token!r} before any flag"
+            flags[current].append(token)
+    return flags
+
+
+def test_qwen3_4b_script_is_the_reference_recipe(tmp_path):
+    argv = _script_argv(tmp_path)
+    assert _flags(argv) == REFERENCE_RECIPE
+    # every flag parses, with the values the reference means
     from miles.config import parse_config
 
-    cfg = yaml.safe_load(parse_config(out.stdout.splitlines()).to_yaml())
-    assert cfg["train"]["train_backend"] == "fsdp"
-    assert cfg["cluster"]["colocate"] is True and cfg["cluster"]["actor_num_gpus_per_node"] == 8
-    assert cfg["engine"]["sglang_args"]["mem_fraction_static"] == "0.7"
-    assert cfg["algo"]["eps_clip_high"] == 0.28
+    cfg = yaml.safe_load(parse_config(argv).to_yaml())
+    assert (
+        cfg["cluster"]["rollout_num_gpus_per_engine"] == 1 and cfg["cluster"]["use_fault_tolerance"] is True
+    )
+    assert cfg["rollout"]["rollout_temperature"] == 1.0 and cfg["rollout"]["rollout_max_response_len"] == 4096
+    assert cfg["engine"]["sglang_args"]["mem_fraction_static"] == "0.75"
+    assert cfg["log"]["dump_details"] == REFERENCE_RECIPE["--dump-details"][0]
+    assert cfg["checkpoint"]["load"] == cfg["model"]["hf_checkpoint"] and cfg["checkpoint"]["save"] is None
+    # with a wandb key, only the wandb flags are added
+    with_wandb = _flags(_script_argv(tmp_path, wandb_key="k"))
+    assert set(with_wandb) - set(REFERENCE_RECIPE) == {"--use-wandb", "--wandb-project", "--wandb-group",
+                                                       "--wandb-key"}  # fmt: skip
+
+
+def test_qwen3_4b_script_passes_dry_run(tmp_path):
+    # The flags validate; the pre-flight checks of --dry-run then refuse only what this machine lacks: the
+    # model and the data file the script expects under /root.
+    proc = subprocess.run(
+        ["bash", "scripts/run-qwen3-4B-fsdp.sh", "--dry-run"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if Path("/root/Qwen3-4B").is_dir() and Path("/root/dapo-math-17k").is_dir():
+        assert proc.returncode == 0, proc.stderr
+        assert (
+            "holds no checkpoint" in proc.stderr and "starts from the --hf-checkpoint weights" in proc.stderr
+        )
+    else:
+        assert proc.returncode == 2 and "pre-flight check failed" in proc.stderr, proc.stderr
+        assert "invalid configuration" not in proc.stderr
+        problems = proc.stderr.split("pre-flight check failed", 1)[1]
+        for path in ("/root/Qwen3-4B", "/root/dapo-math-17k/dapo-math-17k.jsonl"):
+            assert path in problems, path
+        assert "--load" not in problems  # --load = --hf-checkpoint: named once, by --hf-checkpoint
+
+
+def test_qwen3_4b_recipe_passes_dry_run_with_its_files_present(tmp_path):
+    """The recipe's argv with /root/Qwen3-4B and the data replaced by a tiny model and data set: --dry-run
+    passes, and says once that --load (the model directory, no checkpoint) starts from the HF weights."""
+    from miles.tools.tiny_model import build_tiny_model
+    from miles.tools.toy_data import make_rows, write_jsonl
+
+    model = str(build_tiny_model(tmp_path / "Qwen3-4B", task="echo", seed=0))
+    data = str(write_jsonl(make_rows("echo", 8, seed=0), tmp_path / "dapo-math-17k.jsonl"))
+    argv = [
+        model if a == "/root/Qwen3-4B" else data if a.endswith("dapo-math-17k.jsonl") else a
+        for a in _script_argv(tmp_path)
+    ]
+    argv += ["--run-dir", str(tmp_path / "run"), "--dry-run"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles.train", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("holds no checkpoint") == 1, proc.stderr
+    assert f"--load={model!r} holds no checkpoint" in proc.stderr
 
 
 def test_help_imports_nothing_heavy():

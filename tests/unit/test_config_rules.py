@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -50,6 +51,7 @@ def test_batch_rules_match_reference(
         "--actor-num-nodes", str(nodes), "--actor-num-gpus-per-node", str(gpus),
         "--context-parallel-size", str(cp), "--micro-batch-size", str(mbs), "--max-tokens-per-gpu", "512",
         "--use-dynamic-batch-size" if dynamic else "--no-use-dynamic-batch-size",
+        "--engine-host", "0.0.0.0", "--engine-api-key", "k",  # reachable from other nodes when nodes > 1
     ]  # fmt: skip
     expected = _reference_ok(rbs, n, gbs, nodes * gpus, cp, mbs, dynamic)
     try:
@@ -127,6 +129,20 @@ def test_refit_deadline_must_expire_before_the_drivers_wait() -> None:
         raise AssertionError("--refit-timeout >= --train-timeout was accepted")
 
 
+@pytest.mark.parametrize(("train", "refit"), [(None, 300.0), ("3600", 300.0), ("300", 150.0), ("60", 30.0)])
+def test_refit_timeout_defaults_below_train_timeout(train, refit) -> None:
+    """Unset, --refit-timeout follows --train-timeout down (a short --train-timeout alone is accepted)."""
+    base = REQUIRED + ["--rollout-batch-size", "1", "--global-batch-size", "1"]
+    cfg = parse_config(base + (["--train-timeout", train] if train else []))
+    assert cfg.train.refit_timeout == refit == cfg.train.refit_timeout_s
+    # An explicit value is kept, and an explicit inconsistent pair is still refused.
+    assert (
+        parse_config(base + ["--train-timeout", "300", "--refit-timeout", "200"]).train.refit_timeout == 200
+    )
+    with pytest.raises(ConfigError, match="--refit-timeout=400.0: must be below --train-timeout"):
+        parse_config(base + ["--train-timeout", "300", "--refit-timeout", "400"])
+
+
 def test_update_weight_transfer_mode_rules() -> None:
     """broadcast cannot serve colocated engines; tensor handles cannot leave a node (refused before Ray starts)."""
     import pytest
@@ -134,10 +150,10 @@ def test_update_weight_transfer_mode_rules() -> None:
     base = ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--num-rollout", "1", "--rollout-batch-size", "2",
             "--global-batch-size", "2"]  # fmt: skip
     assert parse_config([*base, "--colocate"]).train.update_weight_transfer_mode == "auto"
-    disagg = [*base, "--rollout-num-gpus", "1"]
-    assert parse_config([*disagg, "--update-weight-transfer-mode", "broadcast"]).train.update_weight_transfer_mode == (
-        "broadcast"
-    )
+    disagg = [*base, "--rollout-num-gpus", "1", "--engine-host", "0.0.0.0", "--engine-api-key", "k"]
+    assert parse_config(
+        [*disagg, "--update-weight-transfer-mode", "broadcast"]
+    ).train.update_weight_transfer_mode == ("broadcast")
     assert parse_config([*base, "--colocate", "--update-weight-transfer-mode", "tensor"])
     with pytest.raises(ConfigError, match="update-weight-transfer-mode.*--colocate"):
         parse_config([*base, "--colocate", "--update-weight-transfer-mode", "broadcast"])

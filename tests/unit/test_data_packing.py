@@ -205,6 +205,46 @@ def test_plan_dynamic_uses_agreed_count_and_cap():
         )
 
 
+def test_plan_dynamic_puts_a_sample_over_the_cap_in_a_micro_batch_of_its_own(caplog):
+    """The reference's behaviour: a sample longer than --max-tokens-per-gpu * cp is trained alone (logged),
+    where the planner used to raise mid-run; the other samples are planned as without it."""
+    lengths = [10, 130, 20, 30, 40, 101, 20, 10]  # step 0: 130 over the cap of 100; step 1: 101
+    with caplog.at_level("WARNING", logger="miles.backends.fsdp_utils.data_packing"):
+        plan = plan_micro_batches(lengths, global_batch_size=4, use_dynamic=True, max_tokens_per_gpu=50,
+                                  micro_batch_size=None, dp_size=1, cp_size=2)  # fmt: skip
+    assert plan == [[[0, 2, 3], [1]], [[4, 6, 7], [5]]]
+    assert "1 sample(s) of [130] tokens exceed" in caplog.text and "[101]" in caplog.text
+    assert "--max-tokens-per-gpu" in caplog.text
+    # DP ranks still agree: another rank needing 3 micro-batches splits the fitting samples further.
+    plan = plan_micro_batches(lengths[:4], global_batch_size=8, use_dynamic=True, max_tokens_per_gpu=50,
+                              micro_batch_size=None, dp_size=2, cp_size=2, allreduce_max=lambda v: max(v, 3))  # fmt: skip
+    (step,) = plan
+    assert len(step) == 3 and [1] in step and sorted(i for mb in step for i in mb) == [0, 1, 2, 3]
+    assert all(sum(lengths[i] for i in mb) <= 100 for mb in step if mb != [1])
+    # Only over-long samples: one micro-batch each.
+    plan = plan_micro_batches([300, 200], global_batch_size=2, use_dynamic=True, max_tokens_per_gpu=100,
+                              micro_batch_size=None, dp_size=1)  # fmt: skip
+    assert plan == [[[0], [1]]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 100), min_size=8, max_size=8),
+    cap=st.integers(100, 300),
+    dp_need=st.integers(0, 8),
+)
+def test_plan_dynamic_when_every_sample_fits_is_the_plain_balanced_plan(lengths, cap, dp_need):
+    """The over-long rule leaves a batch whose samples all fit exactly as it was: the minimum first-fit count
+    (or the DP ranks' agreed count) of balanced packs, in partition_to_packs' order."""
+    from miles.utils.seqlen_balancing import get_minimum_num_micro_batch_size, partition_to_packs
+
+    agree = lambda v: max(v, dp_need)  # noqa: E731
+    plan = plan_micro_batches(lengths, global_batch_size=16, use_dynamic=True, max_tokens_per_gpu=cap,
+                              micro_batch_size=None, dp_size=2, allreduce_max=agree)  # fmt: skip
+    expected = [partition_to_packs(lengths, agree(get_minimum_num_micro_batch_size(lengths, cap)), cap)]
+    assert plan == expected
+
+
 def test_response_token_positions_skip_sequences_without_response():
     samples = [
         {"tokens": [1, 2, 3], "response_length": 0},

@@ -60,6 +60,46 @@ def test_public_engine_host_needs_a_key(host):
     assert parse_config(BASE + ["--engine-host", host, "--engine-api-key", "k"]).engine.engine_host == host
 
 
+def test_multi_node_run_refuses_a_loopback_engine_host():
+    two_nodes = ["--actor-num-nodes", "2", "--actor-num-gpus-per-node", "2", "--rollout-batch-size", "4"]
+    (problem,) = _violations(two_nodes)  # the default --engine-host 127.0.0.1
+    assert problem.startswith(
+        "--engine-host='127.0.0.1' [default]: is a loopback address, but --actor-num-nodes=2"
+    )
+    assert "--engine-host 0.0.0.0" in problem and "--engine-api-key" in problem
+    (problem,) = _violations(two_nodes + ["--engine-host", "localhost"])
+    assert problem.startswith("--engine-host='localhost': is a loopback address")
+    cfg = parse_config(BASE + two_nodes + ["--engine-host", "0.0.0.0", "--engine-api-key", "k"])
+    assert cfg.cluster.actor_num_nodes == 2 and cfg.engine.engine_host == "0.0.0.0"
+    assert parse_config(BASE).engine.engine_host == "127.0.0.1"  # one node: loopback is right
+
+
+def test_engines_placed_on_several_machines_refuse_a_loopback_engine_host(monkeypatch):
+    """Ray may put engines on another machine than the trainers with --actor-num-nodes 1; start-up refuses a
+    loopback --engine-host then (simulated nodes of one machine share its address and pass)."""
+    import ray
+
+    from miles.config.validate import loopback_engine_host_problem
+    from miles.ray import setup
+
+    assert loopback_engine_host_problem("127.0.0.1", {"10.0.0.1"}) is None
+    assert loopback_engine_host_problem("0.0.0.0", {"10.0.0.1", "10.0.0.2"}) is None
+    problem = loopback_engine_host_problem("127.0.0.1", {"10.0.0.2", "10.0.0.1"})
+    assert problem is not None and "on 2 machines (10.0.0.1, 10.0.0.2)" in problem and "0.0.0.0" in problem
+
+    nodes = [{"NodeID": "a", "NodeManagerAddress": "10.0.0.1"}, {"NodeID": "b", "NodeManagerAddress": "10.0.0.2"},
+             {"NodeID": "c", "NodeManagerAddress": "10.0.0.1"}]  # fmt: skip
+    table = {"bundles_to_node_id": {0: "a", 1: "c"}}
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    monkeypatch.setattr(ray.util, "placement_group_table", lambda pg: table)
+    placement = setup.Placement(None, True, [0], [1], colocate=False)  # type: ignore[arg-type]
+    setup.check_engine_host_reachable("127.0.0.1", placement)  # two nodes, one machine
+    table["bundles_to_node_id"][1] = "b"
+    with pytest.raises(ValueError, match=r"--engine-host='127.0.0.1' is a loopback address.*2 machines"):
+        setup.check_engine_host_reachable("127.0.0.1", placement)
+    setup.check_engine_host_reachable("0.0.0.0", placement)
+
+
 def test_tracker_file_name_matches_the_checkpoint_module():
     from miles.backends.fsdp_utils import checkpoint
 
@@ -69,13 +109,16 @@ def test_tracker_file_name_matches_the_checkpoint_module():
 def test_load_dir_rules(tmp_path, caplog):
     fresh = str(tmp_path / "new")
     with caplog.at_level("WARNING", logger="miles.config.preflight"):
-        assert load_dir_problems(fresh, fresh) == []
-    assert "does not exist yet; it is also --save: starting fresh" in caplog.text
+        assert load_dir_problems(fresh, fresh, "/m") == []
+    assert (
+        "does not exist yet; it is also --save: the run starts from the --hf-checkpoint weights"
+        in caplog.text
+    )
     (tmp_path / "ckpt").mkdir()
     (problem,) = load_dir_problems(str(tmp_path / "ckpy"), None)
     assert "does not exist" in problem and "did you mean" in problem and "ckpt" in problem
-    (problem,) = load_dir_problems(str(tmp_path / "ckpt"), str(tmp_path / "other"))
-    assert f"holds no {TRACKER_FILE}" in problem
+    (problem,) = load_dir_problems(str(tmp_path / "nowhere"), str(tmp_path / "other"))
+    assert problem.startswith(f"--load={str(tmp_path / 'nowhere')!r}: directory does not exist"), problem
     assert load_dir_problems(str(tmp_path / "ckpt"), str(tmp_path / "ckpt")) == []
     (tmp_path / "ckpt" / TRACKER_FILE).write_text("3\n")
     (problem,) = load_dir_problems(str(tmp_path / "ckpt"), None)
@@ -86,6 +129,29 @@ def test_load_dir_rules(tmp_path, caplog):
     assert load_dir_problems(str(tmp_path / "ckpt"), None) == []
     (problem,) = load_dir_problems(str(tmp_path / "ckpt" / "iter_0000003"), None)
     assert "pass" in problem and repr(str(tmp_path / "ckpt")) in problem
+    (tmp_path / "ckpt" / TRACKER_FILE).unlink()  # checkpoints whose tracker is gone: not a fresh start
+    (problem,) = load_dir_problems(str(tmp_path / "ckpt"), None)
+    assert "holds checkpoints (iter_0000003)" in problem and TRACKER_FILE in problem
+    assert (
+        load_dir_problems(str(tmp_path / "gone"), None, str(tmp_path / "gone")) == []
+    )  # named by --hf-checkpoint
+    (tmp_path / "file").write_text("x")
+    (problem,) = load_dir_problems(str(tmp_path / "file"), None)
+    assert "is a file" in problem
+
+
+def test_load_of_a_directory_without_checkpoint_starts_from_hf(tmp_path, caplog):
+    """The reference's `--load /root/Qwen3-4B` (the HF directory, no --save): the run starts from the HF weights
+    and one log line says so; the same directory with a checkpoint in it resumes."""
+    hf = tmp_path / "Qwen3-4B"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    with caplog.at_level("INFO", logger="miles.config.preflight"):
+        assert load_dir_problems(str(hf), None, str(hf)) == []
+        assert load_dir_problems(str(hf), str(tmp_path / "elsewhere"), str(hf)) == []
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [f"--load={str(hf)!r} holds no checkpoint (no {TRACKER_FILE}): the run starts from the "
+                     f"--hf-checkpoint weights ({str(hf)!r})"] * 2  # fmt: skip
 
 
 def test_safetensors_checks(tmp_path):
@@ -105,3 +171,19 @@ def test_safetensors_checks(tmp_path):
     assert "shorter than the 8-byte" in safetensors_problem(tmp_path / "tiny.safetensors")
     (tmp_path / "junk.safetensors").write_bytes(struct.pack("<Q", 4) + b"{{{{")
     assert "corrupt safetensors header" in safetensors_problem(tmp_path / "junk.safetensors")
+
+
+def test_replay_data_is_checked_in_full_unless_load_resumes_a_checkpoint(tmp_path):
+    """--load of a directory without a checkpoint starts at rollout 0, so every saved rollout must be there;
+    resuming a checkpoint needs only the last one."""
+    from miles.config.preflight import _debug_data_problems, _has_checkpoint
+
+    data = str(tmp_path / "r_{rollout_id}.jsonl")
+    (tmp_path / "r_2.jsonl").write_text("")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    assert not _has_checkpoint(str(hf)) and not _has_checkpoint(None)
+    (problem,) = _debug_data_problems(data, 3, resuming=_has_checkpoint(str(hf)))
+    assert "2 of the 3 rollouts are missing" in problem
+    (hf / TRACKER_FILE).write_text("1\n")
+    assert _has_checkpoint(str(hf)) and _debug_data_problems(data, 3, resuming=True) == []

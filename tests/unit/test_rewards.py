@@ -120,11 +120,24 @@ def test_math_and_exact_match() -> None:
 
 
 def test_deepscaler() -> None:
+    """The reference's rule: only the boxed answer after `</think>` (or `###Response`) counts; neither marker: 0."""
     fn = get_reward_fn("deepscaler")
     assert fn(None, _sample("<think>maybe \\boxed{3}</think> so \\boxed{4}", "4")) == 1.0
     assert fn(None, _sample("<think>\\boxed{4}</think> so \\boxed{3}", "4")) == 0.0  # only after </think>
+    assert fn(None, _sample("a</think>b</think> \\boxed{4}", "4")) == 1.0  # after the last one
     assert fn(None, _sample("<think>still thinking \\boxed{4}", "4")) == 0.0  # never closed
-    assert fn(None, _sample("\\boxed{4}", "4")) == 1.0  # no think block at all
+    # No marker at all: 0, even with the right boxed answer (math would give 1.0 here).
+    assert fn(None, _sample("\\boxed{4}", "4")) == 0.0
+    assert get_reward_fn("math")(None, _sample("\\boxed{4}", "4")) == 1.0
+    # ###Response (the base-model prompt format) marks the final part when there is no </think>.
+    assert fn(None, _sample("draft \\boxed{3}\n###Response\nso \\boxed{4}", "4")) == 1.0
+    assert fn(None, _sample("draft \\boxed{4}\n###Response\nso \\boxed{3}", "4")) == 0.0
+    # Only a boxed answer counts, as in the reference: "the answer is 4" or a last number score 0.
+    assert fn(None, _sample("<think>x</think> The answer is 4", "4")) == 0.0
+    assert fn(None, _sample("<think>x</think> \\boxed{\\frac{1}{2}}", "0.5")) == 1.0
+    assert fn(None, _sample("<think>x</think> \\boxed{4}", "\\boxed{4}")) == 1.0  # a boxed label is unwrapped
+    with pytest.raises(ValueError, match="needs a label"):
+        fn(None, _sample("no marker", None))
 
 
 @pytest.fixture

@@ -380,7 +380,7 @@ class FSDPTrainer(TrainBackend):
             rank=self.ps.rank,
             world_size=self.ps.world_size,
             api_key=cfg.engine.engine_api_key,
-            timeout_s=cfg.train.refit_timeout,  # below the driver's wait: the engine is named
+            timeout_s=cfg.train.refit_timeout_s,  # below the driver's wait: the engine is named
             check_equal=cfg.engine.check_weight_update_equal,
         )
         if self._transfer_mode() == "tensor":
@@ -404,7 +404,7 @@ class FSDPTrainer(TrainBackend):
         answer = [None]
         if self.ps.rank == 0:
             headers = bearer(self.config.engine.engine_api_key)
-            answer = [engines_have_windows(engine_urls, headers, self.config.train.refit_timeout)]
+            answer = [engines_have_windows(engine_urls, headers, self.config.train.refit_timeout_s)]
         dist.broadcast_object_list(answer, src=0)
         return bool(answer[0])
 

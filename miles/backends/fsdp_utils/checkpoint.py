@@ -362,7 +362,11 @@ def load_checkpoint(
     rollout_id = read_tracker(load_dir)
     if rollout_id is None:
         if _rank_world()[0] == 0:
-            logger.warning("no checkpoint in %s (no %s): starting from scratch", load_dir, TRACKER_FILE)
+            logger.info(
+                "no checkpoint in %s (no %s): training starts from the initial weights",
+                load_dir,
+                TRACKER_FILE,
+            )
         return None
     path = checkpoint_dir(load_dir, rollout_id)
     old = path.with_name(path.name + ".old")

@@ -12,6 +12,7 @@ Token layouts used below:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,8 @@ from miles.utils.types import Sample
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "PER_TOKEN_FIELDS",
@@ -269,14 +272,16 @@ def plan_micro_batches(
     - dynamic (`use_dynamic`): per step, the minimum number of micro-batches that fit
       `max_tokens_per_gpu * cp_size` tokens each (a pack is split over cp_size ranks), agreed across DP ranks
       by `allreduce_max` (every rank must do the same number of forward/backward passes), then filled with
-      balanced packs (`partition_to_packs`), none over the cap. `allreduce_max` is called once per step, in
+      balanced packs (`partition_to_packs`), none over the cap. A sample longer than the cap is a micro-batch
+      of its own (logged; the reference's behaviour), the rest are planned as if it were not there; when every
+      sample fits, the plan is the one without that rule. `allreduce_max` is called once per step, in
       order, on every rank; it is required when `dp_size > 1` (see `dist_allreduce_max`).
     - static: `global_batch_size // (micro_batch_size * dp_size)` micro-batches of `micro_batch_size`
       consecutive samples per step.
 
-    Raises ValueError naming the offending value when sizes do not divide, a needed option is missing, a
-    sequence alone exceeds the cap, or the agreed count exceeds a step's samples on this rank (sample counts
-    per rank differ; `partition_samples_by_dp` gives equal counts when the batch divides evenly).
+    Raises ValueError naming the offending value when sizes do not divide, a needed option is missing, or the
+    agreed count exceeds a step's samples on this rank (sample counts per rank differ;
+    `partition_samples_by_dp` gives equal counts when the batch divides evenly).
     """
     if dp_size < 1 or cp_size < 1:
         raise ValueError(f"dp_size and cp_size must be >= 1, got dp_size={dp_size}, cp_size={cp_size}")
@@ -309,14 +314,28 @@ def plan_micro_batches(
     cap = max_tokens_per_gpu * cp_size
     plan = []
     for step in steps:
-        step_lengths = [lengths[i] for i in step]
-        local = get_minimum_num_micro_batch_size(step_lengths, cap)
+        # A sample longer than the cap gets a micro-batch of its own (as the reference does); the others are
+        # packed under the cap exactly as when every sample fits.
+        alone = [i for i in step if lengths[i] > cap]
+        packed = [i for i in step if lengths[i] <= cap]
+        if alone:
+            logger.warning(
+                "%d sample(s) of %s tokens exceed --max-tokens-per-gpu * context-parallel size = %d: each "
+                "is a micro-batch of its own (peak memory grows with it)",
+                len(alone),
+                sorted(lengths[i] for i in alone),
+                cap,
+            )
+        packed_lengths = [lengths[i] for i in packed]
+        local = get_minimum_num_micro_batch_size(packed_lengths, cap) + len(alone)
         agreed = allreduce_max(local) if allreduce_max is not None else local
         if agreed > len(step):
             raise ValueError(
                 f"DP ranks agreed on {agreed} micro-batches but this rank has only {len(step)} samples in the step"
             )
-        plan.append([[step[i] for i in part] for part in partition_to_packs(step_lengths, agreed, cap)])
+        parts = partition_to_packs(packed_lengths, agreed - len(alone), cap) if packed else []
+        micro_batches = [[packed[i] for i in part] for part in parts] + [[i] for i in alone]
+        plan.append(sorted(micro_batches, key=lambda mb: mb[0]) if alone else micro_batches)
     return plan
 
 

@@ -1,7 +1,8 @@
 """Built-in reward types (`--rm-type`, or a sample's `metadata["rm_type"]`).
 
   math         final answer (boxed, "answer is", last number) equals the label: 1.0 / 0.0
-  deepscaler   as math, on the text after the last `</think>`; 0.0 when `<think>` is never closed
+  deepscaler   the `\\boxed{}` answer of the final part (after the last `</think>`, else after `###Response`)
+               equals the label; 0.0 without either marker or without a boxed answer (the reference's rule)
   exact_match  stripped response equals the stripped label: 1.0 / 0.0
   dapo         DAPO's "Answer: X" check: {"score": 1.0 / -1.0, "acc": 1.0 / 0.0} (use --reward-key score)
   f1           SQuAD token F1 against the label (or the best of a list of labels), in [0, 1]
@@ -15,14 +16,14 @@ Any type may be prefixed with `boxed_` (e.g. `boxed_f1`): the response is replac
 from __future__ import annotations
 
 from miles.rollout.rm_hub.context import RewardContext
-from miles.rollout.rm_hub.math_utils import math_reward
+from miles.rollout.rm_hub.math_utils import answer_reward, last_boxed_content, math_reward
 from miles.rollout.rm_hub.registry import Reward, register_reward
 from miles.rollout.rm_hub.remote import remote_reward
 from miles.rollout.rm_hub.text_rewards import dapo_score, f1_score, gpqa_score
 from miles.utils.types import Sample
 
-THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
+RESPONSE_MARKER = "###Response"
 
 
 @register_reward("math")
@@ -33,13 +34,23 @@ def math_rm(ctx: RewardContext, sample: Sample) -> float:
 
 @register_reward("deepscaler")
 def deepscaler_rm(ctx: RewardContext, sample: Sample) -> float:
-    """As "math", scored only on the text after the last `</think>`; 0.0 when `<think>` is never closed."""
-    response = sample.response
+    """The reference's DeepScaleR rule: only the final part of the response is scored, and only its boxed answer.
+
+    The final part is the text after the last `</think>`, else the text after the first `###Response` (up to
+    a second one, if any); a response with neither marker scores 0.0, as does a final part without a
+    `\\boxed{}` answer. The boxed answer is compared with the label as `math` compares answers.
+    """
+    final = deepscaler_final_part(sample.response)
+    return answer_reward(None if final is None else last_boxed_content(final), sample.label)
+
+
+def deepscaler_final_part(response: str) -> str | None:
+    """The part of `response` the deepscaler reward scores, or None when it has no `</think>` / `###Response`."""
     if THINK_CLOSE in response:
-        response = response.rsplit(THINK_CLOSE, 1)[1]
-    elif THINK_OPEN in response:
-        return 0.0
-    return math_reward(response, sample.label)
+        return response.rsplit(THINK_CLOSE, 1)[1]
+    if RESPONSE_MARKER in response:
+        return response.split(RESPONSE_MARKER)[1]
+    return None
 
 
 @register_reward("exact_match")

@@ -126,13 +126,17 @@ def is_equiv(pred: str, label: str) -> bool:
 
 def math_reward(response: str, label: object) -> float:
     """1.0 when the final answer of `response` equals `label` (a `\\boxed{}` label is unwrapped), else 0.0."""
+    return answer_reward(extract_answer(response), label)
+
+
+def answer_reward(pred: str | None, label: object) -> float:
+    """1.0 when the extracted answer `pred` equals `label` (a `\\boxed{}` label is unwrapped), else 0.0."""
     if label is None:
         raise ValueError("math reward needs a label; got None (check --label-key)")
     label_text = str(label)
     boxed_label = last_boxed_content(label_text)
     if boxed_label is not None:
         label_text = boxed_label
-    pred = extract_answer(response)
     if pred is None:
         return 0.0
     return 1.0 if is_equiv(pred, label_text) else 0.0
