@@ -22,6 +22,16 @@ def _refuse(what: str) -> Callable[..., None]:
     return refuse
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _matplotlib_font_cache() -> None:
+    """matplotlib builds its font cache on its first import on a machine (running `fc-list` in a subprocess):
+    do that once before the guard below, so a unit test that draws is not refused on a fresh machine only."""
+    try:
+        import matplotlib.font_manager  # noqa: F401
+    except ImportError:
+        pass
+
+
 @pytest.fixture(autouse=True)
 def _in_process_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(subprocess.Popen, "__init__", _refuse("a subprocess"))
