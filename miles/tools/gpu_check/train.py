@@ -3,10 +3,14 @@ forwards. The trainer is miles's own `FSDPTrainer` in one process (world size 1,
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import importlib.util
 import math
 import os
 import time
+import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -94,15 +98,39 @@ def check_train_step(trainer: FSDPTrainer, s: Settings) -> CheckResult:
     return CheckResult("train step", passed, summary, numbers)
 
 
+@contextlib.contextmanager
+def _host_syncs(device: torch.device) -> Iterator[collections.Counter[str]]:
+    """Count the step's device -> host synchronisations (each stalls the launch queue) by Python call site, with
+    torch's CUDA sync debug mode; an empty counter on CPU."""
+    counts: collections.Counter[str] = collections.Counter()
+    if device.type != "cuda":
+        yield counts
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield counts
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            counts[f"{w.filename}:{w.lineno}"] += 1
+
+
 def profile_step(trainer: FSDPTrainer, samples: list, s: Settings, rows: int = 30) -> None:
     """One more train call under torch.profiler (after the timed one, so the numbers above are unprofiled): the
     top `rows` ops by self device time (CPU time on CPU) printed and the full table written to `s.profile`."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s.device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities) as prof, _host_syncs(s.device) as syncs:
         trainer.train(2, samples)
         sync(s.device)
+    if syncs:
+        print(f"device -> host synchronisations in the profiled step: {sum(syncs.values())}; top call sites:")
+        for where, count in syncs.most_common(15):
+            print(f"  {count:6d}  {where}")
     averages = prof.key_averages()
     key = "self_cpu_time_total"
     if s.device.type == "cuda":
