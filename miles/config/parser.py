@@ -2,9 +2,11 @@
 
 The argparse parser is generated from the field declarations in `miles.config.sections`. Every option takes
 its value as a string (booleans use `--x/--no-x`); typing, choices and bounds are checked after merging so
-that one `ConfigError` lists every problem. `--sglang-NAME VALUE` for any NAME is collected into
-`cfg.engine.sglang_args[NAME]` (dashes -> underscores); `--router-NAME [VALUE ...]` (any NAME but the declared
-`--router-policy`) into `cfg.router.router_args[NAME]`, checked later with sglang-router's own parser.
+that one `ConfigError` lists every problem. `--sglang-NAME [VALUE ...]` for any NAME is collected into
+`cfg.engine.sglang_args[NAME]` (dashes -> underscores; no value: "", a switch; several: one shell-quoted string;
+see `miles.engines.sglang_args`), checked with SGLang's own parser where SGLang is installed; `--router-NAME
+[VALUE ...]` (any NAME but the declared `--router-policy`) into `cfg.router.router_args[NAME]`, checked with
+sglang-router's own parser.
 """
 
 from __future__ import annotations
@@ -43,7 +45,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _metavar(spec: FieldSpec) -> str:
-    choices = spec.choices
+    try:
+        choices = spec.choices
+    except ImportError:  # choices read from a package that is not installed (sglang-router's policies)
+        choices = None
     if choices is not None:
         return "{" + ",".join(choices) + "}"
     return {"int": "INT", "float": "FLOAT", "dict": "JSON", LIST_INT: "INT"}.get(spec.kind, "STR")
@@ -61,11 +66,11 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
     """
     parser = _Parser(
         prog=prog,
-        usage="%(prog)s [--config RUN.yaml] [--FLAG VALUE ...] [--sglang-NAME VALUE ...] [--router-NAME VALUE ...]",
+        usage="%(prog)s [--config RUN.yaml] [--FLAG VALUE ...] [--sglang-NAME [VALUE]] [--router-NAME VALUE ...]",
         description="miles: RL post-training with FSDP2 training actors and SGLang-protocol rollout engines.",
-        epilog="Any --sglang-NAME VALUE is passed to the SGLang server as --NAME VALUE "
-        "(collected into engine.sglang_args); any --router-NAME VALUE to sglang-router as --NAME VALUE "
-        "(router.router_args; see docs/router.md).",
+        epilog="Any --sglang-NAME [VALUE ...] is passed to the SGLang server as --NAME [VALUE ...] "
+        "(collected into engine.sglang_args; a switch takes no value, or true/false); any --router-NAME VALUE "
+        "to sglang-router as --NAME VALUE (router.router_args; see docs/router.md).",
         allow_abbrev=False,
         argument_default=argparse.SUPPRESS,
     )
@@ -142,17 +147,24 @@ def _split_prefixed(
 
 
 def _split_sglang(argv: list[str], known: set[str], layer: Layer) -> list[str]:
-    """Move undeclared `--sglang-NAME [VALUE]` out of argv into `layer.sglang`; return the rest.
+    """Move undeclared `--sglang-NAME [VALUE ...]` out of argv into `layer.sglang`; return the rest.
 
-    A flag with no value (followed by another `--flag` or the end) is recorded as "true".
-    """
-    rest, found = _split_prefixed(argv, known, _SGLANG_PREFIX, max_values=1)
-    for token, _, key, values in found:
-        if key:
-            layer.sglang[key] = values[0] if values else "true"
+    A flag with no value (followed by another `--flag` or the end) is recorded as "" (a switch, launched bare);
+    several values (SGLang has options taking several) as one shell-quoted string."""
+    rest, found = _split_prefixed(argv, known, _SGLANG_PREFIX, max_values=None)
+    for token, flag, key, values in found:
+        if not key:
+            layer.problems.append(f"{token!r}: expected --sglang-NAME [VALUE ...]")
+        elif key in layer.sglang:
+            layer.problems.append(f"{flag}: given twice")
         else:
-            layer.problems.append(f"{token!r}: expected --sglang-NAME VALUE")
+            layer.sglang[key] = _joined(values)
     return rest
+
+
+def _joined(values: list[str]) -> str:
+    """A flag's values as one string: "" for none, the value for one, shell-quoted for several."""
+    return values[0] if len(values) == 1 else shlex.join(values)
 
 
 def _split_router(argv: list[str], known: set[str], layer: Layer) -> list[str]:
@@ -196,8 +208,15 @@ def _unknown_cli(extras: list[str], known: list[str]) -> list[str]:
 
 def _assign(layer: Layer, name: str, value: object, key: str, allow_config: bool) -> None:
     if name == "sglang_args":
+        if isinstance(value, Mapping):
+            for sub_key, sub_value in value.items():
+                if not isinstance(sub_key, str) or not sub_key:
+                    layer.problems.append(f"{layer.source}: key {key!r}: keys must be non-empty strings")
+                else:
+                    _assign_sglang(layer, "sglang_" + sub_key, sub_value, f"{key}.{sub_key}")
+            return
         try:
-            layer.sglang.update(to_str_dict(value))
+            layer.sglang.update(to_str_dict(value))  # a JSON object string
         except ValueError as e:
             layer.problems.append(f"{layer.source}: key {key!r}: {e}")
     elif name == "router_args":
@@ -215,10 +234,19 @@ def _assign(layer: Layer, name: str, value: object, key: str, allow_config: bool
 
 
 def _assign_sglang(layer: Layer, name: str, value: object, key: str) -> None:
+    """A YAML/dict value of a pass-through SGLang option: a scalar (a boolean is a switch on or off), None (a
+    switch given without a value), or a list for an option taking several."""
     try:
-        layer.sglang[name[len("sglang_") :]] = scalar_to_str(value)
+        if value is None:
+            text = ""
+        elif isinstance(value, (list, tuple)):
+            text = shlex.join(scalar_to_str(v) for v in value)
+        else:
+            text = scalar_to_str(value)
     except ValueError as e:
         layer.problems.append(f"{layer.source}: key {key!r}: {e}")
+        return
+    layer.sglang[name[len("sglang_") :].replace("-", "_")] = text
 
 
 def _assign_router(layer: Layer, name: str, value: object, key: str) -> None:
@@ -291,8 +319,11 @@ def load_yaml(path: str) -> Layer:
     return normalize_mapping(data, source=path)
 
 
-def assemble(layers: list[Layer]) -> Config:
-    """Merge layers over the defaults (later wins), resolve, validate, and freeze into a Config."""
+def assemble(layers: list[Layer], server_parsers: bool = False) -> Config:
+    """Merge layers over the defaults (later wins), resolve, validate, and freeze into a Config.
+
+    `server_parsers`: also check the `--sglang-*` flags with SGLang's own parser where SGLang is installed (see
+    `resolve_and_validate`)."""
     values = {name: spec.default for name, spec in FIELDS.items()}
     sources = dict.fromkeys(FIELDS, DEFAULT)
     sglang: dict[str, str] = {}
@@ -313,7 +344,7 @@ def assemble(layers: list[Layer]) -> Config:
     values["router_args"] = router
     v = Values(values, sources)
     v.violations.extend(problems)
-    resolve_and_validate(v)
+    resolve_and_validate(v, server_parsers=server_parsers)
     if v.violations:
         raise ConfigError(v.violations)
     top = {name: v.values[name] for name, spec in FIELDS.items() if spec.section is None}
@@ -346,4 +377,4 @@ def parse_config(argv: list[str] | None = None, prog: str = DEFAULT_PROG) -> Con
     config_path = cli.values.get("config")
     if config_path is not None:
         layers.insert(0, load_yaml(str(config_path)))  # argparse gives the --config flag's string
-    return assemble(layers)
+    return assemble(layers, server_parsers=True)

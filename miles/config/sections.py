@@ -201,7 +201,12 @@ class RolloutConfig:
     rollout_stop: list[str] | None = opt(None, "stop strings")
     rollout_stop_token_ids: list[int] | None = opt(None, "stop token ids", ge=0)
     rollout_skip_special_tokens: bool = opt(False, "drop special tokens from the decoded response text")
-    rollout_seed: int = opt(42, "seed for data shuffling and sampling", ge=0)
+    rollout_seed: int = opt(
+        42,
+        "seed for data shuffling and sampling (SGLang engines honour per-request seeds only with "
+        "--sglang-enable-deterministic-inference)",
+        ge=0,
+    )
     rm_type: str | None = opt(
         None,
         "built-in reward type (math, deepscaler, exact_match, dapo, f1, gpqa, remote_rm; 'boxed_' prefix ok)",
@@ -262,7 +267,7 @@ class RolloutConfig:
 
 @section
 class EngineConfig:
-    """Rollout engine servers. Any `--sglang-NAME VALUE` is passed to the server as `--NAME VALUE`."""
+    """Rollout engine servers. Any `--sglang-NAME [VALUE ...]` is passed to the server as `--NAME [VALUE ...]`."""
 
     engine_host: str = opt("127.0.0.1", "address rollout engines bind to")
     engine_api_key: str | None = opt(

@@ -73,7 +73,10 @@ def check_fields(v: Values) -> None:
         except ValueError as e:
             v.fail(name, str(e))
             continue
-        problem = check_field(spec, v.values[name])
+        try:
+            problem = check_field(spec, v.values[name])
+        except ImportError as e:  # the allowed values come from a package that is not installed
+            problem = f"cannot be checked: {e}"
         if problem:
             v.fail(name, problem)
         elif spec.meta("required") and v.values[name] is None:
@@ -144,8 +147,9 @@ def _run_dir(v: Values) -> None:
 
 
 def _sglang_args(v: Values) -> None:
-    """Keep declared `--sglang-*` fields and `sglang_args` consistent; a declared field wins when set."""
-    args = dict(v["sglang_args"])
+    """Keep declared `--sglang-*` fields and `sglang_args` consistent; a declared field wins when set. Keys are
+    SGLang's option names with underscores."""
+    args = {key.lstrip("-").replace("-", "_"): value for key, value in v["sglang_args"].items()}
     for name, spec in FIELDS.items():
         if spec.section != "engine" or not name.startswith("sglang_") or name == "sglang_args":
             continue
@@ -419,6 +423,32 @@ def _router(v: Values) -> None:
         )
 
 
+def _sglang_passthrough(v: Values) -> None:
+    """--sglang-* flags that miles sets itself (refused with the reason, SGLang installed or not)."""
+    from miles.engines.sglang_args import owned_problems
+
+    for given, problem in owned_problems(v["sglang_args"]):
+        v.violations.append(f"{given}: {problem}")
+        v.bad.add("sglang_args")
+
+
+def check_sglang_flags(v: Values) -> None:
+    """Every `--sglang-*` flag through SGLang's own parser, launched as miles launches it: a bad name or value
+    is a violation naming the flag and quoting SGLang. Only where SGLang is installed and flags were given
+    (SGLang's server arguments import torch), and not for engines miles does not launch with them (`--rollout-engine
+    local`, external engines)."""
+    from miles.engines.sglang_args import parser_problems, sglang_installed
+
+    with suppress(_Skip):
+        # v.values: also when a miles-owned flag made it bad (the others are still checked)
+        args = v.values["sglang_args"]
+        if not args or v["rollout_engine"] == "local" or v["rollout_external"] or not sglang_installed():
+            return
+        for given, problem in parser_problems(args):
+            v.violations.append(f"{given}: {problem}")
+            v.bad.add("sglang_args")
+
+
 def _transfer_mode(v: Values) -> None:
     mode = v["update_weight_transfer_mode"]
     if mode == "broadcast" and v["colocate"]:
@@ -601,6 +631,7 @@ RULES: list[Callable[[Values], None]] = [
     _engine,
     _external_engines,
     _router,
+    _sglang_passthrough,
     _transfer_mode,
     _deadlines,
     _sampling,
@@ -612,8 +643,14 @@ RULES: list[Callable[[Values], None]] = [
 ]
 
 
-def resolve_and_validate(v: Values) -> None:
-    """Run every check and derivation on `v` in place; violations accumulate in `v.violations`."""
+def resolve_and_validate(v: Values, server_parsers: bool = False) -> None:
+    """Run every check and derivation on `v` in place; violations accumulate in `v.violations`.
+
+    `server_parsers`: also `check_sglang_flags` (SGLang's parser). `parse_config` asks for it, where a run's
+    configuration is first read (`--dry-run` included); `Config.from_dict`, which rebuilds it inside the Ray
+    actors (trainers among them), does not, so SGLang is never imported into a training process."""
     check_fields(v)
     _run(v, RESOLVERS)
     _run(v, RULES)
+    if server_parsers:
+        check_sglang_flags(v)

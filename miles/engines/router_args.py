@@ -9,7 +9,9 @@ split like a shell line.
 
 Some flags are miles's to set (see `MILES_OWNED`, and docs/router.md): they are refused with the reason.
 
-Importing this module imports nothing heavy; sglang-router is imported on first use.
+Importing this module imports nothing heavy; sglang-router is imported on first use. Without sglang-router,
+`--help` and a run without `--router-*` flags work; `--router-policy` and the pass-through flags are refused,
+naming the missing package (`RouterNotInstalled`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,15 @@ class _RouterArgError(Exception):
     pass
 
 
+class RouterNotInstalled(ImportError):
+    """sglang-router, whose parser defines the `--router-*` flags and the policies, is not installed."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(
+            f"sglang-router is not installed ({cause}); `pip install sglang-router` (the gpu extra has it)"
+        )
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise _RouterArgError(message)
@@ -55,7 +66,10 @@ class _Parser(argparse.ArgumentParser):
 def router_parser() -> argparse.ArgumentParser:
     """sglang-router's own parser with every option `--router-` prefixed (host, port and worker URLs left out:
     miles sets those)."""
-    from sglang_router.router_args import RouterArgs
+    try:
+        from sglang_router.router_args import RouterArgs
+    except ImportError as e:
+        raise RouterNotInstalled(e) from e
 
     parser = _Parser(prog="sglang_router.launch_router", add_help=False, allow_abbrev=False)
     RouterArgs.add_cli_args(parser, use_router_prefix=True, exclude_host_port=True)
@@ -94,8 +108,16 @@ def _tokens(flag: str, value: str, action: argparse.Action) -> list[str]:
 
 def router_arg_problems(router_args: dict[str, str]) -> list[tuple[str, str]]:
     """(`--router-NAME=VALUE`, problem) for every pass-through flag that sglang-router's parser rejects or
-    miles owns."""
-    actions = _actions()
+    miles owns (none given: nothing is imported)."""
+    if not router_args:
+        return []
+    try:
+        actions = _actions()
+    except RouterNotInstalled as e:
+        return [
+            (f"{flag_of(name)}={value!r}", f"cannot be checked or passed on: {e}")
+            for name, value in router_args.items()
+        ]
     problems: list[tuple[str, str]] = []
     for name, value in router_args.items():
         flag = flag_of(name)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from miles.engines.managed_server import EngineStartupError, ManagedServer
+from miles.engines.sglang_args import flag_args, sglang_seeds_requests
 from miles.engines.sglang_launch import ADMIN_API_KEY_ENV, API_KEY_ENV
 from miles.utils.engine_http import EngineStatusError, engine_headers, health_problem, request
 from miles.utils.net import free_port, node_ip
@@ -69,17 +70,10 @@ def resolve_engine_kind(requested: str) -> str:
 
 
 def _flag_args(args: FlagValues | None) -> list[str]:
-    """{'mem_fraction_static': '0.7', 'enable-x': True} -> ['--mem-fraction-static', '0.7', '--enable-x']."""
-    out: list[str] = []
-    for name, value in (args or {}).items():
-        flag = "--" + name.lstrip("-").replace("_", "-")
-        if value is True or value == "":
-            out.append(flag)
-        elif value is False or value is None:
-            continue
-        else:
-            out += [flag, str(value)]
-    return out
+    """{'mem_fraction_static': '0.7', 'enable-x': True, 'enable_y': ''} -> ['--mem-fraction-static=0.7',
+    '--enable-x', '--enable-y']: see `miles.engines.sglang_args.flag_args` (a value-less flag is bare, every
+    value rides in its flag's token)."""
+    return flag_args(args)
 
 
 class EngineLaunchKwargs(TypedDict):
@@ -104,11 +98,20 @@ def engine_launch_kwargs(
       through `--sglang-random-seed` wins;
     - colocated SGLang engines get `--enable-memory-saver` and `SGLANG_MEMORY_SAVER_CUDA_GRAPH=true`, without
       which `/release_memory_occupation` frees nothing (torch_memory_saver regions are made only then).
-    Returns {"sglang_args", "local_args", "env"}.
+    SGLang honours a request's `sampling_seed` only with `--enable-deterministic-inference` (or
+    `--rl-on-policy-target`, which sets it); without it the first engine's launch warns that rollouts are not
+    reproducible from `--rollout-seed` (docs/gpu.md). Returns {"sglang_args", "local_args", "env"}.
     """
     sglang, local, env = dict(sglang_args or {}), dict(local_args or {}), {}
     seed = rollout_seed + index
     if kind == "sglang":
+        if index == 0 and not sglang_seeds_requests(sglang):
+            logger.warning(
+                "SGLang engines ignore each request's sampling_seed without --sglang-enable-deterministic-"
+                "inference: rollouts are not reproducible from --rollout-seed %d (set that flag to make them "
+                "so, at the cost of SGLang's batch-invariant kernels)",
+                rollout_seed,
+            )
         sglang.setdefault("random_seed", str(seed))
         if colocate:
             sglang["enable_memory_saver"] = True
@@ -201,16 +204,11 @@ class EngineProcess(EngineCalls, ManagedServer):
 
     def command(self) -> list[str]:
         """The server command line (needs `port` set)."""
-        common = ["--model-path", self.model_path, "--host", self.host, "--port", str(self.port)]
+        # one token per valued flag (`--NAME=VALUE`): a value starting with '-' is not read as a flag
+        common = [f"--model-path={self.model_path}", f"--host={self.host}", f"--port={self.port}"]
         if self.kind == "sglang":
-            return [
-                self.python,
-                "-m",
-                "miles.engines.sglang_launch",
-                *common,
-                "--tp-size",
-                str(self.tp_size),
-            ] + (_flag_args(self.sglang_args))
+            launcher = [self.python, "-m", "miles.engines.sglang_launch"]
+            return launcher + common + [f"--tp-size={self.tp_size}"] + _flag_args(self.sglang_args)
         return [self.python, "-m", "miles.engines.local", *common] + _flag_args(self.local_args)
 
     def launch_env(self) -> dict[str, str]:

@@ -33,7 +33,9 @@ Every flag below is one field of a configuration section. A field `rollout_batch
 
 Values merge as defaults < `--config` YAML < command line, and are validated once: a bad configuration exits
 with code 2 and lists every problem. `--dry-run` prints the resolved configuration as YAML that `--config` reads
-back. Any `--sglang-NAME VALUE` that is not listed here goes to the SGLang server as `--NAME VALUE`.
+back. Any `--sglang-NAME [VALUE ...]` that is not listed here goes to the SGLang server as `--NAME [VALUE ...]` (a
+switch without a value, or `true`/`false`), checked with SGLang's own parser where SGLang is installed
+([GPU guide](gpu.md#sglang-engines-and-their-flags)).
 
 Flags marked **not built** are accepted by the parser but refused when set: their feature does not exist yet.
 Secrets (API keys) print as `<redacted>` in logs and are left out of `--dry-run` output.

@@ -56,11 +56,11 @@ def test_command_lines():
         "miles.engines.sglang_launch",
     ]  # sglang.launch_server, keys from the environment
     assert cmd[3:] == [
-        "--model-path", "/m", "--host", "127.0.0.1", "--port", "1234", "--tp-size", "2",
-        "--mem-fraction-static", "0.7", "--enable-memory-saver",
-    ]  # fmt: skip
+        "--model-path=/m", "--host=127.0.0.1", "--port=1234", "--tp-size=2",
+        "--mem-fraction-static=0.7", "--enable-memory-saver",
+    ]  # fmt: skip  (one token per valued flag: a value starting with '-' stays a value)
     local = EngineProcess("/m", kind="local", port=5, api_key="k", local_args={"random_seed": 3}).command()
-    assert local[1:3] == ["-m", "miles.engines.local"] and local[-2:] == ["--random-seed", "3"]
+    assert local[1:3] == ["-m", "miles.engines.local"] and local[-1] == "--random-seed=3"
     assert "k" not in local and "--api-key" not in local  # the key goes by environment
     wildcard = EngineProcess("/m", kind="local", host="0.0.0.0", port=7, api_key="k")
     assert wildcard.url == f"http://{net.node_ip()}:7" and "0.0.0.0" not in wildcard.url

@@ -53,8 +53,8 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     import os
 
-    from miles.engines.sglang_launch import argv_with_keys
+    from miles.engines.sglang_launch import launch_argv
 
-    # EngineProcess passes the keys by environment, as to miles.engines.sglang_launch
-
-    main(argv_with_keys(sys.argv[1:], dict(os.environ)))
+    # what miles.engines.sglang_launch hands to sglang.launch_server: the keys from the environment (EngineProcess
+    # passes them so), the flags in SGLang's form
+    main(launch_argv(sys.argv[1:], dict(os.environ)))

@@ -281,25 +281,25 @@ def test_sglang_passthrough(tmp_path: Path, minimal_argv: list[str]) -> None:
         tmp_path,
         """
         sglang-context-length: 4096
-        sglang-tp-size: 1
+        sglang-max-running-requests: 1
         engine:
           sglang_args: {log_level: warning}
           sglang-enable-metrics: true
         """,
     )
     argv = minimal_argv + [
-        "--config", path, "--sglang-tp-size", "2", "--sglang-dtype=bfloat16", "--sglang-disable-radix-cache",
+        "--config", path, "--sglang-max-running-requests", "2", "--sglang-dtype=bfloat16", "--sglang-disable-radix-cache",
         "--sglang-mem-fraction-static", "0.5", "--sglang-random-seed", "-1",
     ]  # fmt: skip
     cfg = parse_config(argv)
     assert cfg.engine.sglang_mem_fraction_static == 0.5
     assert cfg.engine.sglang_args == {
         "context_length": "4096",
-        "tp_size": "2",  # CLI beats YAML
+        "max_running_requests": "2",  # CLI beats YAML
         "log_level": "warning",
         "enable_metrics": "true",
         "dtype": "bfloat16",
-        "disable_radix_cache": "true",  # a bare flag
+        "disable_radix_cache": "",  # a bare flag: a switch, launched bare
         "random_seed": "-1",
         "mem_fraction_static": "0.5",  # declared flags land here too
     }

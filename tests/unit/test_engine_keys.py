@@ -28,9 +28,10 @@ def test_keys_go_by_environment_not_on_the_command_line(monkeypatch):
 
 def test_sglang_launcher_moves_keys_onto_its_argv():
     env = {API_KEY_ENV: "a", ADMIN_API_KEY_ENV: "b"}
-    assert argv_with_keys(["--port", "1"], env) == ["--port", "1", "--api-key", "a", "--admin-api-key", "b"]
-    assert argv_with_keys(["--api-key", "x"], env) == ["--api-key", "x", "--admin-api-key", "b"]
-    assert argv_with_keys(["--port", "1"], {}) == ["--port", "1"]
+    assert argv_with_keys(["--port=1"], env) == ["--port=1", "--api-key=a", "--admin-api-key=b"]
+    assert argv_with_keys(["--api-key", "x"], env) == ["--api-key", "x", "--admin-api-key=b"]
+    assert argv_with_keys(["--api-key=x"], env) == ["--api-key=x", "--admin-api-key=b"]
+    assert argv_with_keys(["--port=1"], {}) == ["--port=1"]
 
 
 def test_embedded_engine_reads_keys_from_environment(monkeypatch):
