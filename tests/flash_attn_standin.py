@@ -22,7 +22,9 @@ import torch
 CALLS: Counter[str] = Counter()
 
 
-def _check_unsupported(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes, **extra) -> None:
+def _check_unsupported(
+    dropout_p, window_size_left, window_size_right, softcap, alibi_slopes, **extra
+) -> None:
     if dropout_p:
         raise NotImplementedError(f"stand-in: dropout_p={dropout_p}")
     if (window_size_left, window_size_right) not in ((-1, -1), (-1, 0)):
