@@ -7,7 +7,8 @@ Checked: no unbuilt flag is set; a reward is configured, `--rm-type` is register
 imports; the rollout seams (generate, filter, rollout, eval functions, tool) import and have their signatures; the prompt and eval files exist and their first rows parse with `--input-key` / `--label-key`; the
 model directories hold a config, weights (safetensors complete) and, for the policy, a tokenizer; `--load`
 is a checkpoint root, or a directory without one (the run starts from `--hf-checkpoint` and says so), or
-`--save` not created yet.
+`--save` not created yet; the
+modules the `--attn-implementation` kernel needs are installed.
 
 This module imports no torch, ray or transformers; user modules named by `--custom-*-path` are imported.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib.util
 import logging
 import os
 import re
@@ -176,6 +178,34 @@ def _tracker_problems(root: Path, tracker: Path) -> list[str]:
     return [f"--load: {tracker} names rollout {int(text)}, but {root / name} is missing or incomplete"]
 
 
+_FA2 = ("flash_attn", "FlashAttention-2 (package flash-attn): pip install 'miles[gpu]'")
+_FA3 = (
+    "flash_attn_interface",
+    "FlashAttention-3, not on PyPI: build it from flash-attention's hopper/ directory "
+    "(cd hopper && pip install --no-build-isolation .)",
+)
+_RING = (
+    "ring_flash_attn",
+    "ring-flash-attn: pip install 'miles[gpu]' (or pip install --no-deps ring-flash-attn)",
+)
+
+
+def attention_kernel_problems(attn_implementation: str, context_parallel_size: int) -> list[str]:
+    """The modules the --attn-implementation kernel needs, where the driver runs (found, not imported; the
+    trainers import them again at model build): flash_attention_2 -> flash_attn, and ring_flash_attn with
+    --context-parallel-size > 1; flash_attention_3 -> flash_attn_interface."""
+    needed = {"flash_attention_2": [_FA2], "flash_attention_3": [_FA3]}.get(attn_implementation, [])
+    if attn_implementation == "flash_attention_2" and context_parallel_size > 1:
+        needed.append(_RING)
+    return [
+        f"--attn-implementation {attn_implementation}"
+        + (f" with --context-parallel-size {context_parallel_size}" if module == _RING[0] else "")
+        + f" needs the module {module}, which is not installed: install {how}"
+        for module, how in needed
+        if importlib.util.find_spec(module) is None
+    ]
+
+
 def run_preflight(cfg: Config) -> None:
     """Run every check on `cfg`; raise PreflightError listing all problems found."""
     d, m, c = cfg.data, cfg.model, cfg.checkpoint
@@ -194,6 +224,7 @@ def run_preflight(cfg: Config) -> None:
         lambda: _debug_data_problems(
             cfg.debug.load_debug_rollout_data, cfg.rollout.num_rollout, resuming=_has_checkpoint(c.load)
         ),
+        lambda: attention_kernel_problems(m.attn_implementation, cfg.train.context_parallel_size),
     ]
     keys = RowKeys(
         input_key=d.input_key,

@@ -228,6 +228,16 @@ def _parallelism(v: Values) -> None:
         )
 
 
+def _attention(v: Values) -> None:
+    """Each --attn-implementation runs its own kernel; flash_attention_3 has none for context parallelism."""
+    if v["attn_implementation"] == "flash_attention_3" and v["context_parallel_size"] > 1:
+        v.fail(
+            "attn_implementation",
+            f"has no context-parallel kernel (--context-parallel-size={v['context_parallel_size']}): "
+            "ring-flash-attn runs FlashAttention-2's kernels; use --attn-implementation flash_attention_2",
+        )
+
+
 def _rollout_placement(v: Values) -> None:
     if v["rollout_external"]:
         return  # _external_engines checks the engines miles does not launch
@@ -622,6 +632,7 @@ RULES: list[Callable[[Values], None]] = [
     _debug,
     _batch_sizes,
     _parallelism,
+    _attention,
     _rollout_placement,
     _requires,
     _eval_data,

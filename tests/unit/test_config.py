@@ -16,6 +16,8 @@ import yaml
 from miles.config import NOT_IMPLEMENTED, Config, ConfigError, build_parser, parse_config
 from miles.config.schema import FIELDS
 
+# the reference launch line; flash_attention_2 where it had flash_attention_3, which has no context-parallel kernel
+# (ring-flash-attn runs FlashAttention-2) and is refused with --context-parallel-size 2
 REFERENCE_LINE = """
 --hf-checkpoint /root/Qwen3-4B --ref-load /root/Qwen3-4B --load /root/ckpt --save /root/ckpt --save-interval 20
 --prompt-data /root/dapo-math-17k/dapo-math-17k.jsonl --input-key prompt --label-key label --apply-chat-template
@@ -26,7 +28,7 @@ REFERENCE_LINE = """
 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98 --use-wandb --wandb-project miles-dev --wandb-group qwen3-4B
 --wandb-key KEY --rollout-num-gpus-per-engine 2 --sglang-mem-fraction-static 0.7 --sglang-decode-log-interval 1000
 --sglang-chunked-prefill-size 4096 --sglang-attention-backend fa3 --train-backend fsdp
---update-weight-buffer-size 536870912 --gradient-checkpointing --attn-implementation flash_attention_3
+--update-weight-buffer-size 536870912 --gradient-checkpointing --attn-implementation flash_attention_2
 --train-env-vars '{"PYTORCH_CUDA_ALLOC_CONF":"expandable_segments:True"}' --use-dynamic-batch-size
 --max-tokens-per-gpu 9216 --actor-num-nodes 1 --actor-num-gpus-per-node 8 --colocate --use-fault-tolerance
 --dump-details /root/dump --fsdp-cpu-offload --context-parallel-size 2 --seed 42
@@ -68,7 +70,7 @@ def test_reference_launch_line_passes(reference_argv: list[str]) -> None:
     assert cfg.cluster.actor_num_gpus_per_node == 8 and cfg.cluster.colocate
     assert cfg.cluster.rollout_num_gpus == 8  # colocate: the actor total
     assert cfg.cluster.train_env_vars == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    assert cfg.model.attn_implementation == "flash_attention_3" and cfg.model.gradient_checkpointing
+    assert cfg.model.attn_implementation == "flash_attention_2" and cfg.model.gradient_checkpointing
     assert cfg.checkpoint.save_interval == 20 and cfg.checkpoint.ref_load == "/root/Qwen3-4B"
     assert cfg.data.input_key == "prompt" and cfg.data.apply_chat_template and cfg.data.rollout_shuffle
     assert cfg.rollout.rollout_batch_size == 32 and cfg.rollout.n_samples_per_prompt == 8
@@ -425,3 +427,14 @@ def test_lists_and_function_paths(minimal_argv: list[str]) -> None:
     assert _errors(minimal_argv + ["--custom-loss-function-path", "not a path"])[0].startswith(
         "--custom-loss-function-path='not a path': expected 'module.path:function'"
     )
+
+
+def test_flash_attention_3_with_context_parallelism_is_refused(minimal_argv: list[str]) -> None:
+    argv = minimal_argv + ["--attn-implementation", "flash_attention_3"]
+    assert parse_config(argv).model.attn_implementation == "flash_attention_3"
+    (error,) = _errors(argv + ["--context-parallel-size", "2", "--actor-num-gpus-per-node", "2"])
+    assert error.startswith("--attn-implementation='flash_attention_3': has no context-parallel kernel")
+    assert "flash_attention_2" in error
+    cfg = parse_config(minimal_argv + ["--attn-implementation", "flash_attention_2", "--context-parallel-size", "2",
+                                       "--actor-num-gpus-per-node", "2"])  # fmt: skip
+    assert cfg.train.context_parallel_size == 2

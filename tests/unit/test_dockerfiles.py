@@ -1,7 +1,10 @@
 """Static checks of Dockerfile and Dockerfile.cpu (no Docker engine runs in the test environment): every file
 they copy and every script, module and extra they use exists in the repository, nothing they need is excluded by
 .dockerignore, files are copied before a RUN uses them, a few hadolint-style rules hold, the GPU image builds on
-lmsysorg/sglang with the `gpu` extra, and the CPU image runs the README's two commands."""
+lmsysorg/sglang with the `gpu` extra, and the CPU image runs the README's two commands. The images' Python pins
+agree with pyproject.toml: the GPU base is the SGLang release the `gpu` extra and the conformance venv pin, the CPU
+image's torch and Python satisfy pyproject and equal install.sh's CPU torch; the `gpu` extra names only vetted
+packages."""
 
 from __future__ import annotations
 
@@ -177,3 +180,66 @@ def test_cpu_image_runs_the_two_readme_commands():
     assert "test" in _extras_installed(instructions) or any(
         "scripts/install.sh test" in i.args for i in instructions if i.op == "RUN"
     )
+
+
+# ---- the images' Python pins agree with pyproject.toml ----------------------------------------------------------
+
+# every package of the `gpu` extra and why it is there; a new one is added here with its reason, deliberately
+VETTED_GPU_PACKAGES = {
+    "sglang": "the rollout engine (the release the engine contract is tested against)",
+    "torch-memory-saver": "SGLang's memory saver: colocated engines release and resume their GPU memory",
+    "flash-attn": "FlashAttention-2 varlen kernels (--attn-implementation flash_attention_2, miles_varlen on CUDA)",
+    "ring-flash-attn": "context-parallel attention on CUDA (its llama3 varlen kernel)",
+}
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def _requirements(names: list[str]) -> dict:
+    from packaging.requirements import Requirement
+
+    return {(r := Requirement(s)).name: r for s in names}
+
+
+def _dockerfile_args(name: str) -> dict[str, str]:
+    return dict(i.args.split("=", 1) for i in parse(REPO / name) if i.op == "ARG" and "=" in i.args)
+
+
+def test_gpu_extra_names_only_vetted_packages():
+    gpu = _requirements(_pyproject()["project"]["optional-dependencies"]["gpu"])
+    assert set(gpu) == set(VETTED_GPU_PACKAGES), set(gpu) ^ set(VETTED_GPU_PACKAGES)
+    assert "deep-gemm" not in gpu  # the PyPI name is not DeepSeek's DeepGEMM (which SGLang's image brings)
+
+
+def test_gpu_image_sglang_is_the_release_the_gpu_extra_and_the_contract_pin():
+    base = _dockerfile_args("Dockerfile")["BASE_IMAGE"]
+    match = re.fullmatch(r"lmsysorg/sglang:v(\d+\.\d+\.\d+(?:\.post\d+)?)(?:-cu\d+)?", base)
+    assert match, f"the GPU image's base must be a pinned SGLang release tag, got {base}"
+    version = match.group(1)
+    (spec,) = _requirements(_pyproject()["project"]["optional-dependencies"]["gpu"])["sglang"].specifier
+    assert (spec.operator, spec.version) == ("==", version), (str(spec), base)
+    venv_pins = re.findall(r'"sglang==([\w.]+)"', (REPO / "scripts" / "sglang-venv.sh").read_text())
+    assert venv_pins == [version], ("scripts/sglang-venv.sh, the conformance suite's sglang", venv_pins)
+    # the ring-flash-attn miles calls on GPU is the one the CPU test runs
+    extras = _pyproject()["project"]["optional-dependencies"]
+    ring = {extra: _requirements(extras[extra])["ring-flash-attn"].specifier for extra in ("gpu", "test")}
+    assert ring["gpu"] == ring["test"] and str(ring["gpu"]).startswith("=="), ring
+
+
+def test_cpu_image_pins_agree_with_pyproject_and_install_script():
+    from packaging.specifiers import SpecifierSet
+
+    project = _pyproject()["project"]
+    args = _dockerfile_args("Dockerfile.cpu")
+    torch_pin = args["TORCH_VERSION"]
+    assert torch_pin in _requirements(project["dependencies"])["torch"].specifier, torch_pin
+    install_pins = re.findall(r"torch==([\w.]+)", (REPO / "scripts" / "install.sh").read_text())
+    assert install_pins and set(install_pins) == {torch_pin}, ("scripts/install.sh CPU torch", install_pins)
+    (base,) = [i.args for i in parse(REPO / "Dockerfile.cpu") if i.op == "FROM"]
+    python = re.fullmatch(r"python:(\d+\.\d+)(?:\.\d+)?-slim", base)
+    assert python, base
+    requires = SpecifierSet(project["requires-python"])
+    assert python.group(1) + ".0" in requires, (base, str(requires))

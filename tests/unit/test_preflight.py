@@ -187,3 +187,25 @@ def test_replay_data_is_checked_in_full_unless_load_resumes_a_checkpoint(tmp_pat
     assert "2 of the 3 rollouts are missing" in problem
     (hf / TRACKER_FILE).write_text("1\n")
     assert _has_checkpoint(str(hf)) and _debug_data_problems(data, 3, resuming=True) == []
+
+
+def test_attention_kernel_modules_are_checked_where_the_driver_runs(monkeypatch):
+    import importlib.util
+
+    from miles.config import preflight
+
+    installed: set[str] = set()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name in installed else None)
+    problems = preflight.attention_kernel_problems
+    assert problems("sdpa", 2) == [] and problems("miles_varlen", 2) == []  # SDPA on CPU needs nothing
+    (fa3,) = problems("flash_attention_3", 1)
+    assert fa3.startswith("--attn-implementation flash_attention_3 needs the module flash_attn_interface")
+    assert "hopper" in fa3
+    fa2, ring = problems("flash_attention_2", 2)
+    assert "module flash_attn," in fa2 and "miles[gpu]" in fa2
+    assert "--context-parallel-size 2 needs the module ring_flash_attn" in ring and "--no-deps" in ring
+    installed.update({"flash_attn", "flash_attn_interface"})
+    assert problems("flash_attention_3", 1) == [] and problems("flash_attention_2", 1) == []
+    assert len(problems("flash_attention_2", 2)) == 1
+    installed.add("ring_flash_attn")
+    assert problems("flash_attention_2", 2) == []

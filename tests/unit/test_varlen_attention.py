@@ -299,3 +299,92 @@ def test_padding_mask_and_kv_cache_are_refused():
     out = model(input_ids=ids[:1, :4], use_cache=True)
     with pytest.raises(ValueError, match="use_cache=False"):
         model(input_ids=ids[:1, 4:], past_key_values=out.past_key_values, use_cache=True)
+
+
+def _fake_module(monkeypatch, name: str, calls: list, result):
+    import sys
+    import types
+
+    module = types.ModuleType(name)
+
+    def flash_attn_varlen_func(*args, **kwargs):
+        calls.append((name, args, kwargs))
+        return result
+
+    module.flash_attn_varlen_func = flash_attn_varlen_func
+    monkeypatch.setitem(sys.modules, name, module)
+
+
+@pytest.mark.parametrize(
+    ("attn", "module", "returns_tuple"),
+    [
+        ("flash_attention_2", "flash_attn", False),
+        ("flash_attention_3", "flash_attn_interface", False),
+        ("flash_attention_3", "flash_attn_interface", True),  # FA3 betas return (out, softmax_lse)
+    ],
+)
+def test_each_flash_name_runs_its_own_kernel(monkeypatch, attn, module, returns_tuple):
+    """flash_attention_2 calls flash_attn's varlen kernel, flash_attention_3 flash_attn_interface's (FA3), with
+    causal=True and the scale; the other package is never touched."""
+    from miles.backends.fsdp_utils import attention
+
+    calls: list = []
+    out = torch.ones(3, 2, 4)
+    _fake_module(monkeypatch, module, calls, (out, torch.zeros(2, 3)) if returns_tuple else out)
+    other = "flash_attn_interface" if module == "flash_attn" else "flash_attn"
+    monkeypatch.setitem(__import__("sys").modules, other, None)  # importing the other one would fail
+    try:
+        attention.select_attention_kernel(attn, is_cuda=True)  # imports the kernel now, at model build
+        assert attention.varlen_backend() == ("flash" if attn == "flash_attention_2" else "flash3")
+        kernel = attention._import_flash_varlen()
+        q = torch.zeros(3, 2, 4)
+        cu = torch.tensor([0, 3], dtype=torch.int32)
+        assert kernel(q, q, q, cu, cu, 3, 3, 0.0, 0.5) is out
+    finally:
+        set_varlen_backend("auto")
+    assert [c[0] for c in calls] == [module]
+    assert calls[0][2]["causal"] is True and calls[0][2]["softmax_scale"] == 0.5
+
+
+def test_missing_flash_package_is_named_at_model_build(monkeypatch):
+    import sys
+
+    from miles.backends.fsdp_utils.attention import select_attention_kernel
+
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
+    try:
+        with pytest.raises(ImportError, match=r"FlashAttention-3 \(module flash_attn_interface\).*hopper"):
+            select_attention_kernel("flash_attention_3", is_cuda=True)
+        with pytest.raises(ImportError, match=r"flash_attn.*miles\[gpu\]"):
+            select_attention_kernel("flash_attention_2", is_cuda=True)
+        with pytest.raises(ImportError, match=r"flash_attn.*miles\[gpu\]"):
+            select_attention_kernel("miles_varlen", is_cuda=True)  # FA2 on CUDA
+        select_attention_kernel("miles_varlen", is_cuda=False)  # SDPA on CPU: nothing to import
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            select_attention_kernel("flash_attention_2", is_cuda=False)
+        with pytest.raises(ValueError, match="flash_attention_3 has no context-parallel kernel"):
+            select_attention_kernel("flash_attention_3", is_cuda=True, cp_size=2)
+    finally:
+        set_varlen_backend("auto")
+
+
+def test_fa2_with_context_parallel_needs_ring_flash_attn_at_model_build(monkeypatch):
+    import importlib.util
+    import sys
+
+    from miles.backends.fsdp_utils.attention import select_attention_kernel
+
+    _fake_module(monkeypatch, "flash_attn", [], None)
+    monkeypatch.delitem(sys.modules, "_miles_ring_flash_attn.llama3_flash_attn_varlen", raising=False)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "ring_flash_attn" else real_find_spec(n, *a)
+    )
+    try:
+        select_attention_kernel("flash_attention_2", is_cuda=True, cp_size=1)
+        with pytest.raises(ImportError, match="runs ring-flash-attn"):
+            select_attention_kernel("flash_attention_2", is_cuda=True, cp_size=2)
+        select_attention_kernel("sdpa", is_cuda=True, cp_size=2)  # plain-torch all-gather: no ring needed
+    finally:
+        set_varlen_backend("auto")

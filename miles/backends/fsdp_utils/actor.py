@@ -65,7 +65,7 @@ class FSDPTrainer(TrainBackend):
         self.ps = ps = init_distributed(None, cfg.train.train_timeout, cfg.train.context_parallel_size)
         _set_cpu_threads(ps)
         self.param_dtype = _param_dtype(cfg.model.train_dtype, ps.is_cuda)
-        _select_attention_kernel(cfg.model.attn_implementation, ps.is_cuda)
+        _select_attention_kernel(cfg.model.attn_implementation, ps.is_cuda, ps.cp_size)
         model_kwargs = dict(
             param_dtype=self.param_dtype,
             reduce_dtype=torch.float32,
@@ -485,23 +485,11 @@ def _lora_transform(lora: LoraConfig) -> Callable[[torch.nn.Module], None]:
     return transform
 
 
-def _select_attention_kernel(attn_implementation: str, is_cuda: bool) -> None:
-    """--attn-implementation picks the kernel behind the packed (varlen) attention every training forward uses:
-    flash_attention_2/3 -> flash-attn varlen (CUDA, the `gpu` extra); sdpa/eager -> per-sequence SDPA;
-    miles_varlen -> flash-attn on CUDA, SDPA on CPU."""
-    from miles.backends.fsdp_utils.attention import set_varlen_backend
+def _select_attention_kernel(attn_implementation: str, is_cuda: bool, cp_size: int) -> None:
+    """--attn-implementation -> the packed-attention kernel (attention.select_attention_kernel)."""
+    from miles.backends.fsdp_utils.attention import select_attention_kernel
 
-    if attn_implementation.startswith("flash_attention"):
-        if not is_cuda:
-            raise ValueError(
-                f"--attn-implementation {attn_implementation} needs a CUDA device and flash-attn "
-                "(pip install 'miles[gpu]'); on CPU use --attn-implementation sdpa"
-            )
-        set_varlen_backend("flash")
-    elif attn_implementation == "miles_varlen":
-        set_varlen_backend("auto")
-    else:
-        set_varlen_backend("sdpa")
+    select_attention_kernel(attn_implementation, is_cuda, cp_size)
 
 
 def fuse_models_elementwise(

@@ -4,14 +4,17 @@ A pack is one row of several sequences; every token attends causally to the earl
 sequence only. Boundaries come from `cu_seq_lens_q` (HF's flash-attention kwarg name, passed to the model
 forward) or, when absent, from `position_ids` restarting at 0; never from token values.
 
-Kernels:
+Kernels (`select_attention_kernel` maps --attn-implementation onto them; each name runs its own kernel):
 - CPU (and CUDA with backend "sdpa"): sequences of similar length are gathered into right-padded batches and
   each batch is one `scaled_dot_product_attention(is_causal=True)` call (no Python loop per sequence; the
   padded work stays within `PAD_WORK_LIMIT` x sum(L_i^2)); each sequence computes what an unpacked forward
   would, up to summation order;
-- CUDA with flash-attn importable: `flash_attn_varlen_func` over the whole row;
-- context parallel (a `miles_cp` kwarg, see context_parallel.py): all-gathered K/V with a block-diagonal
-  causal mask in global positions.
+- backend "flash" (flash_attention_2; miles_varlen on CUDA): FlashAttention-2's `flash_attn_varlen_func`
+  (package flash-attn, module `flash_attn`) over the whole row;
+- backend "flash3" (flash_attention_3): FlashAttention-3's `flash_attn_varlen_func` (module
+  `flash_attn_interface`, built from flash-attention's hopper/ directory; not on PyPI);
+- context parallel (a `miles_cp` kwarg, see context_parallel.py): ring-flash-attn's llama3 varlen kernel with
+  FlashAttention-2 on CUDA, all-gathered K/V with a block-diagonal causal mask in plain torch otherwise.
 
 Because "miles_varlen" is not a mask-interface name, HF builds no 4D mask for it (`attention_mask` is None),
 which is what a packed row needs. Select it with `enable_varlen_attention(model)`; `forward_packed` does so.
@@ -19,7 +22,9 @@ which is what a packed row needs. Select it with `enable_varlen_attention(model)
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,18 +43,28 @@ __all__ = [
     "cu_seqlens_from_position_ids",
     "enable_varlen_attention",
     "padded_layout",
+    "select_attention_kernel",
     "set_varlen_backend",
     "use_flash_kernel",
     "varlen_attention_forward",
 ]
 
 VARLEN_ATTENTION = "miles_varlen"
-_BACKENDS = ("auto", "sdpa", "flash")
+_BACKENDS = ("auto", "sdpa", "flash", "flash3")
 _backend = os.environ.get("MILES_VARLEN_BACKEND", "auto")
+
+# what each flash backend imports, and how to get it
+FA2_MODULE, FA2_INSTALL = "flash_attn", "the flash-attn package: pip install 'miles[gpu]'"
+FA3_MODULE, FA3_INSTALL = (
+    "flash_attn_interface",
+    "FlashAttention-3, which is not on PyPI: build it from flash-attention's hopper/ directory "
+    "(cd hopper && pip install --no-build-isolation .)",
+)
 
 
 def set_varlen_backend(name: str) -> None:
-    """Choose the kernel: "auto" (flash-attn on CUDA, SDPA on CPU), "sdpa" (always), "flash" (CUDA only).
+    """Choose the kernel: "auto" (FlashAttention-2 on CUDA, SDPA on CPU), "sdpa" (always), "flash"
+    (FlashAttention-2, CUDA only), "flash3" (FlashAttention-3, CUDA only).
 
     The default comes from the environment variable MILES_VARLEN_BACKEND, else "auto".
     """
@@ -59,34 +74,112 @@ def set_varlen_backend(name: str) -> None:
     _backend = name
 
 
+def varlen_backend() -> str:
+    """The backend chosen by `set_varlen_backend` (or MILES_VARLEN_BACKEND)."""
+    return _backend
+
+
 def use_flash_kernel(query: torch.Tensor) -> bool:
-    """Whether the varlen kernels should run flash-attn for `query` under the current backend choice."""
-    if _backend == "flash" and not query.is_cuda:
-        raise ValueError("MILES_VARLEN_BACKEND=flash needs CUDA tensors; use 'sdpa' or 'auto' on CPU")
-    return _backend == "flash" or (_backend == "auto" and query.is_cuda)
+    """Whether the varlen kernels should run flash-attn (2 or 3) for `query` under the current backend choice."""
+    if _backend in ("flash", "flash3") and not query.is_cuda:
+        raise ValueError(f"MILES_VARLEN_BACKEND={_backend} needs CUDA tensors; use 'sdpa' or 'auto' on CPU")
+    return _runs_flash(query.is_cuda)
 
 
-def _import_flash_varlen() -> Callable[..., torch.Tensor]:
-    """flash-attn's `flash_attn_varlen_func`, else the same call over torch's own flash varlen kernel
-    (`torch.nn.attention.varlen.varlen_attn`, CUDA builds of torch >= 2.9), else ImportError naming the extra."""
+def _runs_flash(is_cuda: bool) -> bool:
+    return _backend in ("flash", "flash3") or (_backend == "auto" and is_cuda)
+
+
+def select_attention_kernel(attn_implementation: str, is_cuda: bool, cp_size: int = 1) -> None:
+    """--attn-implementation picks the kernel behind the packed (varlen) attention every training forward uses,
+    and the packages it needs are imported now (at model build), so a missing one fails before the first step:
+
+    - flash_attention_2 -> FlashAttention-2 varlen (`flash_attn`, the `gpu` extra), CUDA only;
+    - flash_attention_3 -> FlashAttention-3 varlen (`flash_attn_interface`), CUDA only, no context parallelism
+      (ring-flash-attn's kernels are FlashAttention-2's);
+    - miles_varlen -> FlashAttention-2 on CUDA where installed, else torch's own flash varlen kernel
+      (`torch.nn.attention.varlen`); SDPA on CPU; sdpa/eager -> bucketed SDPA.
+
+    With cp_size > 1 and FlashAttention-2, context-parallel attention runs ring-flash-attn (imported here too).
+    """
+    if attn_implementation in ("flash_attention_2", "flash_attention_3"):
+        if not is_cuda:
+            raise ValueError(
+                f"--attn-implementation {attn_implementation} needs a CUDA device; on CPU use "
+                "--attn-implementation sdpa"
+            )
+        if attn_implementation == "flash_attention_3" and cp_size > 1:
+            raise ValueError(
+                "--attn-implementation flash_attention_3 has no context-parallel kernel (ring-flash-attn runs "
+                "FlashAttention-2's); use flash_attention_2 with --context-parallel-size > 1"
+            )
+        set_varlen_backend("flash" if attn_implementation == "flash_attention_2" else "flash3")
+    elif attn_implementation == "miles_varlen":
+        set_varlen_backend("auto")
+    else:
+        set_varlen_backend("sdpa")
+    if _runs_flash(is_cuda):
+        _import_flash_varlen()
+        if cp_size > 1 and (_backend != "auto" or flash_attn_installed()):
+            from miles.backends.fsdp_utils.context_parallel import import_ring_kernels
+
+            import_ring_kernels()
+
+
+VarlenKernel = Callable[..., torch.Tensor]
+
+
+def flash_attn_installed() -> bool:
+    """Whether FlashAttention-2 (`flash_attn`) is importable: already imported (or stood in for), else looked up
+    without importing it."""
+    if "flash_attn" in sys.modules:
+        return sys.modules["flash_attn"] is not None
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _import_flash_varlen() -> VarlenKernel:
+    """The backend's varlen kernel as f(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale) -> out,
+    causal (bottom-right aligned), q [Tq, H, D], k/v [Tk, Hkv, D]."""
+    if _backend == "flash3":
+        try:
+            from flash_attn_interface import flash_attn_varlen_func as fa3_varlen
+        except ImportError as e:
+            raise ImportError(
+                f"--attn-implementation flash_attention_3 runs FlashAttention-3 (module {FA3_MODULE}), which is "
+                f"not importable ({e}); install {FA3_INSTALL}, or use flash_attention_2"
+            ) from e
+
+        def fa3(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale):  # type: ignore[no-untyped-def]
+            if dropout_p:
+                raise ValueError(f"FlashAttention-3 has no attention dropout (got {dropout_p})")
+            out = fa3_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=softmax_scale, causal=True)
+            return out[0] if isinstance(out, tuple) else out  # FA3 betas return (out, softmax_lse)
+
+        return fa3
     try:
-        from flash_attn import flash_attn_varlen_func
+        from flash_attn import flash_attn_varlen_func as fa2_varlen
     except ImportError as e:
-        torch_varlen = torch_varlen_func()
+        # miles_varlen ("auto") takes torch's own flash varlen kernel where flash-attn is missing;
+        # flash_attention_2 named means FlashAttention-2 run
+        torch_varlen = torch_varlen_func() if _backend == "auto" else None
         if torch_varlen is not None:
             return torch_varlen
         raise ImportError(
-            "miles_varlen attention on CUDA uses flash-attn, which is not importable "
-            f"({e}), and this torch has no torch.nn.attention.varlen; install the GPU extra: "
-            "pip install 'miles[gpu]' (or set MILES_VARLEN_BACKEND=sdpa)"
+            f"miles_varlen attention with FlashAttention-2 (module {FA2_MODULE}) on CUDA: not importable ({e}); "
+            f"install {FA2_INSTALL} (or use --attn-implementation sdpa / MILES_VARLEN_BACKEND=sdpa)"
         ) from e
-    return flash_attn_varlen_func
+
+    def fa2(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale):  # type: ignore[no-untyped-def]
+        return fa2_varlen(
+            q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=True
+        )
+
+    return fa2
 
 
 def torch_varlen_func() -> Callable[..., torch.Tensor] | None:
-    """torch's built-in flash-attention varlen kernel behind flash-attn's `flash_attn_varlen_func` call
-    (q/k/v [T, H, D], cu_seqlens, max lengths, `dropout_p`, `softmax_scale`, `causal`), or None when this torch
-    has none. Its signature changed between releases (`is_causal` vs `window_size`, `scale`, `enable_gqa`): the
+    """torch's built-in flash-attention varlen kernel as a `VarlenKernel` (causal; q/k/v [T, H, D], cu_seqlens,
+    max lengths, `dropout_p`, `softmax_scale`), or None when this torch has none. Its signature changed between releases (`is_causal` vs `window_size`, `scale`, `enable_gqa`): the
     adapter passes what the installed one takes. GQA (fewer K/V heads) is native to the kernel."""
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -96,17 +189,12 @@ def torch_varlen_func() -> Callable[..., torch.Tensor] | None:
 
     params = inspect.signature(varlen_attn).parameters
 
-    def call(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False):
+    def call(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None):  # type: ignore[no-untyped-def]
         if dropout_p:
             raise ValueError(
                 "torch's varlen attention has no dropout; use flash-attn or MILES_VARLEN_BACKEND=sdpa"
             )
-        kwargs: dict[str, Any] = {}
-        if causal:
-            if "is_causal" in params:
-                kwargs["is_causal"] = True
-            else:
-                kwargs["window_size"] = (-1, 0)
+        kwargs: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
         if softmax_scale is not None:
             if "scale" not in params:
                 raise ValueError("this torch's varlen_attn takes no scale; use flash-attn")
@@ -325,9 +413,8 @@ def varlen_attention_forward(
                 cu32,
                 max_len,
                 max_len,
-                dropout_p=dropout,
-                softmax_scale=scaling,
-                causal=True,
+                dropout,
+                scaling,
             )
             outs.append(out)
         return torch.stack(outs), None

@@ -2,18 +2,23 @@
 
 Split: the pack row (T tokens) is padded at the end with at most cp_size - 1 tokens so it divides evenly,
 and rank r takes the contiguous chunk [r*C, (r+1)*C), C = T_pad / cp_size. We chose contiguous chunks over
-a zigzag split because (1) the attention below all-gathers K/V and every rank computes its queries against
-the keys it needs, so the causal work imbalance that zigzag fixes for ring attention is small here and
-shrinks further for packs of many sequences; (2) next-token targets stay trivial: the last token of rank
-r's chunk predicts the first token of rank r+1's chunk, and results concatenate back in rank order;
-(3) it is the layout flash-attn's varlen kernels (and ring-flash-attn's all-gather variant) expect: on
-CUDA with flash-attn importable the local queries run `flash_attn_varlen_func` against the gathered keys of
-their sequences (bottom-right causal alignment, `cp_key_layout`); ring-flash-attn itself is not imported.
+a zigzag split because (1) every rank gathers the keys its queries need, so the causal work imbalance that
+zigzag fixes for ring attention is small here and shrinks further for packs of many sequences; (2) next-token
+targets stay trivial: the last token of rank r's chunk predicts the first token of rank r+1's chunk, and
+results concatenate back in rank order; (3) it is the layout ring-flash-attn's llama3 varlen kernel expects.
 The padding forms its own segment, so it attends only to itself and never to real tokens.
 
-Attention: each rank all-gathers K and V (one collective for both) with an autograd-aware all-gather whose
-backward sums the gradients across ranks (reduce-scatter), then applies a block-diagonal causal mask in
-global positions: a query at global position p of sequence s sees keys q <= p of sequence s, on any rank.
+Attention, two kernels (`set_cp_kernel`):
+- "ring" (CUDA with FlashAttention-2, i.e. --attn-implementation flash_attention_2 or miles_varlen):
+  ring-flash-attn's `llama3_flash_attn_varlen_func`: all-gathers K/V (KV heads in groups of
+  `RING_HEADS_K_STRIDE`, overlapping the next group's gather with this group's kernel), runs flash-attn's varlen
+  forward on the keys the local queries need (bottom-right causal alignment) and reduce-scatters dK/dV in
+  backward. Its module is loaded without running the package's `__init__`, which imports its HF adapter (broken
+  under transformers 5); the adapter is never used.
+- "allgather" (CPU, and CUDA with SDPA): the reference in plain torch. K and V are all-gathered (one collective)
+  with an autograd-aware all-gather whose backward sums the gradients across ranks (reduce-scatter), then a
+  block-diagonal causal mask in global positions: a query at global position p of sequence s sees keys q <= p of
+  sequence s, on any rank.
 
 Gradients: results (log-probs, entropy) are gathered with the same all-gather, so every CP rank computes the
 same loss; the backward all-reduces, so each rank's parameter gradient is cp_size times its share and the
@@ -23,19 +28,47 @@ includes the CP dimension therefore gives the CP=1 (per DP rank: DP-mean) gradie
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from miles.backends.fsdp_utils.attention import _import_flash_varlen, use_flash_kernel
+from miles.backends.fsdp_utils.attention import flash_attn_installed, use_flash_kernel, varlen_backend
 
 if TYPE_CHECKING:
     from torch.autograd.function import FunctionCtx
 
-__all__ = ["CPContext", "CPShard", "all_gather_autograd", "cp_attention", "cp_key_layout", "shard_for_cp"]
+__all__ = [
+    "CPContext",
+    "CPShard",
+    "all_gather_autograd",
+    "cp_attention",
+    "import_ring_kernels",
+    "set_cp_kernel",
+    "shard_for_cp",
+]
+
+_CP_KERNELS = ("auto", "ring", "allgather")
+_cp_kernel = "auto"
+# KV heads all-gathered per ring-flash-attn step; None: all of them in one step (one gather of K, one of V)
+RING_HEADS_K_STRIDE: int | None = None
+RING_INSTALL = "ring-flash-attn: pip install 'miles[gpu]' (or pip install --no-deps ring-flash-attn)"
+
+
+def set_cp_kernel(name: str) -> None:
+    """Context-parallel attention kernel: "auto" (ring-flash-attn where the varlen backend runs
+    FlashAttention-2, the plain-torch all-gather otherwise), "ring", or "allgather"."""
+    global _cp_kernel
+    if name not in _CP_KERNELS:
+        raise ValueError(f"context-parallel attention kernel {name!r} is not one of {_CP_KERNELS}")
+    _cp_kernel = name
 
 
 @dataclass(frozen=True)
@@ -145,29 +178,6 @@ def _segment_ids(positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Ten
     return torch.bucketize(positions, cu_seqlens[1:].to(positions.device, torch.long), right=True)
 
 
-def cp_key_layout(shard: CPShard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-    """Which global keys this rank's queries need, per sequence, in flash-attn varlen form.
-
-    For each sequence [a, b) overlapping the local chunk [s, e): queries [max(a, s), min(b, e)) and keys
-    [a, min(b, e)). With bottom-right aligned causal masking (flash-attn >= 2.1), query i of a sequence sees
-    keys 0 .. (lk - lq) + i, i.e. exactly the keys at or before its global position.
-
-    Returns (key_index [K] long into the padded row, cu_q [m+1] int32, cu_k [m+1] int32, max_q, max_k).
-    """
-    s, e = shard.start, shard.start + shard.chunk
-    bounds = shard.cu_seqlens.tolist()
-    key_ranges, lq, lk = [], [], []
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        qa, qb = max(a, s), min(b, e)
-        if qb > qa:
-            key_ranges.append(torch.arange(a, qb))
-            lq.append(qb - qa)
-            lk.append(qb - a)
-    cu_q = torch.tensor([0, *lq]).cumsum(0).to(torch.int32)
-    cu_k = torch.tensor([0, *lk]).cumsum(0).to(torch.int32)
-    return torch.cat(key_ranges), cu_q, cu_k, max(lq), max(lk)
-
-
 def _attend_sdpa(
     query: torch.Tensor, kv: torch.Tensor, shard: CPShard, scaling: float | None, dropout: float
 ) -> torch.Tensor:
@@ -194,26 +204,83 @@ def _attend_sdpa(
     )
 
 
-def _attend_flash(
-    query: torch.Tensor, kv: torch.Tensor, shard: CPShard, scaling: float | None, dropout: float
+# the private package name under which ring_flash_attn's directory is loaded, without its __init__
+_RING_PACKAGE = "_miles_ring_flash_attn"
+
+
+def import_ring_kernels() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """ring-flash-attn's (llama3_flash_attn_prepare_cu_seqlens, llama3_flash_attn_varlen_func).
+
+    The package's `__init__` imports every variant and its HF adapter, which fails under transformers 5; the
+    kernel module is imported on its own from the installed package directory, under a private package name
+    (so a plain `import ring_flash_attn` elsewhere is unaffected). It imports flash-attn's
+    `_flash_attn_varlen_forward` / `_flash_attn_varlen_backward` (FlashAttention-2). Raises ImportError naming the
+    missing package.
+    """
+    name = f"{_RING_PACKAGE}.llama3_flash_attn_varlen"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.find_spec("ring_flash_attn")
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError(
+                f"context-parallel attention on CUDA runs ring-flash-attn; install {RING_INSTALL}"
+            )
+        if _RING_PACKAGE not in sys.modules:
+            package = types.ModuleType(_RING_PACKAGE)
+            package.__path__ = list(spec.submodule_search_locations)
+            sys.modules[_RING_PACKAGE] = package
+        try:
+            module = importlib.import_module(name)
+        except ImportError as e:
+            raise ImportError(
+                f"ring-flash-attn's llama3 varlen kernel does not import ({e}); it runs FlashAttention-2: "
+                "pip install 'miles[gpu]'"
+            ) from e
+    return module.llama3_flash_attn_prepare_cu_seqlens, module.llama3_flash_attn_varlen_func
+
+
+def _use_ring(query: torch.Tensor) -> bool:
+    if _cp_kernel != "auto":
+        return _cp_kernel == "ring"
+    if not use_flash_kernel(query):
+        return False
+    if varlen_backend() == "flash3":
+        raise ValueError(
+            "FlashAttention-3 has no context-parallel kernel (ring-flash-attn runs FlashAttention-2's); "
+            "use --attn-implementation flash_attention_2 with --context-parallel-size > 1"
+        )
+    # miles_varlen without flash-attn runs torch's own varlen kernel, which ring-flash-attn cannot call
+    return varlen_backend() != "auto" or flash_attn_installed()
+
+
+def _attend_ring(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    shard: CPShard,
+    scaling: float | None,
+    dropout: float,
 ) -> torch.Tensor:
-    """As `_attend_sdpa`, with flash-attn's varlen kernel on the gathered keys (CUDA)."""
-    flash_varlen = _import_flash_varlen()
-    hkv = kv.shape[1] // 2
-    key_index, cu_q, cu_k, max_q, max_k = cp_key_layout(shard)
-    device = query.device
-    kv_sel = kv[0].index_select(1, key_index.to(device)).transpose(0, 1)  # [K, 2*Hkv, D]
-    out = flash_varlen(
-        query[0].transpose(0, 1),
-        kv_sel[:, :hkv],
-        kv_sel[:, hkv:],
-        cu_q.to(device),
-        cu_k.to(device),
+    """query [1, H, C, D], key/value [1, Hkv, C, D] (this rank's chunk) -> [1, H, C, D] through ring-flash-attn's
+    llama3 varlen kernel over the CP group (it gathers K/V itself; its backward reduce-scatters dK/dV)."""
+    prepare, llama3_varlen = import_ring_kernels()
+    cu = shard.cu_seqlens.to(device=query.device, dtype=torch.int32)
+    cu_q, cu_k, max_q, max_k, local_k_slice = prepare(cu, True, shard.cp.rank, shard.cp.size)
+    hkv = key.shape[1]
+    out = llama3_varlen(
+        query[0].transpose(0, 1),  # [C, H, D]
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        cu_q,
+        cu_k,
         max_q,
         max_k,
+        heads_k_stride=RING_HEADS_K_STRIDE or hkv,
+        local_k_slice=local_k_slice,
         dropout_p=dropout,
         softmax_scale=scaling,
         causal=True,
+        group=shard.cp.group,
     )  # [C, H, D]
     return out.transpose(0, 1)[None]
 
@@ -228,13 +295,16 @@ def cp_attention(
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over all ranks' keys of the same sequence.
 
-    query [1, H, C, D], key/value [1, Hkv, C, D] (this rank's chunk) -> [1, C, H, D]. K and V are
-    all-gathered (one collective); the kernel is flash-attn varlen on CUDA when selected (see
-    attention.set_varlen_backend), else SDPA with a block-diagonal causal mask in global positions.
-    Differentiable; the K/V gradient flows back to the rank that produced each key.
+    query [1, H, C, D], key/value [1, Hkv, C, D] (this rank's chunk) -> [1, C, H, D]. The kernel is
+    ring-flash-attn's llama3 varlen with FlashAttention-2 (see `set_cp_kernel`), else the plain-torch all-gather
+    with SDPA and a block-diagonal causal mask in global positions. Differentiable; the K/V gradient flows back
+    to the rank that produced each key.
     """
     if query.shape[0] != 1:
         raise ValueError(f"context-parallel attention expects one packed row, got batch {query.shape[0]}")
-    kv = all_gather_autograd(torch.cat([key, value], dim=1), shard.cp, dim=2)  # [1, 2*Hkv, T_pad, D]
-    attend = _attend_flash if use_flash_kernel(query) else _attend_sdpa
-    return attend(query, kv, shard, scaling, dropout).transpose(1, 2).contiguous()
+    if _use_ring(query):
+        out = _attend_ring(query, key, value, shard, scaling, dropout)
+    else:
+        kv = all_gather_autograd(torch.cat([key, value], dim=1), shard.cp, dim=2)  # [1, 2*Hkv, T_pad, D]
+        out = _attend_sdpa(query, kv, shard, scaling, dropout)
+    return out.transpose(1, 2).contiguous()

@@ -71,7 +71,7 @@ class FSDPCritic(FSDPTrainer):
         self.ps = ps = init_distributed(None, cfg.train.train_timeout, cfg.train.context_parallel_size)
         _set_cpu_threads(ps)
         self.param_dtype = _param_dtype(cfg.model.train_dtype, ps.is_cuda)
-        _select_attention_kernel(cfg.model.attn_implementation, ps.is_cuda)
+        _select_attention_kernel(cfg.model.attn_implementation, ps.is_cuda, ps.cp_size)
         init_path, init_dcp = _critic_init_source(cfg.critic.critic_load, cfg.model.hf_checkpoint)
         self.model = build_fsdp_model(
             init_path,
