@@ -236,8 +236,9 @@ def test_flash_import_error_names_gpu_extra(monkeypatch):
 
 @pytest.mark.parametrize("style", ["window_size", "is_causal"])
 def test_torch_varlen_adapter_passes_what_the_installed_signature_takes(monkeypatch, style):
-    """Without flash-attn the CUDA varlen path calls torch.nn.attention.varlen.varlen_attn through an adapter with
-    flash-attn's call shape; torch releases spell causality differently (window_size=(-1, 0) or is_causal)."""
+    """miles_varlen without flash-attn on CUDA calls torch.nn.attention.varlen.varlen_attn through an adapter of
+    the varlen-kernel shape (causal); torch releases spell causality differently (window_size=(-1, 0) or
+    is_causal). flash_attention_2 named does not fall back: FA2 named means FA2 run."""
     import sys
     import types
 
@@ -261,16 +262,21 @@ def test_torch_varlen_adapter_passes_what_the_installed_signature_takes(monkeypa
     monkeypatch.setitem(
         sys.modules, "torch.nn.attention.varlen", types.SimpleNamespace(varlen_attn=varlen_attn)
     )
+    monkeypatch.setattr(attention, "_backend", "auto")
+    assert not attention.flash_attn_installed()
     fn = attention._import_flash_varlen()
     q, kv = torch.zeros(6, 4, 8), torch.zeros(6, 2, 8)
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
-    assert fn(q, kv, kv, cu, cu, 4, 4, dropout_p=0.0, softmax_scale=0.5, causal=True) is q
+    assert fn(q, kv, kv, cu, cu, 4, 4, 0.0, 0.5) is q
     if style == "window_size":
         assert calls == [{"scale": 0.5, "window_size": (-1, 0), "enable_gqa": True}]
     else:
         assert calls == [{"scale": 0.5, "is_causal": True}]
     with pytest.raises(ValueError, match="dropout"):
-        fn(q, kv, kv, cu, cu, 4, 4, dropout_p=0.1, causal=True)
+        fn(q, kv, kv, cu, cu, 4, 4, 0.1, None)
+    monkeypatch.setattr(attention, "_backend", "flash")
+    with pytest.raises(ImportError, match="FlashAttention-2"):
+        attention._import_flash_varlen()
 
 
 def test_forward_packed_rejects_empty_pack():
@@ -349,6 +355,7 @@ def test_each_flash_name_runs_its_own_kernel(monkeypatch, attn, module, returns_
 def test_missing_flash_package_is_named_at_model_build(monkeypatch):
     import sys
 
+    from miles.backends.fsdp_utils import attention
     from miles.backends.fsdp_utils.attention import select_attention_kernel
 
     monkeypatch.setitem(sys.modules, "flash_attn", None)
@@ -358,8 +365,11 @@ def test_missing_flash_package_is_named_at_model_build(monkeypatch):
             select_attention_kernel("flash_attention_3", is_cuda=True)
         with pytest.raises(ImportError, match=r"flash_attn.*miles\[gpu\]"):
             select_attention_kernel("flash_attention_2", is_cuda=True)
+        # miles_varlen on CUDA: FA2, else torch's own varlen kernel, else the error naming the extra
+        select_attention_kernel("miles_varlen", is_cuda=True)
+        monkeypatch.setattr(attention, "torch_varlen_func", lambda: None)
         with pytest.raises(ImportError, match=r"flash_attn.*miles\[gpu\]"):
-            select_attention_kernel("miles_varlen", is_cuda=True)  # FA2 on CUDA
+            select_attention_kernel("miles_varlen", is_cuda=True)
         select_attention_kernel("miles_varlen", is_cuda=False)  # SDPA on CPU: nothing to import
         with pytest.raises(ValueError, match="needs a CUDA device"):
             select_attention_kernel("flash_attention_2", is_cuda=False)
@@ -388,3 +398,22 @@ def test_fa2_with_context_parallel_needs_ring_flash_attn_at_model_build(monkeypa
         select_attention_kernel("sdpa", is_cuda=True, cp_size=2)  # plain-torch all-gather: no ring needed
     finally:
         set_varlen_backend("auto")
+
+
+def test_cp_without_flash_attn_uses_the_all_gather_on_cuda(monkeypatch):
+    """miles_varlen on CUDA without flash-attn runs torch's varlen kernel, which ring-flash-attn cannot call: CP
+    attention then takes the plain-torch all-gather; with flash-attn installed, the ring."""
+    import sys
+
+    from miles.backends.fsdp_utils import attention, context_parallel
+
+    cuda_query = torch.zeros(1, 1, 1, 1)
+    monkeypatch.setattr(context_parallel, "use_flash_kernel", lambda q: True)  # as for a CUDA query
+    monkeypatch.setattr(attention, "_backend", "auto")
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    assert not context_parallel._use_ring(cuda_query)
+    monkeypatch.setitem(sys.modules, "flash_attn", object())
+    assert context_parallel._use_ring(cuda_query)
+    monkeypatch.setattr(attention, "_backend", "flash")  # flash_attention_2 named: the ring, always
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    assert context_parallel._use_ring(cuda_query)
