@@ -417,3 +417,18 @@ def test_cp_without_flash_attn_uses_the_all_gather_on_cuda(monkeypatch):
     monkeypatch.setattr(attention, "_backend", "flash")  # flash_attention_2 named: the ring, always
     monkeypatch.setitem(sys.modules, "flash_attn", None)
     assert context_parallel._use_ring(cuda_query)
+
+
+def test_boundaries_end_checked_once_per_tensor_and_again_after_a_change():
+    """Every layer of a forward gets the same cu_seqlens tensor: its end is checked once (a device sync on CUDA),
+    and again when the tensor is a new one or was changed in place."""
+    from miles.backends.fsdp_utils import attention
+
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    attention._check_cu_end(cu, 5)
+    attention._check_cu_end(cu, 5)
+    cu[-1] = 6  # in place: version bumps, checked again
+    with pytest.raises(ValueError, match="cu_seqlens ends at 6 but the packed row has 5 tokens"):
+        attention._check_cu_end(cu, 5)
+    with pytest.raises(ValueError, match="ends at 4"):
+        attention._check_cu_end(torch.tensor([0, 4], dtype=torch.int32), 5)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,9 @@ __all__ = [
 VARLEN_ATTENTION = "miles_varlen"
 _BACKENDS = ("auto", "sdpa", "flash", "flash3")
 _backend = os.environ.get("MILES_VARLEN_BACKEND", "auto")
+_kernels: dict[
+    str, Callable[..., torch.Tensor]
+] = {}  # the backend's varlen kernel, imported once (_varlen_kernel)
 
 # what each flash backend imports, and how to get it
 FA2_MODULE, FA2_INSTALL = "flash_attn", "the flash-attn package: pip install 'miles[gpu]'"
@@ -72,6 +76,7 @@ def set_varlen_backend(name: str) -> None:
     if name not in _BACKENDS:
         raise ValueError(f"varlen attention backend {name!r} is not one of {_BACKENDS}")
     _backend = name
+    _kernels.clear()
 
 
 def varlen_backend() -> str:
@@ -119,7 +124,7 @@ def select_attention_kernel(attn_implementation: str, is_cuda: bool, cp_size: in
     else:
         set_varlen_backend("sdpa")
     if _runs_flash(is_cuda):
-        _import_flash_varlen()
+        _varlen_kernel()
         if cp_size > 1 and (_backend != "auto" or flash_attn_installed()):
             from miles.backends.fsdp_utils.context_parallel import import_ring_kernels
 
@@ -331,6 +336,29 @@ def _sdpa_bucketed(
     return padded.index_select(2, layout.out_idx)
 
 
+_last_checked: tuple[weakref.ref[torch.Tensor], int] | None = None  # (boundaries tensor, its version)
+
+
+def _check_cu_end(cu: torch.Tensor, t: int) -> None:
+    """cu_seqlens must end at the row's length. Checked once per boundaries tensor: every layer of a forward gets
+    the same one, and on CUDA each check is a device -> host sync that stalls the launch queue."""
+    global _last_checked
+    if _last_checked is not None and _last_checked[0]() is cu and _last_checked[1] == cu._version:
+        return
+    if int(cu[-1]) != t:
+        raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but the packed row has {t} tokens")
+    _last_checked = (weakref.ref(cu), cu._version)
+
+
+def _varlen_kernel() -> VarlenKernel:
+    """`_import_flash_varlen` once per backend (each layer of every forward asks; a failed import or a signature
+    inspection per layer costs host time the GPU waits for)."""
+    kernel = _kernels.get(_backend)
+    if kernel is None:
+        kernel = _kernels[_backend] = _import_flash_varlen()
+    return kernel
+
+
 def varlen_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -373,6 +401,7 @@ def varlen_attention_forward(
     if (
         cu_seq_lens_k is not None
         and cu_seq_lens_q is not None
+        and cu_seq_lens_k is not cu_seq_lens_q  # forward_packed passes one tensor: no device sync per layer
         and not torch.equal(cu_seq_lens_q, cu_seq_lens_k)
     ):
         raise ValueError("miles_varlen packs self-attention: cu_seq_lens_q and cu_seq_lens_k must be equal")
@@ -396,11 +425,10 @@ def varlen_attention_forward(
         cu = cu_seqlens_from_position_ids(rows[0])
     else:
         cu = torch.tensor([0, t], dtype=torch.int32)
-    if int(cu[-1]) != t:
-        raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but the packed row has {t} tokens")
+    _check_cu_end(cu, t)
 
     if use_flash_kernel(query):
-        flash_varlen = _import_flash_varlen()
+        flash_varlen = _varlen_kernel()
         cu32 = cu.to(device=query.device, dtype=torch.int32)
         max_len = max_length_q or int((cu32[1:] - cu32[:-1]).max())
         outs = []
