@@ -223,5 +223,7 @@ def test_no_answer_names_the_request_deadline_not_what_was_left_of_it():
             return httpx.Response(404)
         raise httpx.ReadTimeout("timed out", request=request)
 
-    with pytest.raises(EngineError, match=r"no answer from http://e0:1/generate within the request deadline \(2s\)"):
+    with pytest.raises(
+        EngineError, match=r"no answer from http://e0:1/generate within the request deadline \(2s\)"
+    ):
         run(handler, timeout=2.0)
