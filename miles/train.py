@@ -209,10 +209,11 @@ def config_yaml(cfg: Config) -> str:
     """The resolved config as YAML that `--config` reads back to the same config (what --dry-run prints).
 
     Run-control keys (`dry_run`, `config`) are left out, and so are secrets that are set (API keys), with a
-    closing comment naming them: pass those on the command line."""
+    closing comment naming them and where to put them (the environment, or a --config file only you can read)."""
     import yaml
 
     from miles.config import FIELDS
+    from miles.config.secrets import where_to_put
 
     d = cfg.to_dict()
     for key in ("dry_run", "config"):
@@ -225,7 +226,7 @@ def config_yaml(cfg: Config) -> str:
             hidden.append(spec.flag)
     text = yaml.safe_dump(d, sort_keys=False, default_flow_style=False)
     if hidden:
-        text += f"# not shown: {', '.join(hidden)} (secrets: pass them on the command line)\n"
+        text += f"# not shown: {', '.join(hidden)} (secrets: {where_to_put(hidden)})\n"
     return text
 
 
