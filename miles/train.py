@@ -155,6 +155,7 @@ def run_driver(
     run's metrics.jsonl. Ctrl-C prints the phase it interrupted, kills the engines (no graceful drain) and
     returns 130."""
     from miles.config.preflight import run_preflight
+    from miles.utils.log_setup import configure_logging
 
     try:
         cfg = parse_config(argv, prog=prog)
@@ -165,7 +166,7 @@ def run_driver(
     if problem:
         print(f"{prog}: {problem}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=cfg.log.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(cfg.log.log_level)  # third-party loggers from WARNING up (all at DEBUG)
     try:
         run_preflight(cfg)
     except ConfigError as e:

@@ -470,7 +470,9 @@ class LogConfig:
     run_dir: str | None = opt(None, "output dir (metrics.jsonl, ...); None: runs/<UTC timestamp>")
     dump_details: str | None = opt(None, "directory to dump rollout and training details to")
     log_level: str = opt(
-        "INFO", "Python logging level", choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+        "INFO",
+        "level of miles's own log records (other libraries log from WARNING up; DEBUG: all)",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
     )
 
 
