@@ -445,8 +445,8 @@ class EngineClient:
             if time.monotonic() >= deadline:
                 raise await self._gave_up(problem, attempt)
             await self._refresh_engines(deadline)
-            engine = self._pick_engine()
-            if engine is None or engine in failed:  # wait for an engine to come back (or to recover)
+            engine = self._pick_engine(exclude=failed)
+            if engine is None:  # wait for an engine to come back (or to recover)
                 if time.monotonic() + backoff >= deadline:
                     raise await self._gave_up(problem, attempt)
                 await asyncio.sleep(backoff)
@@ -517,14 +517,14 @@ class EngineClient:
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
             return None
 
-    def _pick_engine(self) -> int | None:
-        """Of the engines that may take a request, the one with the fewest generations in flight; ties go round
-        robin. None when every engine is set aside or out of the router."""
+    def _pick_engine(self, exclude: set[int] | frozenset[int] = frozenset()) -> int | None:
+        """Of the engines that may take a request (and are not in `exclude`), the one with the fewest generations
+        in flight; ties go round robin. None when every engine is set aside, out of the router or excluded."""
         n = len(self.engine_urls)
         order = [
             i
             for i in ((self._next_engine + k) % n for k in range(n))
-            if i not in self._set_aside and i not in self._unlisted
+            if i not in self._set_aside and i not in self._unlisted and i not in exclude
         ]
         if not order:
             return None

@@ -227,3 +227,38 @@ def test_no_answer_names_the_request_deadline_not_what_was_left_of_it():
         EngineError, match=r"no answer from http://e0:1/generate within the request deadline \(2s\)"
     ):
         run(handler, timeout=2.0)
+
+
+def test_a_request_an_engine_refused_goes_to_another_at_once(monkeypatch):
+    """One engine answers 503 forever while its /health answers 200 (so every probe readmits it), the other is
+    busy: a request the first refused goes to the busy one, not back to the one that refused it (which has fewer
+    requests in flight) until a backoff has passed."""
+    import miles.rollout.engine_client as ec
+
+    monkeypatch.setattr(ec, "ENGINE_LIST_TTL_S", 0.0)  # probe the set-aside engine before every pick
+    posts: list[str] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path in ("/health", "/workers"):
+            return httpx.Response(200 if request.url.path == "/health" else 404)
+        posts.append(request.url.host)
+        if request.url.host == "e0":
+            return httpx.Response(503, text=RETRACTED)
+        await asyncio.sleep(0.5)  # e1 is slow: its requests stay in flight
+        return httpx.Response(200, json=OK)
+
+    async def go():
+        async with EngineClient(
+            "http://router:1", ["http://e0:1", "http://e1:1"], None, 30.0, 4,
+            transport=httpx.MockTransport(handler),
+        ) as c:  # fmt: skip
+            outs = await asyncio.gather(
+                *(
+                    c.generate([1, 2], {"max_new_tokens": 1}, i, "rollout generate (rollout0)")
+                    for i in range(4)
+                )
+            )
+            assert [o.output_ids for o in outs] == [[7]] * 4
+
+    asyncio.run(go())
+    assert posts.count("e1") == 4 and posts.count("e0") <= 4, posts  # e0: at most once per request
