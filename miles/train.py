@@ -155,6 +155,7 @@ def run_driver(
     run's metrics.jsonl. Ctrl-C prints the phase it interrupted, kills the engines (no graceful drain) and
     returns 130."""
     from miles.config.preflight import run_preflight
+    from miles.utils.log_setup import configure_logging
 
     try:
         cfg = parse_config(argv, prog=prog)
@@ -165,7 +166,7 @@ def run_driver(
     if problem:
         print(f"{prog}: {problem}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=cfg.log.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(cfg.log.log_level)  # third-party loggers from WARNING up (all at DEBUG)
     try:
         run_preflight(cfg)
     except ConfigError as e:
@@ -209,10 +210,11 @@ def config_yaml(cfg: Config) -> str:
     """The resolved config as YAML that `--config` reads back to the same config (what --dry-run prints).
 
     Run-control keys (`dry_run`, `config`) are left out, and so are secrets that are set (API keys), with a
-    closing comment naming them: pass those on the command line."""
+    closing comment naming them and where to put them (the environment, or a --config file only you can read)."""
     import yaml
 
     from miles.config import FIELDS
+    from miles.config.secrets import where_to_put
 
     d = cfg.to_dict()
     for key in ("dry_run", "config"):
@@ -225,7 +227,7 @@ def config_yaml(cfg: Config) -> str:
             hidden.append(spec.flag)
     text = yaml.safe_dump(d, sort_keys=False, default_flow_style=False)
     if hidden:
-        text += f"# not shown: {', '.join(hidden)} (secrets: pass them on the command line)\n"
+        text += f"# not shown: {', '.join(hidden)} (secrets: {where_to_put(hidden)})\n"
     return text
 
 

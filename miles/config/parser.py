@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import shlex
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NoReturn
 
+from miles.config import secrets
 from miles.config.core import Config, ConfigError
 from miles.config.schema import (
     BOOL,
@@ -363,6 +365,10 @@ def build_config(mappings: list[tuple[str, Mapping[str, object]]]) -> Config:
 def parse_config(argv: list[str] | None = None, prog: str = DEFAULT_PROG) -> Config:
     """Parse `argv` (default: sys.argv[1:]) and the `--config` YAML it names into a validated Config.
 
+    Secrets (API keys) may also come from the environment (`MILES_ENGINE_API_KEY`, ...: see
+    `miles.config.secrets`), below `--config` and the command line; one set on the command line, or in a
+    `--config` file other users can read, draws a warning.
+
     Raises ConfigError listing every violation; `--help` prints usage (naming `prog`) and exits 0.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -373,8 +379,13 @@ def parse_config(argv: list[str] | None = None, prog: str = DEFAULT_PROG) -> Con
     namespace, extras = parser.parse_known_args(rest)
     cli.values = vars(namespace)
     cli.problems.extend(_unknown_cli(extras, known))
-    layers = [cli]
+    layers = [Layer(secrets.ENVIRONMENT, dict(secrets.from_environment(os.environ))), cli]
+    secrets.warn_on_command_line([n for n in secrets.secret_fields() if n in cli.values])
     config_path = cli.values.get("config")
     if config_path is not None:
-        layers.insert(0, load_yaml(str(config_path)))  # argparse gives the --config flag's string
+        file_layer = load_yaml(str(config_path))  # argparse gives the --config flag's string
+        secrets.warn_if_readable(
+            str(config_path), [n for n in secrets.secret_fields() if n in file_layer.values]
+        )
+        layers.insert(1, file_layer)
     return assemble(layers, server_parsers=True)

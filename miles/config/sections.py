@@ -272,7 +272,8 @@ class EngineConfig:
     engine_host: str = opt("127.0.0.1", "address rollout engines bind to")
     engine_api_key: str | None = opt(
         None,
-        "key for the engines' admin endpoints (SGLang's --admin-api-key; needed off localhost)",
+        "key for the engines: SGLang's --api-key and --admin-api-key (only /health* answers without it; needed "
+        "off localhost; default: $MILES_ENGINE_API_KEY, else one drawn per run)",
         secret=True,
     )
     engine_max_running_requests: int = opt(64, "max concurrent requests per engine", ge=1)
@@ -487,12 +488,14 @@ class LogConfig:
     progress: bool = opt(True, "progress bars for training and rollouts (only when stderr is a terminal)")
     wandb_project: str | None = opt(None, "wandb project")
     wandb_group: str | None = opt(None, "wandb group")
-    wandb_key: str | None = opt(None, "wandb API key", secret=True)
+    wandb_key: str | None = opt(None, "wandb API key (default: $MILES_WANDB_KEY)", secret=True)
     wandb_mode: str | None = opt(None, "wandb mode", choices=("online", "offline", "disabled"))
     run_dir: str | None = opt(None, "output dir (metrics.jsonl, ...); None: runs/<UTC timestamp>")
     dump_details: str | None = opt(None, "directory to dump rollout and training details to")
     log_level: str = opt(
-        "INFO", "Python logging level", choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+        "INFO",
+        "level of miles's own log records (other libraries log from WARNING up; DEBUG: all)",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
     )
 
 

@@ -49,11 +49,14 @@ class ManagedServer(ABC):
 
     def start(self, command: list[str], port: int, env: dict[str, str] | None = None) -> None:
         """Run `command` in a new process group, its stdout and stderr appended to `log_path` (a new temporary
-        file `{log_prefix}-{port}-*.log` when none was given)."""
+        file `{log_prefix}-{port}-*.log` when none was given). The log is readable by its owner only: SGLang
+        logs its `server_args`, keys included."""
         if self.log_path is None:
             fd, self.log_path = tempfile.mkstemp(prefix=f"{self.log_prefix}-{port}-", suffix=".log")
             os.close(fd)
-        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the process lifetime
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(fd, 0o600)  # an existing log (a restarted engine appends) too
+        self._log_file = os.fdopen(fd, "ab")
         logger.info("launching %s: %s (log: %s)", self.server_name, " ".join(command), self.log_path)
         self.proc = subprocess.Popen(
             command, stdout=self._log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True

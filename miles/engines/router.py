@@ -6,6 +6,13 @@ A launched router is a subprocess bound to 127.0.0.1 on a free port. Workers are
 `GET /workers`; sglang-router 0.3.x answers 404 on the older `/add_worker`). A running router (`Router.running`)
 is never started or stopped: miles registers its engines with it and, at shutdown, unregisters the ones it added.
 
+Engines that need a key (miles launches every engine with the run's key as SGLang's `--api-key` and
+`--admin-api-key`, so that no endpoint but /health answers without it) are registered with that key in the
+`POST /workers` body (`worker_api_key`): the router then sends it to the worker on every call (metadata discovery
+from `/server_info` and `/model_info`, forwarded generation) and its own `GET /workers` does not show it. The key
+never goes on the router's command line (`--api-key` would be readable in /proc, and makes the router demand it
+on its own API).
+
 Where generation goes (`generation_via_router`): through the router when the run asks for a router policy or
 names a running router; otherwise straight to the engines (see `miles.rollout.engine_client`).
 """
@@ -80,9 +87,11 @@ class Router(ManagedServer):
         extra_args: list[str] | None = None,
         log_path: str | None = None,
         startup_timeout: float = 60.0,
+        worker_api_key: str | None = None,
     ):
         """`extra_args` (sglang-router's own `--NAME VALUE` options) replace the settings miles would give the
-        same options (`resilience_args`, metrics port, log level)."""
+        same options (`resilience_args`, metrics port, log level); `worker_api_key`: the key the workers take
+        (see the module docstring)."""
         from miles.engines.router_args import router_policies
 
         if policy not in router_policies():
@@ -96,12 +105,15 @@ class Router(ManagedServer):
         self.policy = policy
         self.extra_args = list(extra_args or [])
         self.startup_timeout = startup_timeout
+        self.worker_api_key = worker_api_key
 
     @classmethod
-    def running_at(cls, host: str, port: int, timeout: float = 60.0) -> Router:
+    def running_at(
+        cls, host: str, port: int, timeout: float = 60.0, worker_api_key: str | None = None
+    ) -> Router:
         """A client for the sglang-router already running at host:port (waits for its /health); miles never
         starts or stops it."""
-        router = cls(host=host, port=port, startup_timeout=timeout)
+        router = cls(host=host, port=port, startup_timeout=timeout, worker_api_key=worker_api_key)
         router.running = True
         router.wait_until(
             lambda: health_problem(router.url) is None,
@@ -137,7 +149,7 @@ class Router(ManagedServer):
             str(self.port),
         ]
         cmd += ["--policy", self.policy]
-        if self.worker_urls:
+        if self.worker_urls and not self.worker_api_key:  # keyed workers are registered with their key
             cmd += ["--worker-urls", *self.worker_urls]
         defaults = ["--prometheus-port", str(free_port(self.host)), "--prometheus-host", self.host]
         return cmd + merge_args(defaults + ["--log-level", "warn"], self.extra_args)
@@ -159,6 +171,9 @@ class Router(ManagedServer):
     def _wait_started(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
         self.wait_until(lambda: health_problem(self.url) is None, deadline, "/health")
+        if self.worker_api_key:
+            for url in self.worker_urls:
+                self._post_worker(url)
         for url in self.worker_urls:
             self.wait_until(lambda u=url: u in self.list_workers(), deadline, f"registration of worker {url}")
 
@@ -175,10 +190,21 @@ class Router(ManagedServer):
 
     def add_worker(self, url: str, timeout: float = 60.0) -> None:
         """Register a worker and wait until the router lists it (registration is asynchronous)."""
-        what = f"registering worker {url}"
-        request("POST", self.url, "workers", what, CALL_TIMEOUT_S, body={"url": url}, server="router")
+        self._post_worker(url)
         self.wait_until(
             lambda: url in self.list_workers(), time.monotonic() + timeout, f"registration of {url}"
+        )
+
+    def _post_worker(self, url: str) -> None:
+        body = {"url": url, **({"api_key": self.worker_api_key} if self.worker_api_key else {})}
+        request(
+            "POST",
+            self.url,
+            "workers",
+            f"registering worker {url}",
+            CALL_TIMEOUT_S,
+            body=body,
+            server="router",
         )
 
     def remove_worker(self, url: str, timeout: float = 60.0) -> None:

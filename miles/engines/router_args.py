@@ -37,8 +37,8 @@ MILES_OWNED: dict[str, str] = {
     "--router-mini-lb": "the Python mini load balancer has no worker API (/workers), which miles needs",
     "--router-service-discovery": "miles registers the engines itself (Kubernetes discovery would add others)",
     "--router-enable-igw": "the multi-model gateway mode does not take miles's worker registration",
-    "--router-api-key": "miles's engines keep generation open and take their admin key by environment "
-    "(--engine-api-key); a router key would not reach them",
+    "--router-api-key": "miles registers each engine with the run's key (--engine-api-key) in the POST /workers "
+    "body; a router key would sit on the router's command line and guard the router's own API",
 }
 # cb-* settings would only tune the circuit breaker that miles disables
 _CIRCUIT_BREAKER = ("--router-cb-",)

@@ -21,7 +21,7 @@ import os
 from miles.ray.engine_health import HealthMonitor, HealthSettings
 from miles.ray.placement import Placement
 from miles.ray.utils import ray_get
-from miles.utils.engine_http import health_problem
+from miles.utils.engine_http import health_problem, launch_keys
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,12 @@ class EngineFleet:
         r = self.config.router
         if r.sglang_router_ip is not None:
             assert r.sglang_router_port is not None  # validated together
-            self.router = Router.running_at(r.sglang_router_ip, r.sglang_router_port, self.startup_timeout)
+            self.router = Router.running_at(
+                r.sglang_router_ip,
+                r.sglang_router_port,
+                self.startup_timeout,
+                self.config.engine.engine_api_key,
+            )
             self.router.register(self.engine_urls, self.startup_timeout)
         else:
             self.router = Router(
@@ -96,6 +101,7 @@ class EngineFleet:
                     resilience_args(self.timeout), router_command_args(dict(r.router_args))
                 ),
                 log_path=os.path.join(log_dir, "router.log"),
+                worker_api_key=self.config.engine.engine_api_key,
             ).launch()
         self.router_url = self.router.url
         logger.info("engines %s behind router %s", self.engine_urls, self.router_url)
@@ -140,7 +146,7 @@ class EngineFleet:
                     kind=kind,
                     host=cfg.engine.engine_host,
                     tp_size=per_engine,
-                    admin_api_key=cfg.engine.engine_api_key,
+                    **launch_keys(cfg.engine.engine_api_key),
                     startup_timeout=self.startup_timeout,
                     log_path=os.path.join(log_dir, f"engine_{i}.log"),
                     **launch,

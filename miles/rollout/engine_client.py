@@ -19,8 +19,11 @@ that refuses a connection, drops one, or answers 502/503/504 is set aside at onc
 another engine; a set-aside engine is taken again once the router no longer lists it (from then on the router's
 list decides: it comes back when readmitted) or once it answers `/health` while the router still lists it (a
 transient failure: the monitor takes an engine out of the router before it restarts one, so an engine that
-answers while listed was never restarted). With no engine to take, the request waits with backoff (0.2 s
-doubling, at most 5 s) within its deadline. Without a router worker list (a fake or single server), only the
+answers while listed was never restarted). With no engine to take, or when every engine that may take it has
+failed it since the last wait, the request waits with backoff (0.2 s doubling, at most 5 s). The deadline
+(`--rollout-request-timeout`) is checked before every attempt: an engine that keeps answering 503 while its
+/health answers 200 (SGLang retracting requests under memory pressure) ends the request at its deadline with an
+error naming the engine and its last answer. Without a router worker list (a fake or single server), only the
 health probe brings an engine back.
 
 Request batching: `generate` calls made under the same `batch_key` (see `batching`; the stock rollout opens one
@@ -69,6 +72,7 @@ class EngineUnavailable(EngineError):
 
 
 ENGINE_LIST_TTL_S = 1.0  # how old the router's worker list may get while requests are sent
+PROBE_TIMEOUT_S = 2.0  # one /health probe of a set-aside engine, or one read of the router's worker list
 
 
 @dataclass(frozen=True)
@@ -251,16 +255,19 @@ class EngineClient:
         what: str = "",
         retry: bool = True,
         timeout: float | None = None,
+        deadline: float | None = None,
     ) -> dict:
         """POST `body` to `url` and return the JSON answer; EngineError naming phase, URL and `what` otherwise.
 
         A connection error or a 502/503/504 is retried with exponential backoff (0.2 s doubling, at most 5 s)
-        until `timeout` (default: the request deadline) has passed since the first attempt; the deadline covers
-        every attempt together. With `retry`, a request that failed for good also names the engines that do not
+        until `timeout` (default: the request deadline) has passed since the first attempt, or until `deadline`
+        (a `time.monotonic()` instant: the caller's own request deadline) when given; the deadline covers every
+        attempt together. With `retry`, a request that failed for good also names the engines that do not
         answer /health (the likely culprits behind the router)."""
         suffix = f" ({what})" if what else ""
         budget = self.timeout if timeout is None else float(timeout)
-        deadline = time.monotonic() + budget
+        if deadline is None:
+            deadline = time.monotonic() + budget
         backoff, attempt = BACKOFF_FIRST_S, 0
         while True:
             attempt += 1
@@ -272,7 +279,8 @@ class EngineClient:
                 stuck = await self.unresponsive_engines() if retry else []
                 culprit = f"; engines not answering /health: {stuck}" if stuck else ""
                 raise EngineError(
-                    f"{phase}: no answer from {url} within {budget:.0f}s{suffix} (attempt {attempt}){culprit}"
+                    f"{phase}: no answer from {url} within the request deadline ({budget:g}s){suffix} "
+                    f"(attempt {attempt}){culprit}"
                 ) from e
             except httpx.HTTPError as e:
                 problem = f"cannot reach {url}: {type(e).__name__}: {e}"
@@ -289,7 +297,7 @@ class EngineClient:
                 stuck = await self.unresponsive_engines()
                 culprit = f"; engines not answering /health: {stuck}" if stuck else ""
                 raise EngineError(
-                    f"{phase}: {problem}{suffix} (gave up after {attempt} attempt(s) in {budget:.0f}s){culprit}"
+                    f"{phase}: {problem}{suffix} (gave up after {attempt} attempt(s) in {budget:g}s){culprit}"
                 )
             logger.warning("%s: %s%s; retrying in %.1fs", phase, problem, suffix, backoff)
             await asyncio.sleep(backoff)
@@ -422,22 +430,28 @@ class EngineClient:
 
     async def _post_to_an_engine(self, payload: dict, n: int, phase: str, what: str) -> tuple[str, dict]:
         """POST /generate `payload` (`n` generations) to an engine that may take it, trying another one when an
-        engine is unavailable, within one request deadline; returns the engine URL that answered and its body."""
+        engine is unavailable, within one request deadline; returns the engine URL that answered and its body.
+
+        The deadline is checked before every attempt, whatever brought the engine back: SGLang answers 503
+        (e.g. "Retracted under decode memory pressure ... Retry later") while its `/health` answers 200, so an
+        engine set aside is readmitted by its health probe on the next pass. Once every engine that may take the
+        request failed it since the last wait, the next attempt waits with backoff first (never a tight loop).
+        Giving up names the engine and its last answer."""
         deadline = time.monotonic() + self.timeout
         backoff, attempt = BACKOFF_FIRST_S, 0
         problem = f"{phase}: no engine to send {what} to (none listed by the router {self.router_url})"
+        failed: set[int] = set()  # engines that failed this request since the last wait
         while True:
-            await self._refresh_engines()
-            engine = self._pick_engine()
-            if engine is None:  # every engine is set aside or out of the router: wait for one to come back
+            if time.monotonic() >= deadline:
+                raise await self._gave_up(problem, attempt)
+            await self._refresh_engines(deadline)
+            engine = self._pick_engine(exclude=failed)
+            if engine is None:  # wait for an engine to come back (or to recover)
                 if time.monotonic() + backoff >= deadline:
-                    stuck = await self.unresponsive_engines()
-                    culprit = f"; engines not answering /health: {stuck}" if stuck else ""
-                    raise EngineError(
-                        f"{problem} (gave up after {attempt} attempt(s) in {self.timeout:.0f}s){culprit}"
-                    )
+                    raise await self._gave_up(problem, attempt)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
+                failed.clear()
                 self._listed_at = float("-inf")  # look again now
                 continue
             url = f"{self.engine_urls[engine]}/generate"
@@ -445,25 +459,35 @@ class EngineClient:
             self._in_flight[engine] += n
             self.requests_sent += 1
             try:
-                return url, await self.post(
-                    url, payload, phase, what, retry=False, timeout=max(deadline - time.monotonic(), 0.01)
-                )
+                return url, await self.post(url, payload, phase, what, retry=False, deadline=deadline)
             except EngineUnavailable as e:
                 problem = str(e)
+                failed.add(engine)
                 self._set_aside.add(engine)
                 logger.warning("%s; setting engine %s aside and trying another", e, self.engine_urls[engine])
             finally:
                 self._in_flight[engine] -= n
 
-    async def _refresh_engines(self) -> None:
+    async def _gave_up(self, problem: str, attempts: int) -> EngineError:
+        """The error of a request whose deadline passed: its last problem (engine and answer), the attempts, and
+        the engines that do not answer /health."""
+        stuck = await self.unresponsive_engines()
+        culprit = f"; engines not answering /health: {stuck}" if stuck else ""
+        return EngineError(
+            f"{problem} (gave up after {attempts} attempt(s) in {self.timeout:g}s, the request deadline){culprit}"
+        )
+
+    async def _refresh_engines(self, deadline: float) -> None:
         """Read the router's worker list (at most once per ENGINE_LIST_TTL_S) and take back set-aside engines
-        that left it or that answer /health while still listed (see the module docstring)."""
+        that left it or that answer /health while still listed (see the module docstring); each probe waits at
+        most 2 s and not past `deadline` (the calling request's)."""
         if time.monotonic() - self._listed_at < ENGINE_LIST_TTL_S:
             return
         self._listed_at = time.monotonic()
+        wait = min(PROBE_TIMEOUT_S, max(deadline - time.monotonic(), 0.01))
         aside = sorted(self._set_aside)
-        healthy = await asyncio.gather(*(self._answers_health(self.engine_urls[i]) for i in aside))
-        listed = await self._router_workers()  # read after the probes: see the module docstring
+        healthy = await asyncio.gather(*(self._answers_health(self.engine_urls[i], wait) for i in aside))
+        listed = await self._router_workers(wait)  # read after the probes: see the module docstring
         if listed is None:
             self._unlisted = set()
         else:
@@ -472,18 +496,18 @@ class EngineClient:
             if i in self._unlisted or ok:
                 self._set_aside.discard(i)
 
-    async def _answers_health(self, url: str) -> bool:
+    async def _answers_health(self, url: str, timeout: float) -> bool:
         try:
-            return (await self.http.get(f"{url}/health", timeout=2.0)).status_code == 200
+            return (await self.http.get(f"{url}/health", timeout=timeout)).status_code == 200
         except httpx.HTTPError:
             return False
 
-    async def _router_workers(self) -> set[str] | None:
+    async def _router_workers(self, timeout: float) -> set[str] | None:
         """The worker URLs sglang-router lists (`GET /workers`); None when there is no such list to read."""
         if self.router_url in self.engine_urls:
             return None
         try:
-            resp = await self.http.get(f"{self.router_url}/workers", timeout=2.0)
+            resp = await self.http.get(f"{self.router_url}/workers", timeout=timeout)
             if resp.status_code != 200:
                 return None
             body = resp.json()
@@ -493,14 +517,14 @@ class EngineClient:
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
             return None
 
-    def _pick_engine(self) -> int | None:
-        """Of the engines that may take a request, the one with the fewest generations in flight; ties go round
-        robin. None when every engine is set aside or out of the router."""
+    def _pick_engine(self, exclude: set[int] | frozenset[int] = frozenset()) -> int | None:
+        """Of the engines that may take a request (and are not in `exclude`), the one with the fewest generations
+        in flight; ties go round robin. None when every engine is set aside, out of the router or excluded."""
         n = len(self.engine_urls)
         order = [
             i
             for i in ((self._next_engine + k) % n for k in range(n))
-            if i not in self._set_aside and i not in self._unlisted
+            if i not in self._set_aside and i not in self._unlisted and i not in exclude
         ]
         if not order:
             return None

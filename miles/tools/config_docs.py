@@ -38,7 +38,10 @@ switch without a value, or `true`/`false`), checked with SGLang's own parser whe
 ([GPU guide](gpu.md#sglang-engines-and-their-flags)).
 
 Flags marked **not built** are accepted by the parser but refused when set: their feature does not exist yet.
-Secrets (API keys) print as `<redacted>` in logs and are left out of `--dry-run` output.
+Secrets (API keys) print as `<redacted>` in logs and are left out of `--dry-run` output. Set them in the environment
+(`MILES_ENGINE_API_KEY`, `MILES_WANDB_KEY`: below `--config` and the command line in the merge) or in a `--config`
+file only you can read (`chmod 600`), not on the command line, which every local user can read in
+`/proc/<pid>/cmdline`; miles warns about both.
 """
 
 

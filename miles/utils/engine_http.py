@@ -2,7 +2,8 @@
 success checks and errors.
 
 - Keys: `bearer` builds the Authorization header from a key, `engine_headers` applies SGLang's rule for which
-  key an endpoint takes (the admin key on `ADMIN_ENDPOINTS` when one is set, the API key everywhere else).
+  key an endpoint takes (the admin key on `ADMIN_ENDPOINTS` when one is set, the API key everywhere else);
+  `launch_keys` gives an engine miles launches the run's key as both.
 - One long-lived `httpx.Client` per process (`http_client`: its connection pool and TLS context are built once,
   not per call); every call passes its own deadline (`timeout_s`) and headers. It ignores proxy variables
   (`trust_env=False`): engines are reached directly.
@@ -43,6 +44,14 @@ _CLIENT_LOCK = threading.Lock()
 def bearer(key: str | None) -> dict[str, str]:
     """The Authorization header that presents `key` (no header without a key)."""
     return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def launch_keys(key: str | None) -> dict[str, str | None]:
+    """The keys miles launches an engine with (`EngineProcess` arguments): the run's key as both SGLang's
+    `--api-key` and `--admin-api-key`. With the admin key alone SGLang leaves every other endpoint open, and its
+    keyless `GET /server_info` answers `admin_api_key` and the launch command in clear; with both, only /health*,
+    /ready* and /metrics* answer without the key (docs/sglang-contract.md)."""
+    return {"api_key": key, "admin_api_key": key}
 
 
 def engine_headers(endpoint: str, api_key: str | None, admin_api_key: str | None) -> dict[str, str]:

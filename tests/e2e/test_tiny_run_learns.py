@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -25,6 +26,14 @@ def test_tiny_cpu_run_learns_the_toy_task(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert sum(line.startswith("rollout ") for line in proc.stdout.splitlines()) == 60
+    # a console a person can read: no library's INFO line (httpx logged every engine call), in any process
+    # (Ray forwards its actors' output to this console)
+    console = proc.stdout + proc.stderr
+    chatter = [
+        line for line in console.splitlines()
+        if (m := re.search(r"\b(?:INFO|DEBUG)\s+\[?([\w.]+)", line)) and m.group(1).split(".")[0] not in ("miles", "__main__")
+    ]  # fmt: skip
+    assert "HTTP Request:" not in console and not chatter, chatter[:5]
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     # the first rollouts equal the golden metrics (tests/e2e/golden: how to check a run by hand, how to update)

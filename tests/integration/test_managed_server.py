@@ -55,3 +55,17 @@ def test_stop_kills_a_server_that_ignores_sigterm(tmp_path):
     server.wait_until(lambda: "up" in server.log_tail(), time.monotonic() + 30, "startup")
     server.stop(timeout=0.5)
     assert proc is not None and proc.returncode == -9  # killed: not waited for until its sleep ended
+
+
+def test_the_log_is_readable_by_its_owner_only(tmp_path):
+    """SGLang logs its server_args, keys included: the log must not be readable by other local users."""
+    import os
+    import stat
+
+    (tmp_path / "server.log").write_text("an earlier run\n")
+    os.chmod(tmp_path / "server.log", 0o644)  # a restarted engine appends to its old log
+    server = _start(tmp_path, "print('admin_api_key=s3cret', flush=True)")
+    server.proc.wait(30)
+    server.stop()
+    assert stat.S_IMODE(os.stat(tmp_path / "server.log").st_mode) == 0o600
+    assert "admin_api_key=s3cret" in (tmp_path / "server.log").read_text()

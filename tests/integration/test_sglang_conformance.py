@@ -10,7 +10,10 @@ costs ~40 s), so the test that kills it runs last.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -18,13 +21,13 @@ import pytest
 import torch
 
 from miles.engines.sglang_engine import EngineProcess, engine_launch_kwargs
-from miles.utils.engine_http import bearer
+from miles.utils.engine_http import bearer, launch_keys
 from tests.integration._util import free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS_PYTHON = ROOT / "tests" / "sglang_conformance" / "python"
 VENV_READY = Path(os.environ.get("MILES_SGLANG_VENV", ROOT / ".venv-sglang")) / ".miles-sglang-ok"
-KEY = "conformance-admin-key"
+KEY = "conformance-run-key"
 SEED, INDEX = 42, 1
 
 pytestmark = pytest.mark.skipif(
@@ -36,7 +39,7 @@ pytestmark = pytest.mark.skipif(
 def _launch(kind: str, model_dir: str) -> EngineProcess:
     launch = engine_launch_kwargs(kind, INDEX, SEED, colocate=True, local_args={"num-threads": 1})
     return EngineProcess(
-        model_dir, kind=kind, admin_api_key=KEY, startup_timeout=300,
+        model_dir, kind=kind, startup_timeout=300, **launch_keys(KEY),
         python=str(HARNESS_PYTHON) if kind == "sglang" else None, **launch,
     ).launch()  # fmt: skip
 
@@ -94,10 +97,41 @@ def test_launch_memory_saver_reaches_sglang(sglang):
     assert saver["enabled"] and "cuda_graph" in saver["regions"]
 
 
-def test_launch_key_is_admin_only(sglang):
-    """--engine-api-key becomes SGLang's --admin-api-key, not --api-key (which would guard /generate too)."""
+def test_launch_key_guards_every_endpoint(sglang):
+    """The run's key (--engine-api-key, or one drawn per run) becomes both SGLang's --api-key and --admin-api-key:
+    with the admin key alone, SGLang's keyless GET /server_info answered the admin key in clear."""
     info = sglang.get("/server_info")
-    assert info["admin_api_key"] and not info["api_key"]
+    assert info["admin_api_key"] == info["api_key"] == KEY
+
+
+def _routes(kind: str) -> list[tuple[str, str]]:
+    """(method, path) of every route the engine's app serves (path parameters filled with 'x')."""
+    from tests.sglang_conformance.routes import app_routes
+
+    if kind == "local":
+        from miles.engines.local.server import create_app
+
+        return app_routes(create_app(None).routes)  # type: ignore[arg-type]
+    script = ROOT / "tests" / "sglang_conformance" / "routes.py"
+    out = subprocess.run([str(HARNESS_PYTHON), str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return [(m, p) for m, p in json.loads(out.stdout.strip().splitlines()[-1])]
+
+
+def test_no_key_is_readable_without_a_key(engine):
+    """Every route of the engine's app, asked without a key: only /health*, /ready* and /metrics* answer (the
+    router's probes), and no answer carries the key."""
+    routes = _routes(engine.kind)
+    assert ("GET", "/server_info") in routes and ("POST", "/generate") in routes, routes
+    plain = httpx.Client(trust_env=False, timeout=120)
+    opened = []
+    for method, path in routes:
+        resp = plain.request(method, engine.url + path, json={} if method == "POST" else None)
+        assert KEY not in resp.text, (method, path, resp.text[:500])
+        if resp.status_code != 401:
+            opened.append(path)
+    assert all(p.startswith(("/health", "/ready", "/metrics")) for p in opened), opened
+    assert plain.get(engine.url + "/health").status_code == 200
 
 
 # ------------------------------------------------------------------------------------ contract, both engines
@@ -105,10 +139,10 @@ def test_launch_key_is_admin_only(sglang):
 
 def test_api_key_levels(engine):
     body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
-    assert _post(engine, "/generate", body, key=False).status_code == 200  # rollout requests carry no key
-    refused = _post(engine, "/flush_cache", {}, key=False)
-    assert refused.status_code == 401 and refused.json() == {"error": "Unauthorized"}
-    assert _post(engine, "/flush_cache", {}).status_code == 200
+    for path, payload in (("/generate", body), ("/flush_cache", {})):
+        refused = _post(engine, path, payload, key=False)
+        assert refused.status_code == 401 and refused.json() == {"error": "Unauthorized"}
+        assert _post(engine, path, payload).status_code == 200
 
 
 def test_refit_outside_session_refused(engine):
@@ -159,12 +193,35 @@ def test_rollout_generate_through_router(sglang):
             await asyncio.gather(*(generate_single_turn(client, s, settings, ctx) for s in samples))
             await client.abort_all("conformance abort")
 
-    with Router([sglang.url]) as router:
+    with Router([sglang.url], worker_api_key=KEY) as router:
+        assert KEY not in httpx.get(router.url + "/workers").text  # the router's API shows no worker key
         asyncio.run(run(router.url))
     for s in samples:
         assert s.response_length >= 1 and len(s.rollout_log_probs) == s.response_length
         assert s.loss_mask == [1] * s.response_length and s.check_consistent() is None
         assert s.weight_versions == ["default"]
+
+
+def test_an_engine_retracting_every_time_ends_the_request_at_its_deadline(sglang):
+    """SGLang's decode retraction without a KV backup answers 503 "... Retry later" while /health answers 200
+    (after its 1 s one-token check): the request ends at its deadline, naming the engine and SGLang's answer."""
+    from miles.rollout.engine_client import EngineClient, EngineError
+    from tests.sglang_conformance.fake_scheduler import RETRACTED_PROMPT
+
+    async def run() -> None:
+        async with EngineClient(sglang.url, [sglang.url], KEY, timeout=3, concurrency=1) as client:
+            await asyncio.wait_for(
+                client.generate(RETRACTED_PROMPT, {"max_new_tokens": 2}, 0, "conformance"), 60
+            )
+
+    with pytest.raises(EngineError) as info:
+        asyncio.run(run())
+    msg = str(info.value)
+    assert f"{sglang.url}/generate answered 503" in msg and "Retracted under decode memory pressure" in msg, (
+        msg
+    )
+    attempts = int(re.search(r"gave up after (\d+) attempt", msg).group(1))
+    assert 1 <= attempts <= 5, msg
 
 
 def _tensor_body(rank: int, world: int, url: str, model_dir: str) -> None:
@@ -181,7 +238,7 @@ def _tensor_body(rank: int, world: int, url: str, model_dir: str) -> None:
         RefitSetup([url], 1, rank, world, api_key=KEY, timeout_s=60, check_equal=True)
     )
     updater.update(model, bucket_bytes=4096, weight_version="tensor-1")
-    assert httpx.get(f"{url}/model_info").json()["weight_version"] == "tensor-1"
+    assert httpx.get(f"{url}/model_info", headers=_admin()).json()["weight_version"] == "tensor-1"
     name, tensor = next(iter(model.named_parameters()))
     got = httpx.post(
         f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 8}, headers=_admin()
@@ -227,18 +284,18 @@ def _colocated_body(rank: int, world: int, url: str, model_dir: str) -> None:
 
     choreo = MemoryChoreography(True, Trainer(), Engines(), [url])
     choreo.refit("1")  # start-up: the engine released nothing
-    state = httpx.get(f"{url}/server_info").json()["internal_states"][0]
+    state = httpx.get(f"{url}/server_info", headers=_admin()).json()["internal_states"][0]
     assert state["offload_tags"] == [] and state["memory_saver"]["paused"] == [], state
     choreo.before_train()
-    state = httpx.get(f"{url}/server_info").json()["internal_states"][0]
+    state = httpx.get(f"{url}/server_info", headers=_admin()).json()["internal_states"][0]
     assert sorted(state["memory_saver"]["paused"]) == ["cuda_graph", "kv_cache", "weights"], state
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.25)
     choreo.refit("2")
-    state = httpx.get(f"{url}/server_info").json()["internal_states"][0]
+    state = httpx.get(f"{url}/server_info", headers=_admin()).json()["internal_states"][0]
     assert state["offload_tags"] == [] and state["memory_saver"]["paused"] == [], state
-    assert httpx.get(f"{url}/model_info").json()["weight_version"] == "2"
+    assert httpx.get(f"{url}/model_info", headers=_admin()).json()["weight_version"] == "2"
     name, tensor = next(iter(model.named_parameters()))
     got = httpx.post(
         f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 8}, headers=_admin()
@@ -267,7 +324,7 @@ def _broadcast_body(rank: int, world: int, url: str, model_dir: str, port: int) 
         updater.update(model, bucket_bytes=4096, weight_version="bcast-1")
     finally:
         updater.disconnect()
-    assert httpx.get(f"{url}/model_info").json()["weight_version"] == "bcast-1"
+    assert httpx.get(f"{url}/model_info", headers=_admin()).json()["weight_version"] == "bcast-1"
 
 
 def test_broadcast_refit_path(engine, model_dir):

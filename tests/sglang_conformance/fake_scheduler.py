@@ -16,6 +16,8 @@ SGLang's flags: with `--enable-memory-saver` a pause frees the tagged region (we
 `cuda_graph` is a region only with SGLANG_MEMORY_SAVER_CUDA_GRAPH=true, and without the flag pause does nothing.
 
 An exception in a handler kills the server the way SGLang's scheduler death does (SIGQUIT to the server process).
+A prompt equal to `RETRACTED_PROMPT` is aborted the way SGLang's decode retraction aborts a request it cannot keep
+(`FINISH_ABORT` with status 503, "Retracted under decode memory pressure ... Retry later"), every time.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 
 logger = logging.getLogger("miles.conformance.scheduler")
+RETRACTED_PROMPT = [9, 9, 9, 9, 9, 9, 9]
 
 
 class MemorySaver:
@@ -231,6 +234,12 @@ class FakeScheduler:
     def _generate_one(self, req: Any) -> dict[str, Any]:
         sp = req.sampling_params
         ids = list(req.input_ids)
+        if ids == RETRACTED_PROMPT:  # schedule_batch.py retract_decode, without a KV backup
+            from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+            message = "Retracted under decode memory pressure without a KV backup. Retry later."
+            finish = FINISH_ABORT(message, status_code=503).to_json()
+            return {"ids": [], "logprobs": [], "finish": finish, "text": ""}
         gen = torch.Generator().manual_seed(self.random_seed * 1_000_003 + (hash(req.rid) & 0xFFFF))
         eos = self.tokenizer.eos_token_id
         out: list[int] = []

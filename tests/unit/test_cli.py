@@ -56,15 +56,51 @@ def test_dry_run_output_reads_back_as_config(tmp_path, capsys, base, extra):
     )  # feeding it back runs the job instead of dry-running again
 
 
-def test_secrets_are_left_out_of_the_dry_run_yaml_and_named(tmp_path, base):
-    cfg = parse_config(base + ["--engine-api-key", "s3cret", "--dry-run"])
+def test_secrets_are_left_out_of_the_dry_run_yaml_and_named(tmp_path, base, monkeypatch):
+    """--dry-run advises the environment or a 0600 --config file, never the command line (/proc/*/cmdline)."""
+    monkeypatch.setenv("MILES_ENGINE_API_KEY", "s3cret")
+    cfg = parse_config(base + ["--dry-run"])
+    assert cfg.engine.engine_api_key == "s3cret"
     text = config_yaml(cfg)
     assert "s3cret" not in text and "engine_api_key" not in yaml.safe_load(text)["engine"]
-    assert text.rstrip().endswith("# not shown: --engine-api-key (secrets: pass them on the command line)")
+    advice = text.rstrip().splitlines()[-1]
+    assert advice.startswith(
+        "# not shown: --engine-api-key (secrets: set --engine-api-key as $MILES_ENGINE_API_KEY"
+    )
+    assert "--config file only you can read (chmod 600)" in advice and "command line is readable" in advice
     path = tmp_path / "run.yaml"
     path.write_text(text)
-    again = parse_config(["--config", str(path), "--engine-api-key", "s3cret"])
+    again = parse_config(["--config", str(path)])  # the key from the environment again
     assert again == dataclasses.replace(cfg, dry_run=False, config=str(path))
+
+
+def test_secret_sources_merge_below_the_config_file_and_the_command_line(tmp_path, base, monkeypatch):
+    monkeypatch.setenv("MILES_ENGINE_API_KEY", "from-env")
+    monkeypatch.setenv("MILES_WANDB_KEY", "wandb-env")
+    assert parse_config(base).log.wandb_key == "wandb-env"
+    assert parse_config(base + ["--engine-api-key", "from-cli"]).engine.engine_api_key == "from-cli"
+    path = tmp_path / "run.yaml"
+    path.write_text("engine:\n  engine_api_key: from-file\n")
+    path.chmod(0o600)
+    assert parse_config(base + ["--config", str(path)]).engine.engine_api_key == "from-file"
+
+
+def test_secrets_where_other_users_can_read_them_draw_a_warning(tmp_path, base, caplog):
+    path = tmp_path / "run.yaml"
+    path.write_text("engine_api_key: from-file\n")
+    path.chmod(0o600)
+    with caplog.at_level("WARNING", logger="miles.config.secrets"):
+        parse_config(base + ["--config", str(path)])
+    assert caplog.records == []
+    path.chmod(0o644)
+    with caplog.at_level("WARNING", logger="miles.config.secrets"):
+        parse_config(base + ["--config", str(path)])
+        parse_config(base + ["--engine-api-key", "on-the-cli"])
+    file_warning, cli_warning = (r.getMessage() for r in caplog.records)
+    assert f"--config {path} sets --engine-api-key and is readable by other users (mode 644)" in file_warning
+    assert f"chmod 600 {path}" in file_warning
+    assert cli_warning.startswith("--engine-api-key given on the command line: set --engine-api-key as ")
+    assert "on-the-cli" not in file_warning + cli_warning
 
 
 @pytest.mark.parametrize(

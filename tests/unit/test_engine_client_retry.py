@@ -176,3 +176,89 @@ def test_a_batch_in_flight_on_an_engine_that_dies_is_answered_by_another():
     outs, sent = asyncio.run(go())
     assert [o.output_ids for o in outs] == [[7]] * 4
     assert fleet.generated == ["e1"] and sent == 2  # one batch, sent twice: e0 refused it, e1 answered
+
+
+RETRACTED = (
+    '{"error": {"message": "Retracted under decode memory pressure without a KV backup. Retry later."}}'
+)
+
+
+@pytest.mark.parametrize("engines", [("http://e0:1",), ("http://e0:1", "http://e1:1")])
+def test_an_engine_answering_503_forever_ends_the_request_at_its_deadline(engines):
+    """SGLang answers 503 while its /health answers 200 after a 1 s wait: the health probe readmits the engine on
+    every pass, which once retried a 3 s request for minutes. The deadline ends it, naming the engine and its last
+    answer, with a bounded number of attempts (backoff, not a tight loop)."""
+    posts: list[str] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            await asyncio.sleep(1.0)  # SGLang's /health: a one-token generation, checked after 1 s
+            return httpx.Response(200)
+        if request.url.path == "/workers":
+            return httpx.Response(404)
+        posts.append(request.url.host)
+        return httpx.Response(503, text=RETRACTED)
+
+    async def go():
+        async with EngineClient(
+            "http://router:1", list(engines), None, 3.0, 4, transport=httpx.MockTransport(handler)
+        ) as client:
+            return await asyncio.wait_for(
+                client.generate([1, 2], {"max_new_tokens": 1}, 3, "rollout generate (rollout0)"), 60
+            )
+
+    with pytest.raises(EngineError) as info:
+        asyncio.run(go())
+    msg = str(info.value)
+    assert "/generate answered 503: " in msg and "Retracted under decode memory pressure" in msg
+    assert "http://e0:1/generate" in msg or "http://e1:1/generate" in msg
+    assert "(sample 3)" in msg and "gave up after" in msg and "in 3s, the request deadline" in msg
+    # at most one attempt per engine per wait; waits of 0.2, 0.4, 0.8, 1.6 s fill a 3 s deadline
+    assert len(engines) <= len(posts) <= 5 * len(engines), posts
+
+
+def test_no_answer_names_the_request_deadline_not_what_was_left_of_it():
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/workers":
+            return httpx.Response(404)
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    with pytest.raises(
+        EngineError, match=r"no answer from http://e0:1/generate within the request deadline \(2s\)"
+    ):
+        run(handler, timeout=2.0)
+
+
+def test_a_request_an_engine_refused_goes_to_another_at_once(monkeypatch):
+    """One engine answers 503 forever while its /health answers 200 (so every probe readmits it), the other is
+    busy: a request the first refused goes to the busy one, not back to the one that refused it (which has fewer
+    requests in flight) until a backoff has passed."""
+    import miles.rollout.engine_client as ec
+
+    monkeypatch.setattr(ec, "ENGINE_LIST_TTL_S", 0.0)  # probe the set-aside engine before every pick
+    posts: list[str] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path in ("/health", "/workers"):
+            return httpx.Response(200 if request.url.path == "/health" else 404)
+        posts.append(request.url.host)
+        if request.url.host == "e0":
+            return httpx.Response(503, text=RETRACTED)
+        await asyncio.sleep(0.5)  # e1 is slow: its requests stay in flight
+        return httpx.Response(200, json=OK)
+
+    async def go():
+        async with EngineClient(
+            "http://router:1", ["http://e0:1", "http://e1:1"], None, 30.0, 4,
+            transport=httpx.MockTransport(handler),
+        ) as c:  # fmt: skip
+            outs = await asyncio.gather(
+                *(
+                    c.generate([1, 2], {"max_new_tokens": 1}, i, "rollout generate (rollout0)")
+                    for i in range(4)
+                )
+            )
+            assert [o.output_ids for o in outs] == [[7]] * 4
+
+    asyncio.run(go())
+    assert posts.count("e1") == 4 and posts.count("e0") <= 4, posts  # e0: at most once per request

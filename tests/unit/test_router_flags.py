@@ -66,6 +66,17 @@ def test_good_router_flags_reach_sglang_routers_command_line():
     assert parsed.worker_urls == ["http://127.0.0.1:9"] and parsed.port == 1234
 
 
+def test_keyed_workers_are_registered_with_their_key_off_the_command_line():
+    """Workers that take a key are registered by POST /workers with it (test_sglang_conformance runs this against
+    SGLang's server): the router's command line, readable in /proc, names neither the workers nor the key."""
+    from sglang_router.launch_router import parse_router_args
+
+    router = Router(["http://127.0.0.1:9"], port=1234, worker_api_key="run-key")
+    command = router.command()
+    assert "run-key" not in " ".join(command) and "--api-key" not in command
+    assert parse_router_args(command[3:]).worker_urls == []
+
+
 def test_router_flags_round_trip_through_a_dict_and_yaml(tmp_path):
     cfg = parse_config(BASE + ["--router-cache-threshold", "0.3", "--router-log-level", "info"])
     assert Config.from_dict(cfg.to_dict()).router == cfg.router

@@ -90,9 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     """Load the model and serve until interrupted."""
     args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="[%(asctime)s] %(name)s %(levelname)s: %(message)s"
-    )
+    from miles.utils.log_setup import configure_logging
+
+    configure_logging(args.log_level, "[%(asctime)s] %(name)s %(levelname)s: %(message)s")
     import torch
     import uvicorn
 
