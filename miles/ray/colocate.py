@@ -5,8 +5,11 @@ KV cache before training, the trainer refits the engines' weights and then sleep
 KV cache. Disaggregated mode keeps both resident, so every step here is a no-op except the refit itself.
 
 SGLang 0.5.23 resumes only what was released (its scheduler dies with `KeyError: 'weights'` on a resume of a tag
-it never released), so the choreography remembers which tags the engines released: the start-up refit, on
-engines that hold their freshly loaded weights, resumes nothing.
+it never released), so the choreography remembers which tags the engines released. The memory order at start-up
+(`miles.ray.setup.build_system`): colocated engines start first, size their pools on devices the trainers do not
+use yet, and release everything before the trainers load, so the start-up refit resumes what they released;
+disaggregated engines hold their freshly loaded weights and the start-up refit resumes nothing. A release waits
+for the engine to be idle (`miles.utils.engine_http.EngineMemoryControl.release_memory`).
 
 Colocated on CPU (no accelerator: `trainer_offload=False`) the trainers' sleep and wake move nothing (their
 parameters live in host memory either way), so the choreography skips those calls; the engines still release
@@ -72,16 +75,18 @@ class MemoryChoreography:
         engine_urls: list[str],
         critic: Trainer | None = None,
         trainer_offload: bool = True,
+        released: list[str] | tuple[str, ...] = (),
     ) -> None:
         """`trainer_offload`: the trainers' sleep/wake move their state off/onto the devices the engines use
-        (GPU); False on CPU, where both are no-ops (see the module docstring)."""
+        (GPU); False on CPU, where both are no-ops (see the module docstring). `released`: the tags the engines
+        already hold released (colocated start-up releases everything before the trainers load)."""
         self.colocate = colocate
         self.trainer = trainer
         self.critic = critic  # --advantage-estimator ppo: trains before the actor, never awake with it
         self.engines = engines
         self.engine_urls = list(engine_urls)
         self.trainer_offload = trainer_offload
-        self.released: set[str] = set()  # fresh engines hold everything
+        self.released: set[str] = set(released)  # fresh engines hold everything
 
     def before_train(self) -> None:
         """Colocated: the engines give the devices back (all tags), then the critic (when there is one, it

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from miles.config import required
-from miles.ray.colocate import MemoryChoreography, TrainerOnly
+from miles.ray.colocate import MEMORY_TAGS, MemoryChoreography, TrainerOnly
 from miles.ray.engine_fleet import EngineFleet
 from miles.ray.placement import Placement, cluster_has_gpus, create_placement
 from miles.ray.rollout_manager import RolloutManager
@@ -267,8 +267,20 @@ def check_engine_host_reachable(engine_host: str, placement: Placement) -> None:
         raise ValueError(problem)
 
 
+def _engine_urls(fleet: ActorHandle, timeout: float) -> tuple[str, list[str]]:
+    """The router's and the engines' URLs, once every engine answers its health check (the fleet's constructor
+    waits for them)."""
+    router_url, engine_urls = ray_get(
+        [fleet.get_router_url.remote(), fleet.get_engine_urls.remote()], timeout, "starting the engines"
+    )
+    return router_url, engine_urls
+
+
 def build_system(cfg: Config) -> System:
     """Engines, router, rollout manager and trainers, placed and started; the engines hold the trainer's weights.
+
+    Colocated, the engines start first and release their memory before the trainers load (the memory order:
+    engines sized on free devices, trainers after); disaggregated, engines and trainers start at once.
 
     Replay debugging leaves a side out: --load-debug-rollout-data starts no engines (and refits nothing),
     --debug-rollout-only starts no trainers (the engines keep the --hf-checkpoint weights)."""
@@ -310,6 +322,21 @@ def build_system(cfg: Config) -> System:
     # the rollout side loads its tokenizer and prompts while the trainers and engines start; it gets the
     # engines' URLs (connect) once they answer
     rollout = None if replay else ray.remote(RolloutManager).options(num_cpus=0).remote(cfg.to_dict())
+    engines: tuple[str, list[str]] | None = None  # (router URL, engine URLs) once the engines answer
+    released: list[str] = []  # the memory tags the engines hold released when the choreography starts
+    if colocate and fleet is not None and not rollout_only:
+        # the memory order of colocation: the engines size their memory pools (--sglang-mem-fraction-static is a
+        # fraction of the memory free when they start) on devices the trainers do not use yet, give it all back,
+        # and only then do the trainers load; disaggregated, both start at once
+        engines = _engine_urls(fleet, timeout)
+        EngineMemoryControl(
+            engines[1], cfg.engine.engine_api_key, float(cfg.rollout.rollout_request_timeout)
+        ).release_memory(list(MEMORY_TAGS))
+        released = list(MEMORY_TAGS)
+        logger.info(
+            "colocated: %d engine(s) started and released their memory; the trainers load now",
+            len(engines[1]),
+        )
     train_group, critic_group, start = None, None, 0
     if not rollout_only:
         env_vars = {
@@ -337,9 +364,7 @@ def build_system(cfg: Config) -> System:
         choreography = TrainerOnly()
     else:
         assert fleet is not None and rollout is not None  # started above unless replaying
-        router_url, engine_urls = ray_get(
-            [fleet.get_router_url.remote(), fleet.get_engine_urls.remote()], timeout, "starting the engines"
-        )
+        router_url, engine_urls = engines or _engine_urls(fleet, timeout)
         ray_get(
             rollout.connect.remote(router_url, engine_urls),
             timeout,
@@ -356,6 +381,7 @@ def build_system(cfg: Config) -> System:
             engine_urls,
             critic=critic_group,
             trainer_offload=use_gpu,  # on CPU the trainers' sleep/wake move nothing
+            released=released,
         )
         # engines start from the trainer's (possibly resumed) weights; fresh engines released nothing to resume
         choreography.refit(weight_version=str(start))

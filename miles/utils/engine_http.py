@@ -19,7 +19,8 @@ generation and takes its header from `bearer`. Torch-free.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import httpx
@@ -179,9 +180,17 @@ def post_to_engines(
     engine that cannot be reached is named as ending the run (`--use-fault-tolerance` restarts dead engines
     between calls, not during one)."""
 
+    on_every_engine(urls, lambda url: request("POST", url, endpoint, what, timeout_s, headers, body))
+
+
+def on_every_engine(urls: list[str], call: Callable[[str], object]) -> None:
+    """`call(url)` for every engine at once (one thread per engine beyond the first); every engine gets the call
+    even when another fails, then the first failure in `urls` order is raised with the others as notes, an
+    unreachable engine named as ending the run."""
+
     def one(url: str) -> None:
         try:
-            request("POST", url, endpoint, what, timeout_s, headers, body)
+            call(url)
         except EngineUnreachable as e:  # refused, reset: the engine process is gone
             raise EngineUnreachable(
                 url, e.endpoint, e.what, e.phase,
@@ -213,16 +222,60 @@ def post_to_engines(
         raise first
 
 
+FLUSH_RETRY_S = 1.0  # between two /flush_cache tries of a release (the reference's pace)
+
+
+def wait_until_idle(
+    url: str,
+    headers: Mapping[str, str],
+    timeout_s: float,
+    what: str,
+    retry_s: float = FLUSH_RETRY_S,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """POST /flush_cache to the engine at `url` until it succeeds, at most `timeout_s` seconds; returns the number
+    of tries. SGLang flushes only when no request runs or waits (paused: none runs) and answers 400 otherwise,
+    and a `/release_memory_occupation` on a busy engine fails an assertion in its scheduler, which ends the
+    engine: a release comes after a successful flush (as the reference does, retrying the flush once a second).
+    At the deadline: `EngineTimeout` naming the engine and its last answer."""
+    deadline = clock() + timeout_s
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            request("POST", url, "flush_cache", what, max(0.1, deadline - clock()), headers)
+            return tries
+        except EngineStatusError as e:
+            last = f"HTTP {e.status}: {e.body.strip()[:300]}"
+        if clock() + retry_s > deadline:
+            raise EngineTimeout(
+                url, "flush_cache", what, "request",
+                f"the engine was not idle within {timeout_s:g} s ({tries} tries of /flush_cache, the last "
+                f"answered {last}); a release waits for running requests to end",
+            )  # fmt: skip
+        sleep(retry_s)
+
+
 class EngineMemoryControl:
-    """Release/resume engine memory (`miles.ray.colocate.EngineMemory`): each call is one POST to every engine at
-    once. The driver holds one (no Ray hop through the EngineFleet actor, which cost ~4.5 ms per call of the
+    """Release/resume engine memory (`miles.ray.colocate.EngineMemory`): each call goes to every engine at once.
+    The driver holds one (no Ray hop through the EngineFleet actor, which cost ~4.5 ms per call of the
     quickstart's three per step), and so does a training rank that resumes the engines itself before a refit."""
 
     def __init__(self, engine_urls: list[str], api_key: str | None, timeout: float) -> None:
         self.engine_urls, self.headers, self.timeout = list(engine_urls), bearer(api_key), timeout
 
     def release_memory(self, tags: list[str]) -> None:
-        self._post("/release_memory_occupation", tags)
+        """Each engine: `wait_until_idle` (within the timeout), then POST /release_memory_occupation."""
+
+        def release(url: str) -> None:
+            wait_until_idle(url, self.headers, self.timeout, "engine control: idle before a release")
+            request(
+                "POST", url, "release_memory_occupation", "engine control", self.timeout, self.headers,
+                {"tags": tags},
+            )  # fmt: skip
+
+        on_every_engine(self.engine_urls, release)
 
     def resume_memory(self, tags: list[str]) -> None:
         self._post("/resume_memory_occupation", tags)

@@ -342,6 +342,47 @@ def test_pause_in_place_holds_running_requests(engine):
     assert results["long-hold"]["meta_info"]["finish_reason"]["type"] == "abort"
 
 
+def test_release_while_a_request_runs_is_refused_and_a_control_release_waits_for_idle(engine):
+    """SGLang's scheduler asserts idleness on /release_memory_occupation (and dies); the embedded engine refuses
+    with its words, and /flush_cache answers 400 while a request runs. `EngineMemoryControl.release_memory`
+    retries the flush until the engine is idle: it times out naming the engine while the request stays, and
+    releases once the request has ended."""
+    from miles.utils import engine_http as eh
+
+    results: dict[str, dict] = {}
+    t = _start_long(engine, "long-release", results)
+    assert engine.post("/pause_generation", {"mode": "in_place"})["success"]  # held running
+    with pytest.raises(
+        EngineHTTPError, match="release_memory_occupation should be called only when server is idle"
+    ) as e:
+        engine.post("/release_memory_occupation", {})
+    assert e.value.status == 400
+    with pytest.raises(
+        EngineHTTPError, match=r"Cache not flushed because there are pending requests.*#running-req: 1"
+    ):
+        engine.post("/flush_cache", {})
+    control = eh.EngineMemoryControl([engine.url], engine.admin_api_key, timeout=1.5)
+    with pytest.raises(eh.EngineTimeout, match=rf"engine {engine.url}, flush_cache, .*not idle within 1.5 s"):
+        control.release_memory(["kv_cache"])
+    assert engine.get("/get_server_info")["internal_states"][0]["num_running"] == 1  # nothing was released
+
+    def end_request() -> None:
+        time.sleep(1.0)
+        engine.post("/continue_generation", {})
+        engine.post("/abort_request", {"abort_all": True})
+
+    ender = threading.Thread(target=end_request)
+    ender.start()
+    eh.EngineMemoryControl([engine.url], engine.admin_api_key, timeout=30).release_memory(["kv_cache"])
+    ender.join(20)
+    t.join(20)
+    assert results["long-release"]["meta_info"]["finish_reason"]["type"] == "abort"
+    with pytest.raises(EngineHTTPError, match="kv cache|released"):
+        greedy(engine, PROMPTS[0], n=2)  # released indeed
+    assert engine.post("/resume_memory_occupation", {"tags": ["kv_cache"]}) is None
+    assert greedy(engine, PROMPTS[0], n=2)["meta_info"]["finish_reason"]["type"] == "length"
+
+
 def test_decode_throughput_batch(engine):
     sps = {"max_new_tokens": 64, "temperature": 1.0, "ignore_eos": True}
     before = engine.get("/get_server_info")["internal_states"][0]

@@ -257,6 +257,7 @@ def _colocated_body(rank: int, world: int, url: str, model_dir: str) -> None:
 
     from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater, RefitSetup
     from miles.ray.colocate import MemoryChoreography
+    from miles.utils.engine_http import EngineMemoryControl
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     updater = ColocatedWeightUpdater(
@@ -271,18 +272,8 @@ def _colocated_body(rank: int, world: int, url: str, model_dir: str) -> None:
 
         def wake_up(self) -> None: ...
 
-    class Engines:
-        def release_memory(self, tags: list[str]) -> None:
-            httpx.post(
-                f"{url}/release_memory_occupation", json={"tags": tags}, headers=_admin()
-            ).raise_for_status()
-
-        def resume_memory(self, tags: list[str]) -> None:
-            httpx.post(
-                f"{url}/resume_memory_occupation", json={"tags": tags}, headers=_admin()
-            ).raise_for_status()
-
-    choreo = MemoryChoreography(True, Trainer(), Engines(), [url])
+    # miles's own control client: each release flushes until SGLang answers that it is idle, then releases
+    choreo = MemoryChoreography(True, Trainer(), EngineMemoryControl([url], KEY, 60), [url])
     choreo.refit("1")  # start-up: the engine released nothing
     state = httpx.get(f"{url}/server_info", headers=_admin()).json()["internal_states"][0]
     assert state["offload_tags"] == [] and state["memory_saver"]["paused"] == [], state

@@ -154,3 +154,49 @@ def test_post_to_engines_posts_to_all_at_once_and_names_a_dead_one(monkeypatch):
         eh.post_to_engines(urls, "flush_cache", {}, {}, 2.0, "engine control")
     with pytest.raises(eh.EngineStatusError, match="engine http://e2:1"):
         eh.post_to_engines(urls[::2], "flush_cache", {}, {}, 2.0, "engine control")
+
+
+def test_a_release_flushes_until_the_engine_is_idle_then_releases(monkeypatch):
+    """SGLang answers /flush_cache 400 while requests run; the release is sent only after a flush succeeded, on
+    every engine (each at its own pace)."""
+    seen: list[tuple[str, str]] = []
+    busy = {"e0": 2, "e1": 0}  # 400 answers before the engine is idle
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        host, path = req.url.host, req.url.path
+        seen.append((host, path))
+        if path == "/flush_cache" and busy[host] > 0:
+            busy[host] -= 1
+            return httpx.Response(400, text="Flush cache failed.\n")
+        return httpx.Response(200)
+
+    monkeypatch.setattr(eh, "_CLIENT", _client(handler))
+    monkeypatch.setattr(eh, "FLUSH_RETRY_S", 0.01)
+    eh.EngineMemoryControl(["http://e0:1", "http://e1:1"], "k", 5.0).release_memory(["weights"])
+    for host, flushes in (("e0", 3), ("e1", 1)):
+        mine = [p for h, p in seen if h == host]
+        assert mine == ["/flush_cache"] * flushes + ["/release_memory_occupation"], mine
+
+
+def test_wait_until_idle_ends_at_its_deadline_naming_the_engine_and_its_last_answer(monkeypatch):
+    now = [0.0]
+    sleeps: list[float] = []
+
+    def sleep(s: float) -> None:
+        sleeps.append(s)
+        now[0] += s
+
+    monkeypatch.setattr(eh, "_CLIENT", _client(lambda req: httpx.Response(400, text="Flush cache failed.\n")))
+    with pytest.raises(eh.EngineTimeout) as e:
+        eh.wait_until_idle("http://e0:1", {}, 3.0, "idle before a release", clock=lambda: now[0], sleep=sleep)
+    msg = str(e.value)
+    assert "engine http://e0:1, flush_cache" in msg and "not idle within 3 s" in msg, msg
+    assert "4 tries" in msg and "HTTP 400: Flush cache failed." in msg, msg
+    assert sleeps == [1.0, 1.0, 1.0]  # the reference's pace; no sleep past the deadline
+    # an engine that is gone is not waited for
+    monkeypatch.setattr(
+        eh, "_CLIENT", _client(lambda req: (_ for _ in ()).throw(httpx.ConnectError("refused")))
+    )
+    with pytest.raises(eh.EngineUnreachable):
+        eh.wait_until_idle("http://e0:1", {}, 3.0, "idle", clock=lambda: now[0], sleep=sleep)
+    assert len(sleeps) == 3

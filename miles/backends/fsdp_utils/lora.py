@@ -49,11 +49,20 @@ class LoRALinear(nn.Linear):
         self._new_adapters(device, dtype)
 
     def _new_adapters(self, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
-        """Fresh adapters: A kaiming-uniform (left empty on the meta device), B zero."""
+        """Fresh adapters: `initial_parameters` (left empty on the meta device)."""
         self.lora_A = nn.Parameter(torch.empty(self.rank, self.in_features, device=device, dtype=dtype))
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, self.rank, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.empty(self.out_features, self.rank, device=device, dtype=dtype))
         if self.lora_A.device.type != "meta":
-            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+            with torch.no_grad():
+                for name, value in self.initial_parameters().items():
+                    self.get_parameter(name).copy_(value)
+
+    def initial_parameters(self) -> dict[str, torch.Tensor]:
+        """The adapters' initial values on CPU (fp32): A kaiming-uniform (drawn from the global RNG), B zero. A
+        model built sharded (`build_fsdp_model`) takes rank 0's."""
+        a = torch.empty(self.rank, self.in_features)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        return {"lora_A": a, "lora_B": torch.zeros(self.out_features, self.rank)}
 
     @classmethod
     def wrap(cls, base: nn.Linear, rank: int, alpha: float, dropout: float) -> LoRALinear:

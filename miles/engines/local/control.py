@@ -5,7 +5,8 @@ The rules and the refusal wording are SGLang's (see docs/sglang-contract.md for 
 - refit (`update_weights_from_tensor`, `update_weights_from_distributed`) only inside a session opened by
   `begin_weight_update` and closed by `end_weight_update`; a second `begin` while one is open is refused
   (sglang/srt/managers/scheduler_components/weight_updater.py);
-- `release_memory_occupation` only when no request runs or waits (queued requests are allowed while paused);
+- `release_memory_occupation` only when no request runs or waits (queued requests are allowed while paused), and
+  `flush_cache` likewise (400 otherwise, so a release can wait for idle by retrying it);
   released tags are remembered, and `resume_memory_occupation` of a tag that was not released is an error (SGLang's
   scheduler dies there with a KeyError; the stand-in answers 400 instead of dying);
 - `weights_checker` with action `checksum` answers SGLang's payload: per tensor the first 8 bytes of the SHA-256
@@ -266,10 +267,26 @@ class WeightControl:
             "num_paused_requests": 0,
         }
 
-    def _op_release_memory_occupation(self, tags: list[str] | None = None) -> None:
-        tags = check_tags(tags)
+    def _pending_requests(self) -> str | None:
+        """Why the engine is not idle as SGLang's scheduler counts it (`is_fully_idle`: no request runs, none
+        waits unless generation is paused), in the words of its flush_cache warning; None when idle."""
         load = self.scheduler.load()
         if load["num_running"] or (load["num_waiting"] and not self.scheduler.paused):
+            return f"#queue-req: {load['num_waiting']}, #running-req: {load['num_running']}"
+        return None
+
+    def _op_flush_cache(self) -> Reply:
+        # SGLang flushes only when idle and answers 400 otherwise: a release waits on this (EngineMemoryControl).
+        # A finished request's pool slot is reused by the next one; there is no shared prefix cache to drop.
+        pending = self._pending_requests()
+        if pending is not None:
+            raise RefitRefused(f"Cache not flushed because there are pending requests. {pending}")
+        return {"success": True, "message": "cache flushed (no prefix cache is kept)"}
+
+    def _op_release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        tags = check_tags(tags)
+        if self._pending_requests() is not None:
+            # SGLang's scheduler asserts this (weight_updater.py) and dies; the stand-in refuses with its words
             raise RefitRefused("release_memory_occupation should be called only when server is idle.")
         if "weights" in tags:
             self.weights.release()

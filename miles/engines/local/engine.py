@@ -321,10 +321,6 @@ class LocalEngine(WeightControl):
         self.scheduler.set_paused(None)
         return {"success": True, "message": "generation continued"}
 
-    def _op_flush_cache(self) -> Reply:
-        # a finished request's pool slot is reused by the next one; there is no shared prefix cache to drop.
-        return {"success": True, "message": "cache flushed (no prefix cache is kept)"}
-
     def _set_version(self, weight_version: str | None) -> None:
         if weight_version is not None:
             self.weight_version = str(weight_version)

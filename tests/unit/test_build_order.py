@@ -1,0 +1,158 @@
+"""`build_system`'s memory order against fakes of Ray, the engine fleet and the trainers (no processes): colocated,
+the engines start, answer and release all their memory before the trainers load, and the start-up refit resumes
+what they released; disaggregated, the trainers load while the engines start, and nothing is released."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles.config import parse_config
+from miles.ray import setup
+from miles.ray.colocate import MEMORY_TAGS
+
+
+class Log(list):
+    def __call__(self, *event: object) -> None:
+        self.append(event)
+
+
+class _Ref:
+    def __init__(self, log: Log, actor: str, method: str, value: object) -> None:
+        self.log, self.actor, self.method, self.value = log, actor, method, value
+
+    def resolve(self) -> object:
+        if (self.actor, self.method) == ("EngineFleet", "get_engine_urls"):
+            self.log("engines answer")  # the fleet's constructor returned: every engine is up and healthy
+        return self.value
+
+
+class _Actor:
+    VALUES = {"get_router_url": "http://router:1", "get_engine_urls": ["http://e0:1", "http://e1:1"]}
+
+    def __init__(self, log: Log, name: str) -> None:
+        self.log, self.name = log, name
+
+    def __getattr__(self, method: str) -> object:
+        log, name = self.log, self.name
+        return type(
+            "M", (), {"remote": lambda _, *a, **k: _Ref(log, name, method, _Actor.VALUES.get(method))}
+        )()
+
+
+class _FakeRay:
+    def __init__(self, log: Log) -> None:
+        self.log = log
+
+    def remote(self, cls: type) -> object:
+        log = self.log
+
+        class Options:
+            def options(self, **_: object) -> Options:
+                return self
+
+            def remote(self, *_: object) -> _Actor:
+                log("start", cls.__name__)
+                return _Actor(log, cls.__name__)
+
+        return Options()
+
+
+def _install(monkeypatch: pytest.MonkeyPatch, log: Log, gpu: bool) -> None:
+    class Group:
+        def __init__(self, cfg, placement, num_actor, env_vars, role: str = "actor") -> None:
+            self.role = role
+
+        def init(self, with_ref: bool) -> int:
+            log("trainers build", self.role)
+            return 0
+
+        def update_weights(self, engine_urls: list[str], weight_version: str) -> None:
+            log("refit", weight_version, tuple(engine_urls))
+
+        def sleep(self) -> None:
+            log("sleep", self.role)
+
+        def wake_up(self) -> None:
+            log("wake", self.role)
+
+    class Engines:
+        def __init__(self, urls: list[str], key: str | None, timeout: float) -> None:
+            self.urls = tuple(urls)
+
+        def release_memory(self, tags: list[str]) -> None:
+            log("release", tuple(tags), self.urls)
+
+        def resume_memory(self, tags: list[str]) -> None:
+            log("resume", tuple(tags), self.urls)
+
+    class Tracker:
+        def __init__(self, *a: object, **k: object) -> None:
+            pass
+
+    def ray_get(refs, timeout, what):
+        return [r.resolve() for r in refs] if isinstance(refs, list) else refs.resolve()
+
+    monkeypatch.setattr(setup, "ray", _FakeRay(log))
+    monkeypatch.setattr(setup, "ray_get", ray_get)
+    monkeypatch.setattr(setup, "init_ray", lambda min_cpus: True)
+    monkeypatch.setattr(setup, "cluster_has_gpus", lambda: gpu)
+    monkeypatch.setattr(setup, "create_placement", lambda *a, **k: object())
+    monkeypatch.setattr(setup, "RayTrainGroup", Group)
+    monkeypatch.setattr(setup, "EngineMemoryControl", Engines)
+    monkeypatch.setattr(setup, "Tracker", Tracker)
+
+
+def _cfg(*extra: str):
+    base = ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--num-rollout", "3", "--rollout-batch-size", "2",
+            "--n-samples-per-prompt", "2", "--global-batch-size", "4"]  # fmt: skip
+    return parse_config(base + list(extra))
+
+
+URLS = ("http://e0:1", "http://e1:1")
+
+
+def _events(log: Log) -> list[tuple[object, ...]]:
+    return [e for e in log if e[0] != "start" or e[1] == "EngineFleet"]
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_colocated_engines_start_and_release_before_the_trainers_build(monkeypatch, gpu):
+    log = Log()
+    _install(monkeypatch, log, gpu)
+    system = setup.build_system(_cfg("--colocate"))
+    first = [
+        ("start", "EngineFleet"),
+        ("engines answer",),
+        ("release", MEMORY_TAGS, URLS),
+        ("trainers build", "actor"),
+    ]
+    if gpu:  # the weights come back for the refit, the trainer sleeps, then the KV cache and graphs come back
+        refit = [("resume", ("weights",), URLS), ("refit", "0", URLS), ("sleep", "actor"),
+                 ("resume", ("kv_cache", "cuda_graph"), URLS)]  # fmt: skip
+    else:  # on CPU the trainer's footprint is the same asleep: everything resumes before the weights move
+        refit = [("resume", MEMORY_TAGS, URLS), ("refit", "0", URLS)]
+    assert _events(log) == first + refit
+    assert not system.choreography.released  # the engines hold everything again, ready to generate
+
+
+def test_colocated_critic_builds_after_the_release_too_and_sleeps(monkeypatch):
+    log = Log()
+    _install(monkeypatch, log, gpu=True)
+    setup.build_system(_cfg("--colocate", "--advantage-estimator", "ppo"))
+    events = _events(log)
+    release = events.index(("release", MEMORY_TAGS, URLS))
+    assert events.index(("trainers build", "actor")) > release
+    assert events.index(("trainers build", "critic")) > release
+    assert events.index(("sleep", "critic")) < events.index(("refit", "0", URLS))
+
+
+def test_disaggregated_trainers_build_while_the_engines_start_and_nothing_is_released(monkeypatch):
+    log = Log()
+    _install(monkeypatch, log, gpu=True)
+    setup.build_system(_cfg("--rollout-num-gpus", "2"))
+    assert _events(log) == [
+        ("start", "EngineFleet"),
+        ("trainers build", "actor"),  # before the engines are waited for: both start at once
+        ("engines answer",),
+        ("refit", "0", URLS),
+    ]
