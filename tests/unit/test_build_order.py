@@ -97,6 +97,7 @@ def _install(monkeypatch: pytest.MonkeyPatch, log: Log, gpu: bool) -> None:
     monkeypatch.setattr(setup, "init_ray", lambda min_cpus: True)
     monkeypatch.setattr(setup, "cluster_has_gpus", lambda: gpu)
     monkeypatch.setattr(setup, "create_placement", lambda *a, **k: object())
+    monkeypatch.setattr(setup, "check_engine_host_reachable", lambda host, placement: None)  # needs real Ray
     monkeypatch.setattr(setup, "RayTrainGroup", Group)
     monkeypatch.setattr(setup, "EngineMemoryControl", Engines)
     monkeypatch.setattr(setup, "Tracker", Tracker)
