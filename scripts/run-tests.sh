@@ -4,7 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh test
-bash scripts/sglang-venv.sh  # .venv-sglang for the SGLang conformance suite (cached; skips the suite if it fails)
-bash scripts/trl-venv.sh  # .venv-trl for the GRPO gradient cross-check against TRL (cached; skips that test if it fails)
+# Side venvs over this Python's packages (scripts/side_venv.py; cached). Without one, its tests skip and say why;
+# under CI=true they fail instead.
+bash scripts/sglang-venv.sh  # .venv-sglang: the SGLang conformance suite
+bash scripts/trl-venv.sh  # .venv-trl: miles' GRPO gradient and settings against TRL's
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 exec "${PYTHON:-python3}" -m pytest tests -m "not gpu" -p no:cacheprovider --durations=15 "$@"

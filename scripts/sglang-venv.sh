@@ -11,8 +11,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${MILES_SGLANG_VENV:-.venv-sglang}
-# installed with their dependencies (normally all there already in the calling environment)
-DEPS=("torch" "transformers" "fastapi" "uvicorn" "httpx" "requests" "numpy" "pydantic" "aiohttp" "orjson")
+# imported by SGLang's front-end and installed with their dependencies (torch pinned as above); the calling
+# environment normally has all but IPython (sglang.utils imports it)
+DEPS=("torch" "transformers" "fastapi" "uvicorn" "httpx" "requests" "numpy" "pydantic" "aiohttp" "orjson" "ipython")
 # installed without: sglang's own dependencies include CUDA kernels and a CUDA torch
 NO_DEPS=(
   "sglang==0.5.23" "triton" "apache-tvm-ffi==0.1.11" "msgspec" "pyzmq" "uvloop" "pybase64" "psutil" "pillow"
