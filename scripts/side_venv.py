@@ -34,7 +34,7 @@ import shutil
 import site
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -176,7 +176,7 @@ def make(
     no_deps: Sequence[str] = (),
     check: str = "",
     check_path: Sequence[str] = (),
-    log=print,  # noqa: ANN001 - a print-like callable
+    log: Callable[[str], object] = print,
 ) -> bool:
     """Make `venv` (see the module docstring) unless its stamp says it is there. True when ready."""
     venv = venv.absolute()
