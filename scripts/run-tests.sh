@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # The test suite on a CPU-only machine: installs what it needs, then runs every test except GPU ones.
-# Extra pytest arguments pass through, e.g. `bash scripts/run-tests.sh -m "not slow"`.
+# Extra pytest arguments pass through, e.g. `bash scripts/run-tests.sh -m "not slow"`; given test paths, only those
+# run (`bash scripts/run-tests.sh tests/integration/test_grad_vs_trl.py`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh test
-bash scripts/sglang-venv.sh  # .venv-sglang for the SGLang conformance suite (cached; skips the suite if it fails)
-bash scripts/trl-venv.sh  # .venv-trl for the GRPO gradient cross-check against TRL (cached; skips that test if it fails)
+# Side venvs over this Python's packages (scripts/side_venv.py; cached). Without one, its tests skip and say why;
+# under CI=true they fail instead.
+bash scripts/sglang-venv.sh  # .venv-sglang: the SGLang conformance suite
+bash scripts/trl-venv.sh  # .venv-trl: miles' GRPO gradient and settings against TRL's
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-exec "${PYTHON:-python3}" -m pytest tests -m "not gpu" -p no:cacheprovider --durations=15 "$@"
+targets=(tests)
+for a in "$@"; do if [ -e "${a%%::*}" ]; then targets=(); break; fi; done
+exec "${PYTHON:-python3}" -m pytest ${targets[@]+"${targets[@]}"} -m "not gpu" -p no:cacheprovider --durations=15 "$@"

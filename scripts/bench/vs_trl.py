@@ -15,7 +15,7 @@ different seeds (a seed is each system's own random stream: equal seeds do not g
 - miles runs through its real entry point, `python -m miles.train` (Ray, embedded engines, FSDP2 actors), with
   the placement `--placement` names (default: the one that gave miles its best numbers here; see PLACEMENTS).
 - TRL runs `GRPOTrainer` (transformers `generate`, which pads) in a subprocess of its own venv, created on first
-  use by this script: `--system-site-packages` (the same torch and transformers as miles), TRL pinned.
+  use by this script over this interpreter's packages (the same torch and transformers as miles), TRL pinned.
 Runs alternate A/B/A/B per workload. Per run: startup (launch until the first step begins), steady seconds per
 step (median of the steps after `warmup_steps`), samples/s, the reward of the last step, the mean response length,
 and the peak memory of the whole process tree (sum RSS, as asked, and sum PSS, which counts shared pages once).
@@ -40,7 +40,6 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Iterable
@@ -313,34 +312,33 @@ def installed_trl_venv() -> Path | None:
     return venv if (venv / STAMP).is_file() and trl_python(venv).is_file() else None
 
 
+# What the TRL side imports: trl_child.py, grad_vs_trl.py's TRL side, miles' math reward
+TRL_CHECK = (
+    "import datasets, torch, transformers, trl, trl_child, grad_vs_trl, miles.rollout.rm_hub.math_utils"
+)
+
+
 def ensure_trl_venv(venv: Path, version: str) -> str:
-    """Create `venv` with TRL `version` unless its stamp says it is there; returns the versions line.
+    """Make `venv` with TRL `version` unless its stamp says it is there; returns the versions line.
 
-    `--system-site-packages`: the venv sees the system torch and transformers; a constraint file pins both to
-    the installed versions so pip never pulls a CUDA torch or a different transformers. The stamp file is written
-    last, so an interrupted install is redone from scratch.
+    A side venv of this interpreter (scripts/side_venv.py): it runs this interpreter's torch, transformers and
+    miles dependencies (a venv's or the system's) and adds TRL and what TRL needs on top, every package this
+    interpreter has pinned to its version, so pip never pulls a CUDA torch or another transformers. Ready only
+    once `TRL_CHECK` imports there; raises RuntimeError naming the log otherwise.
     """
-    import torch
-    import transformers
+    from importlib.metadata import version as installed
 
-    stamp = venv / STAMP
-    want = f"trl=={version} torch=={torch.__version__} transformers=={transformers.__version__}"
-    if stamp.is_file() and stamp.read_text().strip() == want:
-        return want
-    import shutil
+    sys.path.insert(0, str(REPO / "scripts"))
+    import side_venv
 
-    shutil.rmtree(venv, ignore_errors=True)
-    print(f"[vs_trl] creating {venv} with {want} (first use; takes a minute)", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-    constraints = venv / "constraints.txt"
-    base_torch = torch.__version__.split("+")[0]
-    constraints.write_text(f"torch=={base_torch}\ntransformers=={transformers.__version__}\n")
-    subprocess.run(
-        [str(trl_python(venv)), "-m", "pip", "install", "-q", "-c", str(constraints), f"trl=={version}"],
-        check=True,
-    )
-    stamp.write_text(want + "\n")
-    return want
+    reqs = [f"trl=={version}", "datasets", "torch", "transformers", *side_venv.project_dependencies()]
+    ok = side_venv.make(
+        venv, STAMP, reqs, check=TRL_CHECK, check_path=[str(HERE), str(REPO)],
+        log=lambda msg: print(f"[vs_trl] {msg}", flush=True),
+    )  # fmt: skip
+    if not ok:
+        raise RuntimeError(f"cannot make the TRL venv {venv}: see {venv / side_venv.ERROR_LOG}")
+    return f"trl=={version} torch=={installed('torch')} transformers=={installed('transformers')}"
 
 
 # ------------------------------------------------------------------------------------------------ runs

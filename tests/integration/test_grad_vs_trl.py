@@ -8,7 +8,8 @@ rewards, and compute the same gradient for every tensor. The one known differenc
 advantage (miles 1e-6, TRL 1e-4), which scales each rewarded group's advantages (and so the gradient) by
 (std + 1e-4) / (std + 1e-6), about 1.0003 for one success in eight.
 
-Needs TRL's venv (`vs_trl.py` makes it at .venv-trl; `MILES_TRL_VENV` points elsewhere); without it this skips.
+Needs TRL's venv (`bash scripts/trl-venv.sh` makes it at .venv-trl; `MILES_TRL_VENV` points elsewhere); without it
+this skips (fails under CI=true, tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -26,12 +27,8 @@ import grad_vs_trl  # noqa: E402
 from bench_workloads import get_workload  # noqa: E402
 
 TRL_VENV = Path(os.environ.get("MILES_TRL_VENV", ROOT / ".venv-trl"))
-TRL_READY = (TRL_VENV / ".miles-bench-stamp").is_file() and (TRL_VENV / "bin" / "python").is_file()
 
-pytestmark = pytest.mark.skipif(
-    not TRL_READY,
-    reason=f"no TRL venv at {TRL_VENV} (made by scripts/bench/vs_trl.py; or set MILES_TRL_VENV)",
-)
+pytestmark = pytest.mark.side_venv(TRL_VENV, ".miles-bench-stamp", "bash scripts/trl-venv.sh")
 
 
 def test_grpo_gradient_equals_trl_on_identical_batch(tmp_path: Path) -> None:

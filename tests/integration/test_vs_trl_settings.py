@@ -1,13 +1,15 @@
 """The two sides of scripts/bench/vs_trl.py run the same experiment: for every workload, TRL's effective settings
 (read off a real `GRPOTrainer` built by `trl_child.py`, its generation config and its optimizer) equal miles'
 (its config as `miles.train` parses `vs_trl.miles_command`), row by row of `bench_workloads.SETTING_ROWS`; and a
-changed TRL setting shows up as a difference. Skips without the TRL venv (see `vs_trl.installed_trl_venv`).
+changed TRL setting shows up as a difference. Skips without the TRL venv (`bash scripts/trl-venv.sh`; fails under
+CI=true, tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +23,9 @@ import bench_workloads as bw  # noqa: E402
 import vs_trl  # noqa: E402
 
 TRL_VENV = vs_trl.installed_trl_venv()
-pytestmark = pytest.mark.skipif(TRL_VENV is None, reason="no TRL venv made by scripts/bench/vs_trl.py")
+pytestmark = pytest.mark.side_venv(
+    Path(os.environ.get("MILES_TRL_VENV", ROOT / ".venv-trl")), vs_trl.STAMP, "bash scripts/trl-venv.sh"
+)
 
 
 def _both(w: bw.Workload, work: Path, override: dict[str, object]) -> tuple[dict[str, str], dict[str, str]]:
