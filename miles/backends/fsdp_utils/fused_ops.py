@@ -94,7 +94,14 @@ def _patch_rotary(module_name: str) -> bool:
         return False
     original = current
 
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, **kwargs):  # type: ignore[no-untyped-def]
+    def apply_rotary_pos_emb(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        unsqueeze_dim: int = 1,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if kwargs or not q.is_cuda:
             return original(q, k, cos, sin, unsqueeze_dim, **kwargs)
         return _compiled("rotary")(q, k, cos, sin, unsqueeze_dim)
@@ -135,11 +142,11 @@ def fuse_elementwise_ops(model: nn.Module) -> dict[str, int]:
         if getattr(m, "_miles_fused", False):
             continue
         if _is_rms_norm(m):
-            m.forward = types.MethodType(_norm_forward, m)  # type: ignore[method-assign]
+            m.forward = types.MethodType(_norm_forward, m)
             m._miles_fused = True
             counts["rms_norm"] += 1
         elif _is_gated_silu_mlp(m):
-            m.forward = types.MethodType(_mlp_forward, m)  # type: ignore[method-assign]
+            m.forward = types.MethodType(_mlp_forward, m)
             m._miles_fused = True
             counts["mlp"] += 1
         elif type(m).__name__.endswith("Attention") and _patch_rotary(type(m).__module__):
