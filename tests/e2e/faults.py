@@ -27,7 +27,10 @@ def engine_pid(url: str) -> int:
                 argv = f.read().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if "miles.engines.local" in argv and "--port" in argv and argv[argv.index("--port") + 1] == port:
+        # the launcher passes every value in its flag's token (--port=N); --port N as well
+        ports = {a.removeprefix("--port=") for a in argv if a.startswith("--port=")}
+        ports |= {argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--port"}
+        if "miles.engines.local" in argv and port in ports:
             return int(pid)
     raise LookupError(f"no engine server process listening on {url}")
 
