@@ -229,8 +229,11 @@ def prompt_fit_problem(cfg: Config, tokenizer: Any = None, limit: int = FIT_ROWS
     max_len = cfg.rollout.rollout_max_prompt_len
     if max_len is None or cfg.data.prompt_data is None or cfg.model.hf_checkpoint is None:
         return None
-    tok = tokenizer if tokenizer is not None else _load_tokenizer(cfg.model.hf_checkpoint)
-    fit = count_prompts_that_fit(cfg.data.prompt_data, _row_keys(cfg), tok, max_len, limit)
+    try:
+        tok = tokenizer if tokenizer is not None else _load_tokenizer(cfg.model.hf_checkpoint)
+        fit = count_prompts_that_fit(cfg.data.prompt_data, _row_keys(cfg), tok, max_len, limit)
+    except (OSError, ValueError) as e:  # a later row that does not parse, a tokenizer that does not load
+        return f"--prompt-data={cfg.data.prompt_data!r}: {e}"
     if fit.fit:
         return None
     text = f"--prompt-data={cfg.data.prompt_data!r}: {_fit_text(fit, max_len)}"

@@ -158,6 +158,13 @@ def test_prompt_fit_problem_for_miles_train(setup, caplog) -> None:
             doctor.prompt_fit_problem(cfg, tok, limit=1) is None
         )  # only 'a b c' read: too long, not conclusive
     assert "0 of the first 1 prompts" in caplog.text
+    write_prompts(setup["data"], ["a"])
+    with open(setup["data"], "a") as f:
+        f.write(
+            '{"label": "x"}\n'
+        )  # the second row lacks the prompt: the dataset would fail after Ray started
+    problem = doctor.prompt_fit_problem(cfg_for(setup, "--rollout-max-prompt-len", "2"), tok)
+    assert problem is not None and "line 2: missing key 'input'" in problem
 
 
 def test_disk_too_small_is_a_blocker_and_tight_disk_a_warning(setup) -> None:
