@@ -148,13 +148,15 @@ def run_driver(
     prog: str,
     refuse: Callable[[Config], str | None] = lambda cfg: None,
 ) -> int:
-    """Parse and validate, run the pre-flight checks (files, model, rewards: exit 2 on bad input), honour
+    """Parse and validate, run the pre-flight checks (files, model, rewards, a prompt that fits
+    --rollout-max-prompt-len: exit 2 on bad input; the cheap part of `python -m miles.tools.doctor`), honour
     --dry-run, then build the system and run `loop`. Nothing before `build_system` imports Ray.
 
     However the loop ends (done, an error, Ctrl-C) the system is shut down and `report.png` is drawn from the
     run's metrics.jsonl. Ctrl-C prints the phase it interrupted, kills the engines (no graceful drain) and
     returns 130."""
-    from miles.config.preflight import run_preflight
+    from miles.config.preflight import PreflightError, run_preflight
+    from miles.tools.doctor import prompt_fit_problem
     from miles.utils.log_setup import configure_logging
 
     try:
@@ -171,6 +173,10 @@ def run_driver(
         run_preflight(cfg)
     except ConfigError as e:
         print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    problem = prompt_fit_problem(cfg)  # else found only once Ray and the engines are up
+    if problem:
+        print(f"{prog}: {PreflightError([problem])}", file=sys.stderr)
         return 2
     if cfg.dry_run:
         print(config_yaml(cfg), end="")

@@ -295,6 +295,7 @@ CATALOG = [
     Bad("dataset_line3_not_utf8", ("d.jsonl: line 3", "UTF-8"), call=lambda w: _dataset(w, w.write("d.jsonl", b'{"prompt": "a", "label": 1}\n\n{"prompt": "\xff", "label": 1}\n'))),
     Bad("dataset_line2_missing_label", ("e.jsonl: line 2", "missing key 'label'"), call=lambda w: _dataset(w, w.rows("e.jsonl", [{"prompt": "a", "label": 1}, {"prompt": "b"}]))),
     Bad("dataset_all_too_long", ("data.jsonl has no usable rows", "--rollout-max-prompt-len=1"), call=lambda w: _dataset(w, w.data, max_prompt_len=1)),
+    Bad("no_prompt_fits", ("--prompt-data=", "prompts fit --rollout-max-prompt-len=1"), argv=lambda w: w.base + ["--rollout-max-prompt-len", "1"]),
     Bad("dataset_parquet_truncated", ("p.parquet", "cannot read as Parquet"), call=lambda w: _dataset(w, w.write("p.parquet", b"PAR1garbage"))),
     # ---- rewards ---------------------------------------------------------------------------------------
     Bad("reward_raises", ("reward function --custom-rm-path=", "failed on sample index 0", "ZeroDivisionError"), call=lambda w: _score(w, "def score(args, s):\n    return 1 / 0\n")),

@@ -415,6 +415,7 @@ def test_update_weights_from_disk(engine, hf_model, tmp_path):
     with pytest.raises(EngineHTTPError, match="update_weights_from_disk") as e:
         engine.post("/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
     assert e.value.status == 400
+    assert "the path does not exist" in str(e.value) and "Repo id" not in str(e.value)
 
 
 def test_update_weights_from_distributed(engine, hf_model):

@@ -186,3 +186,11 @@ def test_ctrl_c_shuts_down_and_still_draws_the_report(monkeypatch, tmp_path, bas
     assert events == [("shutdown", True)]  # engines killed, not drained
     assert "miles-train: interrupted (Ctrl-C) in phase 'train'" in capsys.readouterr().err
     assert (run_dir / "report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_no_prompt_fitting_max_prompt_len_fails_before_ray(capsys, base):
+    """The doctor's prompt count runs in the driver's pre-flight: --dry-run exits 2 naming the file and the flag."""
+    assert main(base + ["--rollout-max-prompt-len", "1", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "pre-flight check failed" in err and "0 of all 8 prompts fit --rollout-max-prompt-len=1" in err
+    assert main(base + ["--rollout-max-prompt-len", "64", "--dry-run"]) == 0, capsys.readouterr().err

@@ -654,3 +654,12 @@ def test_every_admin_route_has_an_engine_operation():
 
     ops = LocalEngine.admin_ops(MagicMock())
     assert set(ops) == {op for _, op, _ in _ADMIN_POSTS}
+
+
+def test_update_weights_from_disk_names_a_missing_local_path(tmp_path) -> None:
+    from miles.engines.local.control import missing_local_path
+
+    for path in (str(tmp_path / "missing"), "./ckpt/iter_1", "~/models/x", "runs/a/hf"):
+        assert missing_local_path(path) == f"model_path {path!r}: the path does not exist"
+    assert missing_local_path(str(tmp_path)) is None  # exists
+    assert missing_local_path("Qwen/Qwen3-0.6B") is None  # a Hub repo id: from_pretrained's business

@@ -297,6 +297,29 @@ def test_dict_reward_needs_reward_key() -> None:
         sample.reward_value("nope")
 
 
+def test_dict_reward_without_reward_key_names_the_function(tmp_path, monkeypatch) -> None:
+    (tmp_path / "user_dict_rm.py").write_text(
+        "def both(ctx, sample):\n    return {'score': 1.0, 'acc': 0.0}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    scorer = RewardScorer(RewardContext(), "user_dict_rm:both")
+    samples = [Sample(index=3, response="x")]
+    asyncio.run(scorer.score(samples))
+    with pytest.raises(ValueError, match=r"reward function --custom-rm-path=user_dict_rm:both: sample 3: .*"
+                       r"dict with keys \['acc', 'score'\]; set --reward-key"):  # fmt: skip
+        scorer.set_train_rewards(samples)
+    wrong = RewardScorer(RewardContext(reward_key="nope"), "user_dict_rm:both")
+    with pytest.raises(ValueError, match="--custom-rm-path=user_dict_rm:both: .*--reward-key 'nope' not in"):
+        wrong.set_train_rewards(samples)
+    builtin = RewardScorer(RewardContext(rm_type="math"))
+    dapo = [Sample(index=0, response="Answer: 4", label="4", metadata={"rm_type": "dapo"})]
+    asyncio.run(builtin.score(dapo))
+    with pytest.raises(ValueError, match=r"reward function rm_type dapo \(the sample's metadata\): sample 0"):
+        builtin.set_train_rewards(dapo)
+    RewardScorer(RewardContext(reward_key="score"), "user_dict_rm:both").set_train_rewards(samples)
+    assert samples[0].train_reward == 1.0
+
+
 def test_group_rm_and_post_process(tmp_path, monkeypatch) -> None:
     (tmp_path / "user_group_rm.py").write_text(
         textwrap.dedent(

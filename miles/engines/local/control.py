@@ -19,6 +19,7 @@ table `LocalEngine.admin_ops`), except `join_update_group`, which waits for remo
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from typing import TYPE_CHECKING, TypedDict
 
@@ -36,6 +37,18 @@ if TYPE_CHECKING:
     from miles.engines.local.model_runner import NoCacheRunner, PoolRunner
     from miles.engines.local.weights import WeightStore
     from miles.engines.local.window import MappedWindow, WindowLayout
+
+
+def missing_local_path(model_path: str) -> str | None:
+    """Why `model_path` names a local directory that is not there, or None. A path that cannot be a Hub repo id
+    (absolute, starting with '.' or '~', or with more than one '/') and does not exist would otherwise reach
+    `from_pretrained` as a repo id and fail with the Hub's "Repo id must be in the form ..." error."""
+    if os.path.exists(model_path):
+        return None
+    if os.path.isabs(model_path) or model_path.startswith((".", "~")) or model_path.count("/") > 1:
+        return f"model_path {model_path!r}: the path does not exist"
+    return None
+
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 NOT_IN_SESSION = "{op} must run between begin_weight_update() and end_weight_update()"
@@ -253,6 +266,9 @@ class WeightControl:
 
         if load_format not in (None, "auto"):
             raise ValueError(f"load_format {load_format!r} not supported; allowed: null, 'auto'")
+        problem = missing_local_path(model_path)
+        if problem:
+            raise ValueError(problem)
         fresh = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
         named = dict(fresh.named_parameters())
         missing = set(self.weights.names) - {self.weights.resolve(n) for n in named}

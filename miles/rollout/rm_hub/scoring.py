@@ -208,11 +208,20 @@ class RewardScorer:
         sample.reward = check_reward(result, self.fn_name, sample)
         return 0
 
+    def _name_for(self, sample: Sample) -> str:
+        """The flag and value of the function that scored `sample` (a per-sample rm_type wins over --rm-type)."""
+        if self.custom is None and sample.metadata.get("rm_type"):
+            return f"rm_type {sample.metadata['rm_type']} (the sample's metadata)"
+        return self.fn_name
+
     def set_train_rewards(self, samples: list[Sample]) -> None:
         """Set every sample's `train_reward`: the post-processing function's output, or the reward value."""
         if self.post_process is None:
             for s in samples:
-                s.train_reward = s.reward_value(self.ctx.reward_key)
+                try:
+                    s.train_reward = s.reward_value(self.ctx.reward_key)
+                except ValueError as e:  # a dict reward without (or without the) --reward-key
+                    raise ValueError(f"reward function {self._name_for(s)}: {e}") from None
             return
         values = self.post_process(self.ctx, samples)
         if not isinstance(values, list) or len(values) != len(samples):
