@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from miles.utils.hang_dump import expired
 from miles.utils.types import JSON
 
 # Endpoints SGLang marks ADMIN_OPTIONAL (sglang/srt/entrypoints/http_server.py): an admin key unlocks them.
@@ -162,7 +163,7 @@ def request(
             method, f"{url}/{name}", json=body, headers=dict(headers or {}), timeout=timeout_s
         )
     except httpx.TimeoutException as exc:
-        detail = f"{type(exc).__name__}: {exc} (no answer within {timeout_s:g} s)"
+        detail = expired(f"{type(exc).__name__}: {exc} (no answer within {timeout_s:g} s)", f"{server} {url}")
         raise EngineTimeout(url, name, what, "request", detail, server) from exc
     except httpx.HTTPError as exc:
         raise EngineUnreachable(url, name, what, "request", f"{type(exc).__name__}: {exc}", server) from exc
@@ -251,8 +252,11 @@ def wait_until_idle(
         if clock() + retry_s > deadline:
             raise EngineTimeout(
                 url, "flush_cache", what, "request",
-                f"the engine was not idle within {timeout_s:g} s ({tries} tries of /flush_cache, the last "
-                f"answered {last}); a release waits for running requests to end",
+                expired(
+                    f"the engine was not idle within {timeout_s:g} s ({tries} tries of /flush_cache, the last "
+                    f"answered {last}); a release waits for running requests to end",
+                    f"engine {url}",
+                ),
             )  # fmt: skip
         sleep(retry_s)
 
