@@ -183,14 +183,18 @@ def run_driver(
         return 0
 
     from miles.ray.setup import build_system
+    from miles.utils import hang_dump
     from miles.utils.progress import progress_env, progress_wanted
 
     progress_env(progress_wanted(cfg.log.progress))
+    if cfg.log.run_dir:  # SIGUSR1: every miles process dumps its stacks into <run-dir>/logs/hang-<time>/
+        hang_dump.install(hang_dump.stacks_dir_of(cfg.log.run_dir), "driver", driver=True)
     try:
         system = build_system(cfg)
     except BaseException:
         import ray
 
+        hang_dump.uninstall()
         ray.shutdown()  # engines, trainers and placement groups started so far go with it
         raise
     interrupted = False
@@ -205,6 +209,7 @@ def run_driver(
             flush=True,
         )
     finally:
+        hang_dump.uninstall()
         try:
             system.shutdown(fast=interrupted)
         finally:

@@ -314,7 +314,18 @@ def make_engine_actor_class() -> Any:  # a Ray actor class (ray.remote output): 
         """Ray actor holding one engine server process; methods mirror `EngineProcess`. `gpus` is the engine's
         planned GPUs (`miles.ray.placement.EngineGPUs`; None without GPUs), checked before the server starts."""
 
-        def __init__(self, gpus: EngineGPUs | None = None, **engine_kwargs: Any):  # EngineProcess's arguments
+        def __init__(
+            self,
+            gpus: EngineGPUs | None = None,
+            stacks: tuple[str, str] | None = None,
+            **engine_kwargs: Any,  # EngineProcess's arguments
+        ):
+            if (
+                stacks is not None
+            ):  # (folder, role): its stacks on SIGUSR1; the server it starts inherits the folder
+                from miles.utils import hang_dump
+
+                hang_dump.install(*stacks)
             self.gpus = gpus
             self.engine = EngineProcess(**engine_kwargs)
 

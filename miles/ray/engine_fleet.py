@@ -21,6 +21,7 @@ import os
 from miles.ray.engine_health import HealthMonitor, HealthSettings
 from miles.ray.placement import Placement
 from miles.ray.utils import ray_get
+from miles.utils import hang_dump
 from miles.utils.engine_http import health_problem, launch_keys
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,8 @@ class EngineFleet:
         from miles.config import Config
 
         self.config = Config.from_dict(config_dict)
+        if self.config.log.run_dir:  # its stacks on SIGUSR1, for the driver's hang dumps
+            hang_dump.install(hang_dump.stacks_dir_of(self.config.log.run_dir), "engine-fleet")
         self.timeout = float(self.config.rollout.rollout_request_timeout)
         # loading a model is not a request: engine (re)starts wait as long as any other Ray call may take
         self.startup_timeout = float(self.config.train.train_timeout)
@@ -149,6 +152,7 @@ class EngineFleet:
                     **launch_keys(cfg.engine.engine_api_key),
                     startup_timeout=self.startup_timeout,
                     log_path=os.path.join(log_dir, f"engine_{i}.log"),
+                    stacks=(hang_dump.stacks_dir_of(cfg.log.run_dir), f"engine{i}-actor"),
                     **launch,
                 )
             )

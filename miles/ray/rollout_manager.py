@@ -30,6 +30,10 @@ class RolloutManager:
         from miles.rollout.runner import RolloutRunner
 
         cfg = Config.from_dict(config_dict)
+        if cfg.log.run_dir:  # its stacks on SIGUSR1, for the driver's hang dumps
+            from miles.utils import hang_dump
+
+            hang_dump.install(hang_dump.stacks_dir_of(cfg.log.run_dir), "rollout-manager")
         self.max_running_requests = cfg.engine.engine_max_running_requests
         self.runner = RolloutRunner(
             cfg.data,

@@ -20,7 +20,7 @@ from miles.ray.engine_fleet import EngineFleet
 from miles.ray.placement import Placement, cluster_has_gpus, create_placement
 from miles.ray.rollout_manager import RolloutManager
 from miles.ray.train_group import RayTrainGroup
-from miles.ray.utils import PhaseTimeoutError, init_ray, ray_get
+from miles.ray.utils import init_ray, phase_timeout, ray_get
 from miles.utils.debug_data import load_rollout, save_rollout
 from miles.utils.engine_http import EngineMemoryControl
 from miles.utils.progress import ProgressBar, progress_bar, progress_enabled, progress_env
@@ -109,10 +109,12 @@ class System:
             if watch:
                 self._refit_restarted(ray_get(self.fleet.take_restarted.remote(), 60, phase), rollout_id)
             if deadline is not None and time.monotonic() > deadline:
-                ray.cancel(ref, force=False)
-                raise PhaseTimeoutError(
-                    f"timed out after {limit:.0f}s waiting for phase '{phase}' (--rollout-timeout)"
+                error = phase_timeout(  # the stacks are dumped before the cancel unwinds them
+                    f"timed out after {limit:.0f}s waiting for phase '{phase}' (--rollout-timeout)",
+                    "the rollout manager (generate)",
                 )
+                ray.cancel(ref, force=False)
+                raise error
         if watch:
             restarted = ray_get(  # a restart in progress loads a model: as long as engine start-up may take
                 self.fleet.stop_watch.remote(),

@@ -15,7 +15,7 @@ import ray
 
 from miles.ray.colocate import REFIT_SECONDS, RefitAfterTrain
 from miles.ray.placement import Placement
-from miles.ray.utils import PhaseTimeoutError, get_node_ip, ray_get
+from miles.ray.utils import get_node_ip, ray_get
 from miles.utils.net import free_port
 from miles.utils.parallel_dims import ParallelDims
 from miles.utils.types import JSON, Sample
@@ -61,7 +61,12 @@ class TrainWorker:
             }
         )
         from miles.backends import get_backend_class
+        from miles.utils import hang_dump
 
+        if self.config.log.run_dir:  # its stacks on SIGUSR1, for the driver's hang dumps
+            hang_dump.install(
+                hang_dump.stacks_dir_of(self.config.log.run_dir), f"trainer-{role}-rank{self.rank}"
+            )
         cls = get_backend_class(self.config.train.train_backend, role)
         self.backend = cls(self.config, self.rank, self.world_size)
         return self.backend.init(role, with_ref)
@@ -154,12 +159,13 @@ class RayTrainGroup:
     def _gather(self, refs: Sequence[ray.ObjectRef], phase: str) -> list[object]:
         """Wait for one call per rank; a dead worker is named by its rank and the phase, a deadline by the ranks
         that had not answered."""
-        try:
-            return ray_get(refs, self.timeout, phase)
-        except PhaseTimeoutError as e:
+
+        def late() -> str:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            late = [rank for rank, ref in enumerate(refs) if ref not in ready]
-            raise PhaseTimeoutError(f"{e}; training ranks not done: {late}") from e
+            return f"training ranks not done: {[rank for rank, ref in enumerate(refs) if ref not in ready]}"
+
+        try:
+            return ray_get(refs, self.timeout, phase, stalled=late)
         except ray.exceptions.RayActorError as e:
             for rank, ref in enumerate(refs):
                 try:

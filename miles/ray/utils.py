@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ray
+
+from miles.utils.hang_dump import expired
 
 logger = logging.getLogger(__name__)
 
@@ -17,12 +19,21 @@ class PhaseTimeoutError(TimeoutError):
     """A blocking wait passed its deadline; the message names the phase it was in."""
 
 
-def ray_get(refs: Any, timeout: float | None, phase: str) -> Any:
-    """`ray.get` with a deadline (None: none). On expiry raises PhaseTimeoutError naming `phase` and the timeout."""
+def ray_get(refs: Any, timeout: float | None, phase: str, stalled: Callable[[], str] | None = None) -> Any:
+    """`ray.get` with a deadline (None: none). On expiry raises PhaseTimeoutError naming `phase`, the timeout and
+    the stalled component (`stalled()`, e.g. the ranks not done; default: the phase's Ray calls), after every
+    miles process dumped its stacks (`miles.utils.hang_dump`: the message names the folder)."""
     try:
         return ray.get(refs, timeout=timeout)
     except ray.exceptions.GetTimeoutError as e:
-        raise PhaseTimeoutError(f"timed out after {timeout:.0f}s waiting for phase '{phase}'") from e
+        message = f"timed out after {timeout:.0f}s waiting for phase '{phase}'"
+        culprit = stalled() if stalled is not None else f"the Ray call(s) of phase '{phase}'"
+        raise phase_timeout(message, culprit) from e
+
+
+def phase_timeout(message: str, stalled: str) -> PhaseTimeoutError:
+    """The error of a phase past its deadline: `message`, the stalled component and the hang folder."""
+    return PhaseTimeoutError(expired(f"{message}; stalled: {stalled}", stalled))
 
 
 def init_ray(min_cpus: int, env_vars: dict[str, str] | None = None) -> bool:

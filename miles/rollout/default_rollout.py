@@ -37,7 +37,13 @@ from miles.rollout.base_types import (
     RolloutContext,
     RolloutOutput,
 )
-from miles.rollout.engine_client import EngineClient, EngineError, batching, batching_open
+from miles.rollout.engine_client import (
+    EngineClient,
+    EngineError,
+    batching,
+    batching_open,
+    expired_in_thread,
+)
 from miles.rollout.metrics import eval_metrics
 from miles.utils.progress import progress_bar
 from miles.utils.types import Sample, SampleStatus
@@ -115,10 +121,11 @@ async def _drain(client: EngineClient, pending: dict[asyncio.Task, list[Sample]]
             groups.append(pending.pop(task))
             task.result()
         if pending and loop.time() > deadline:
-            raise EngineError(
+            message = (
                 f"rollout abort: {len(pending)} group(s) still generating {client.timeout:.0f}s after "
                 f"/abort_request to {client.engine_urls}"
             )
+            raise EngineError(await expired_in_thread(message, f"engines {client.engine_urls}"))
     return groups
 
 

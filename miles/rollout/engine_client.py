@@ -52,6 +52,7 @@ from typing import TypeVar
 import httpx
 
 from miles.utils.engine_http import bearer
+from miles.utils.hang_dump import expired
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,6 +62,12 @@ FINISH_REASONS = ("stop", "length", "abort")
 # gateway lost its upstream): retried with backoff until the request's deadline.
 TRANSIENT_STATUSES = frozenset({502, 503, 504})
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.2, 5.0
+
+
+async def expired_in_thread(message: str, stalled: str) -> str:
+    """`miles.utils.hang_dump.expired` (the stacks of every miles process, for a request past its deadline) off the
+    event loop: the dump waits a few seconds for the other processes."""
+    return await asyncio.to_thread(expired, message, stalled)
 
 
 class EngineError(RuntimeError):
@@ -278,10 +285,11 @@ class EngineClient:
             except httpx.TimeoutException as e:
                 stuck = await self.unresponsive_engines() if retry else []
                 culprit = f"; engines not answering /health: {stuck}" if stuck else ""
-                raise EngineError(
+                message = (
                     f"{phase}: no answer from {url} within the request deadline ({budget:g}s){suffix} "
                     f"(attempt {attempt}){culprit}"
-                ) from e
+                )
+                raise EngineError(await expired_in_thread(message, f"engines {stuck or [url]}")) from e
             except httpx.HTTPError as e:
                 problem = f"cannot reach {url}: {type(e).__name__}: {e}"
                 resp = None
@@ -296,9 +304,10 @@ class EngineClient:
             if time.monotonic() + backoff >= deadline:
                 stuck = await self.unresponsive_engines()
                 culprit = f"; engines not answering /health: {stuck}" if stuck else ""
-                raise EngineError(
+                message = (
                     f"{phase}: {problem}{suffix} (gave up after {attempt} attempt(s) in {budget:g}s){culprit}"
                 )
+                raise EngineError(await expired_in_thread(message, f"engines {stuck or [url]}"))
             logger.warning("%s: %s%s; retrying in %.1fs", phase, problem, suffix, backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
@@ -473,9 +482,8 @@ class EngineClient:
         the engines that do not answer /health."""
         stuck = await self.unresponsive_engines()
         culprit = f"; engines not answering /health: {stuck}" if stuck else ""
-        return EngineError(
-            f"{problem} (gave up after {attempts} attempt(s) in {self.timeout:g}s, the request deadline){culprit}"
-        )
+        message = f"{problem} (gave up after {attempts} attempt(s) in {self.timeout:g}s, the request deadline){culprit}"
+        return EngineError(await expired_in_thread(message, f"engines {stuck or self.engine_urls}"))
 
     async def _refresh_engines(self, deadline: float) -> None:
         """Read the router's worker list (at most once per ENGINE_LIST_TTL_S) and take back set-aside engines

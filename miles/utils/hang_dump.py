@@ -19,8 +19,10 @@ writes `index.txt` (the reason, the stalled component, and each process: dumped,
 process writes it once continued), or on another host). Best effort: it never raises, and a dump in the last
 `REUSE_S` seconds is named again instead of taking another (a burst of expiring requests takes one dump).
 
-`expired(message, stalled)` is the one place deadline errors get their note: `message` plus the folder and the
-stalled component (unchanged when this process never called `install`).
+`expired(message, stalled)` is the one place deadline errors get their note: `message` plus the folder (unchanged
+when this process never called `install`); the callers are the deadline errors: `ray_get`/`phase_timeout`
+(rollout, train, refit, save, eval waits of the driver), `EngineTimeout` (engine calls: refit, memory control),
+and the rollout's request deadline (`miles.rollout.engine_client`).
 
 Processes on other hosts (multi-node) cannot be signalled from here: `index.txt` lists them with the command to
 run on their host (`kill -USR1 <pid>`), which appends their stacks to their own file under `logs/stacks/` on
@@ -299,9 +301,10 @@ def _dump(inst: _Installed, reason: str, stalled: str | None, wait_s: float) -> 
 
 
 def expired(message: str, stalled: str) -> str:
-    """A deadline error's message: `message`, then the hang folder `dump_all` wrote and the stalled component
-    (`message` unchanged when this process has no dumps installed, or the dump failed)."""
+    """A deadline error's message: `message` (which names the stalled component), then the hang folder that
+    `dump_all` wrote, whose index.txt names `stalled` too (`message` unchanged when this process has no dumps
+    installed, or the dump failed)."""
     folder = dump_all(message, stalled)
     if folder is None:
         return message
-    return f"{message} [stalled: {stalled}; Python stacks of every miles process in {folder}]"
+    return f"{message} [Python stacks of every miles process: {folder}]"

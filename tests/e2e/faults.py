@@ -68,3 +68,23 @@ class StuckTrainWorker:
             time.sleep(600)
         if self.rank == 1 and rollout_id == 4:
             os._exit(1)
+
+
+def stuck_in_train_step() -> None:
+    time.sleep(600)
+
+
+class HangingTrainWorker:
+    """A training-worker stand-in for the hang-dump test: it installs the stack dumps as a training rank does
+    (into `stacks_dir`), and rank 1's train call hangs in `stuck_in_train_step`."""
+
+    def __init__(self, rank: int, stacks_dir: str) -> None:
+        from miles.utils import hang_dump
+
+        hang_dump.install(stacks_dir, f"trainer-actor-rank{rank}")
+        self.rank = rank
+
+    def train(self, rollout_id: int, samples: list) -> dict:
+        if self.rank == 1:
+            stuck_in_train_step()
+        return {}

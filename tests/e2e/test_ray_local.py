@@ -1,5 +1,5 @@
 """The driver's local Ray instance: it listens on loopback only, and a training rank that hangs or dies in a
-phase (here: save) is named by its rank and the phase.
+phase (here: save) is named by its rank and the phase; a hang leaves every process's stacks in the run's logs.
 
 One Ray instance for the module (started as the driver starts it, `miles.ray.utils.init_ray`); the training
 workers are stand-ins (`tests.e2e.faults.StuckTrainWorker`) with the real `RayTrainGroup` fan-out around them.
@@ -105,3 +105,38 @@ def test_a_hung_or_dead_rank_in_save_is_named(local_ray):
     hung.shutdown()
     with pytest.raises(RuntimeError, match=r"training worker rank 1 died in phase 'save checkpoint 4'"):
         _group(local_ray, timeout=60).save(4, {})
+
+
+def test_a_hung_rank_leaves_every_process_stacks_in_the_hang_folder(local_ray, tmp_path):
+    import glob
+
+    from miles.ray.train_group import RayTrainGroup
+    from miles.ray.utils import PhaseTimeoutError
+    from miles.utils import hang_dump
+    from tests.e2e.faults import HangingTrainWorker
+
+    stacks = hang_dump.stacks_dir_of(str(tmp_path))
+    hang_dump.install(stacks, "driver", driver=True)  # this process is the driver
+    group = object.__new__(RayTrainGroup)
+    group.timeout, group.num_workers, group.cp_size = 5, 2, 1
+    remote = local_ray.remote(num_cpus=0)(HangingTrainWorker)
+    group.workers = [remote.remote(rank, stacks) for rank in range(2)]
+    try:
+        with pytest.raises(PhaseTimeoutError, match=r"training ranks not done: \[1\]") as info:
+            group._all("actor train rollout 0", "train", 0, [])
+    finally:
+        hang_dump.uninstall()
+        group.shutdown(grace_s=0)
+    folders = glob.glob(str(tmp_path / "logs" / "hang-*"))
+    assert len(folders) == 1 and folders[0] in str(info.value), (folders, str(info.value))
+
+    def stacks_of(role: str) -> str:
+        (path,) = glob.glob(os.path.join(folders[0], f"{role}-pid*.txt"))
+        with open(path) as f:
+            return f.read()
+
+    assert "stuck_in_train_step" in stacks_of("trainer-actor-rank1")
+    assert "stuck_in_train_step" not in stacks_of(
+        "trainer-actor-rank0"
+    )  # idle in Ray's task loop: dumped too
+    assert "test_a_hung_rank_leaves_every_process_stacks" in stacks_of("driver")

@@ -124,7 +124,7 @@ def test_a_request_deadline_on_a_stalled_engine_dumps_every_process(tmp_path, pr
     with pytest.raises(EngineTimeout) as info:
         request("POST", url, "generate", "refit", timeout_s=1.0)
     message = str(info.value)
-    assert f"stalled: engine {url}" in message, message
+    assert url in message, message
     folders = glob.glob(os.path.join(tmp_path, "logs", "hang-*"))
     assert len(folders) == 1 and folders[0] in message, (folders, message)
     engine = _read(folders[0], f"engine-server-port{port}")

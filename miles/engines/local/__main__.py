@@ -90,7 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     """Load the model and serve until interrupted."""
     args = parse_args(argv)
+    from miles.utils import hang_dump
     from miles.utils.log_setup import configure_logging
+
+    hang_dump.install_from_env(f"engine-server-port{args.port}")  # a miles run's engine: stacks on SIGUSR1
 
     configure_logging(args.log_level, "[%(asctime)s] %(name)s %(levelname)s: %(message)s")
     import torch
