@@ -114,3 +114,12 @@ def test_without_fault_tolerance_the_fault_is_named(tiny, fault, monkeypatch):
     phases = ("rollout generate (rollout1)", "engine control, phase request: cannot reach the engine")
     assert any(phase in message for phase in phases), message[-3000:]
     assert failed_at - fault_log.stat().st_mtime < 20 + 60, message[-3000:]
+    if fault == "sigstop_engine":  # a request deadline: every miles process dumped its stacks first
+        folder = message.split("Python stacks of every miles process: ")[1].split("]")[0]
+        assert folder.startswith(os.path.join(run_dir, "logs", "hang-")), message[-3000:]
+        index = open(os.path.join(folder, "index.txt")).read()
+        port = url.rsplit(":", 1)[1]
+        assert f"engine-server-port{port} pid" in index and "no dump within" in index, index  # stopped
+        files = os.listdir(folder)
+        for role in ("driver", "rollout-manager", "engine-fleet", "trainer-actor-rank0"):
+            assert any(f.startswith(f"{role}-pid") for f in files), (role, files)
