@@ -156,15 +156,21 @@ def test_qwen3_4b_recipe_passes_dry_run_with_its_files_present(tmp_path):
         for a in _script_argv(tmp_path)
     ]
     argv += ["--run-dir", str(tmp_path / "run"), "--dry-run"]
+    # the recipe's --attn-implementation flash_attention_3 needs FlashAttention-3 where it runs (pre-flight looks
+    # the module up, without importing it): an empty stand-in package plays the installed one
+    site = tmp_path / "site"
+    (site / "flash_attn_interface").mkdir(parents=True)
+    (site / "flash_attn_interface" / "__init__.py").write_text("")
     proc = subprocess.run(
         [sys.executable, "-m", "miles.train", *argv],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{site}"},
     )
     assert proc.returncode == 0, proc.stderr
+    assert "flash_attn_interface" not in proc.stderr, proc.stderr
     assert proc.stderr.count("holds no checkpoint") == 1, proc.stderr
     assert f"--load={model!r} holds no checkpoint" in proc.stderr
 
