@@ -153,20 +153,7 @@ def _split_sglang(argv: list[str], known: set[str], layer: Layer) -> list[str]:
 
     A flag with no value (followed by another `--flag` or the end) is recorded as "" (a switch, launched bare);
     several values (SGLang has options taking several) as one shell-quoted string."""
-    rest, found = _split_prefixed(argv, known, _SGLANG_PREFIX, max_values=None)
-    for token, flag, key, values in found:
-        if not key:
-            layer.problems.append(f"{token!r}: expected --sglang-NAME [VALUE ...]")
-        elif key in layer.sglang:
-            layer.problems.append(f"{flag}: given twice")
-        else:
-            layer.sglang[key] = _joined(values)
-    return rest
-
-
-def _joined(values: list[str]) -> str:
-    """A flag's values as one string: "" for none, the value for one, shell-quoted for several."""
-    return values[0] if len(values) == 1 else shlex.join(values)
+    return _split_server_flags(argv, known, _SGLANG_PREFIX, layer.sglang, layer, switch="")
 
 
 def _split_router(argv: list[str], known: set[str], layer: Layer) -> list[str]:
@@ -174,14 +161,22 @@ def _split_router(argv: list[str], known: set[str], layer: Layer) -> list[str]:
 
     Every token up to the next `--flag` is a value (sglang-router has options taking several); several values
     are kept as one shell-quoted string. A flag with no value is recorded as "true" (a switch)."""
-    rest, found = _split_prefixed(argv, known, _ROUTER_PREFIX, max_values=None)
+    return _split_server_flags(argv, known, _ROUTER_PREFIX, layer.router, layer, switch="true")
+
+
+def _split_server_flags(
+    argv: list[str], known: set[str], prefix: str, into: dict[str, str], layer: Layer, switch: str
+) -> list[str]:
+    """The undeclared `PREFIX-NAME [VALUE ...]` flags of argv into `into` (no value: `switch`; one: the value;
+    several: one shell-quoted string), each problem into `layer.problems`; returns the rest of argv."""
+    rest, found = _split_prefixed(argv, known, prefix, max_values=None)
     for token, flag, key, values in found:
         if not key:
-            layer.problems.append(f"{token!r}: expected --router-NAME VALUE")
-        elif key in layer.router:
+            layer.problems.append(f"{token!r}: expected {prefix}NAME [VALUE ...]")
+        elif key in into:
             layer.problems.append(f"{flag}: given twice")
         else:
-            layer.router[key] = values[0] if len(values) == 1 else (shlex.join(values) if values else "true")
+            into[key] = values[0] if len(values) == 1 else (shlex.join(values) if values else switch)
     return rest
 
 
