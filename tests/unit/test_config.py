@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from miles.config import NOT_IMPLEMENTED, Config, ConfigError, build_parser, parse_config
+from miles.config import NOT_IMPLEMENTED, Config, ConfigError, build_parser
+from miles.preflight import parse_config
 from miles.config.schema import FIELDS
 
 # the reference launch line; flash_attention_2 where it had flash_attention_3, which has no context-parallel kernel

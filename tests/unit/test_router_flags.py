@@ -11,7 +11,8 @@ import json
 import httpx
 import pytest
 
-from miles.config import ConfigError, parse_config
+from miles.config import ConfigError
+from miles.preflight import parse_config
 from miles.config.core import Config
 from miles.engines.external import ExternalEngine, engine_url, refit_path_problems
 from miles.engines.router import Router, generation_via_router, merge_args, resilience_args

@@ -10,7 +10,8 @@ import shlex
 
 import pytest
 
-from miles.config import ConfigError, parse_config
+from miles.config import ConfigError
+from miles.preflight import parse_config
 from miles.engines import sglang_args
 from miles.engines.sglang_args import flag_args, sglang_form, sglang_seeds_requests
 from miles.engines.sglang_engine import EngineProcess, engine_launch_kwargs
