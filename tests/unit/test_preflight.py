@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from miles.config import ConfigError, parse_config
-from miles.preflight.checks import TRACKER_FILE, load_dir_problems
 from miles.config.schema import FIELDS, FLOAT
 from miles.config.validate import is_loopback_host
+from miles.preflight.checks import TRACKER_FILE, load_dir_problems
 from miles.utils.hf_files import safetensors_problem
 
 BASE = [
