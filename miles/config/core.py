@@ -8,6 +8,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import field
 from typing import Any, TypeVar
 
+from miles.config.fields import field_default, is_derived, opt
 from miles.config.sections import (
     AlgoConfig,
     CheckpointConfig,
@@ -24,9 +25,6 @@ from miles.config.sections import (
     RolloutConfig,
     RouterConfig,
     TrainConfig,
-    field_default,
-    is_derived,
-    opt,
     section,
 )
 

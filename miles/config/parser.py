@@ -4,9 +4,9 @@ The argparse parser is generated from the field declarations in `miles.config.se
 its value as a string (booleans use `--x/--no-x`); typing, choices and bounds are checked after merging so
 that one `ConfigError` lists every problem. `--sglang-NAME [VALUE ...]` for any NAME is collected into
 `cfg.engine.sglang_args[NAME]` (dashes -> underscores; no value: "", a switch; several: one shell-quoted string;
-see `miles.engines.sglang_args`), checked with SGLang's own parser where SGLang is installed; `--router-NAME
-[VALUE ...]` (any NAME but the declared `--router-policy`) into `cfg.router.router_args[NAME]`, checked with
-sglang-router's own parser.
+see `miles.engines.sglang_args`); `--router-NAME [VALUE ...]` (any NAME but the declared `--router-policy`) into
+`cfg.router.router_args[NAME]`. Both are checked with the servers' own parsers by `miles.preflight.parse_config`
+(the driver's), which passes those checks in as extra rules.
 """
 
 from __future__ import annotations

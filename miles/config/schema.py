@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import cast
 
 from miles.config.core import Config
-from miles.config.sections import SECTIONS, field_default, is_derived
+from miles.config.fields import field_default, is_derived
+from miles.config.sections import SECTIONS
 
 # kinds of field values the configuration supports
 BOOL, INT, FLOAT, STR, DICT = "bool", "int", "float", "str", "dict"
