@@ -11,7 +11,8 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from miles.config import ConfigError, parse_config
+from miles.config import ConfigError
+from miles.preflight import parse_config
 from miles.ray.colocate import REFIT_SECONDS
 from miles.utils.perf import peak_rss_gb, sample_counts, throughput
 
@@ -24,8 +25,6 @@ logger = logging.getLogger("miles.train")
 
 def num_rollouts(cfg: Config) -> int:
     """--num-rollout of a validated config (validation requires it)."""
-    if cfg.rollout.num_rollout is None:
-        raise ConfigError(["--num-rollout is required"])
     return cfg.rollout.num_rollout
 
 
@@ -155,7 +154,7 @@ def run_driver(
     However the loop ends (done, an error, Ctrl-C) the system is shut down and `report.png` is drawn from the
     run's metrics.jsonl. Ctrl-C prints the phase it interrupted, kills the engines (no graceful drain) and
     returns 130."""
-    from miles.config.preflight import PreflightError, run_preflight
+    from miles.preflight import PreflightError, run_preflight
     from miles.tools.doctor import prompt_fit_problem
     from miles.utils.log_setup import configure_logging
 

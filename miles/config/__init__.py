@@ -4,8 +4,13 @@
     cfg.rollout.rollout_batch_size      # `--rollout-batch-size`
     cfg.to_yaml() / cfg.to_dict() / Config.from_dict(d)
 
-Modules: `sections` (field declarations), `core` (Config, ConfigError), `schema` (flag registry, coercion),
-`validate` (derived values and rules), `parser` (argparse generation, YAML, merge).
+Modules: `fields` (how a field is declared), `sections` (the declarations), `core` (Config, ConfigError),
+`schema` (flag registry, coercion), `values` / `resolve` / `rules` / `validate` (the merged values, derived values,
+cross-field rules, the pass that runs them), `parser` (argparse generation, YAML, merge).
+
+Imports nothing from miles.rollout, miles.backends, miles.engines or miles.ray (tests/unit/test_import_rules.py):
+checks that need them (SGLang's and sglang-router's parsers, files, rewards) live in `miles.preflight`, whose
+`parse_config` the driver calls.
 """
 
 from miles.config.core import Config, ConfigError, required

@@ -8,6 +8,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import field
 from typing import Any, TypeVar
 
+from miles.config.fields import field_default, is_derived, opt
 from miles.config.sections import (
     AlgoConfig,
     CheckpointConfig,
@@ -24,8 +25,6 @@ from miles.config.sections import (
     RolloutConfig,
     RouterConfig,
     TrainConfig,
-    field_default,
-    opt,
     section,
 )
 
@@ -91,13 +90,15 @@ class Config:
             if "help" not in f.metadata:
                 owner = getattr(self, f.name)
                 for g in dataclasses.fields(owner):
-                    yield owner, g
+                    if not is_derived(g):
+                        yield owner, g
 
     def to_dict(self, redact_secrets: bool = False) -> dict[str, Any]:  # each field's own type; sections nest
         """Plain nested dict: run-wide keys, then `{section: {field: value}}`; lists and dicts are copies.
+        Derived values that are no flag (`train.steps_per_rollout`) are left out: `from_dict` derives them again.
 
-        With `redact_secrets`, fields marked secret (API keys) read "<redacted>" (for logs and trackers; such a
-        dict does not round-trip)."""
+        With `redact_secrets`, fields marked secret (API keys) read "<redacted>" (for logs, trackers and files
+        on disk; such a dict does not round-trip). Ray actors get the Config object itself, secrets included."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -105,7 +106,9 @@ class Config:
                 out[f.name] = copy.deepcopy(value)
             else:
                 out[f.name] = {
-                    g.name: copy.deepcopy(getattr(value, g.name)) for g in dataclasses.fields(value)
+                    g.name: copy.deepcopy(getattr(value, g.name))
+                    for g in dataclasses.fields(value)
+                    if not is_derived(g)
                 }
         if redact_secrets:
             for owner, f in self._leaves():

@@ -4,19 +4,20 @@ The argparse parser is generated from the field declarations in `miles.config.se
 its value as a string (booleans use `--x/--no-x`); typing, choices and bounds are checked after merging so
 that one `ConfigError` lists every problem. `--sglang-NAME [VALUE ...]` for any NAME is collected into
 `cfg.engine.sglang_args[NAME]` (dashes -> underscores; no value: "", a switch; several: one shell-quoted string;
-see `miles.engines.sglang_args`), checked with SGLang's own parser where SGLang is installed; `--router-NAME
-[VALUE ...]` (any NAME but the declared `--router-policy`) into `cfg.router.router_args[NAME]`, checked with
-sglang-router's own parser.
+see `miles.engines.sglang_args`); `--router-NAME [VALUE ...]` (any NAME but the declared `--router-policy`) into
+`cfg.router.router_args[NAME]`. Both are checked with the servers' own parsers by `miles.preflight.parse_config`
+(the driver's), which passes those checks in as extra rules.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import os
 import shlex
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -33,7 +34,7 @@ from miles.config.schema import (
     to_str_dict,
 )
 from miles.config.sections import SECTIONS
-from miles.config.validate import CLI, DEFAULT, Values, resolve_and_validate
+from miles.config.validate import CLI, DEFAULT, Rule, Values, resolve_and_validate
 
 _SGLANG_PREFIX = "--sglang-"
 _ROUTER_PREFIX = "--router-"
@@ -47,10 +48,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _metavar(spec: FieldSpec) -> str:
-    try:
-        choices = spec.choices
-    except ImportError:  # choices read from a package that is not installed (sglang-router's policies)
-        choices = None
+    choices = None if spec.meta("registry") else spec.choices  # a registry's: checked by miles.preflight
     if choices is not None:
         return "{" + ",".join(choices) + "}"
     return {"int": "INT", "float": "FLOAT", "dict": "JSON", LIST_INT: "INT"}.get(spec.kind, "STR")
@@ -316,11 +314,10 @@ def load_yaml(path: str) -> Layer:
     return normalize_mapping(data, source=path)
 
 
-def assemble(layers: list[Layer], server_parsers: bool = False) -> Config:
+def assemble(layers: list[Layer], rules: Sequence[Rule] = ()) -> Config:
     """Merge layers over the defaults (later wins), resolve, validate, and freeze into a Config.
 
-    `server_parsers`: also check the `--sglang-*` flags with SGLang's own parser where SGLang is installed (see
-    `resolve_and_validate`)."""
+    `rules`: checks beyond the config's own, run in the same pass (see `resolve_and_validate`)."""
     values = {name: spec.default for name, spec in FIELDS.items()}
     sources = dict.fromkeys(FIELDS, DEFAULT)
     sglang: dict[str, str] = {}
@@ -341,12 +338,12 @@ def assemble(layers: list[Layer], server_parsers: bool = False) -> Config:
     values["router_args"] = router
     v = Values(values, sources)
     v.violations.extend(problems)
-    resolve_and_validate(v, server_parsers=server_parsers)
+    resolve_and_validate(v, rules)
     if v.violations:
         raise ConfigError(v.violations)
     top = {name: v.values[name] for name, spec in FIELDS.items() if spec.section is None}
-    sections = {
-        section: cls(**{name: v.values[name] for name, spec in FIELDS.items() if spec.section == section})
+    sections = {  # flags and derived values (train.steps_per_rollout)
+        section: cls(**{f.name: v.values[f.name] for f in dataclasses.fields(cls)})
         for section, cls in SECTIONS.items()
     }
     return Config(**top, **sections)
@@ -357,8 +354,13 @@ def build_config(mappings: list[tuple[str, Mapping[str, object]]]) -> Config:
     return assemble([normalize_mapping(data, source, allow_config=True) for source, data in mappings])
 
 
-def parse_config(argv: list[str] | None = None, prog: str = DEFAULT_PROG) -> Config:
+def parse_config(
+    argv: list[str] | None = None, prog: str = DEFAULT_PROG, rules: Sequence[Rule] = ()
+) -> Config:
     """Parse `argv` (default: sys.argv[1:]) and the `--config` YAML it names into a validated Config.
+
+    `rules`: checks beyond the config's own, in the same pass and error. The driver uses
+    `miles.preflight.parse_config`, which adds the server-flag checks (SGLang's and sglang-router's parsers).
 
     Secrets (API keys) may also come from the environment (`MILES_ENGINE_API_KEY`, ...: see
     `miles.config.secrets`), below `--config` and the command line; one set on the command line, or in a
@@ -383,4 +385,4 @@ def parse_config(argv: list[str] | None = None, prog: str = DEFAULT_PROG) -> Con
             str(config_path), [n for n in secrets.secret_fields() if n in file_layer.values]
         )
         layers.insert(1, file_layer)
-    return assemble(layers, server_parsers=True)
+    return assemble(layers, rules)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import cast
 
 from miles.config.core import Config
-from miles.config.sections import SECTIONS, field_default
+from miles.config.fields import field_default, is_derived
+from miles.config.sections import SECTIONS
 
 # kinds of field values the configuration supports
 BOOL, INT, FLOAT, STR, DICT = "bool", "int", "float", "str", "dict"
@@ -32,7 +33,7 @@ class FieldSpec:
     name: str
     section: str | None  # None: a run-wide field directly on Config
     kind: str
-    optional: bool  # None is an allowed value
+    optional: bool  # None is an allowed value (for a `resolved` field: as the not-given marker)
     field: dataclasses.Field
 
     @property
@@ -84,11 +85,12 @@ def _build_registry() -> dict[str, FieldSpec]:
     for section_name, cls in owners:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if section_name is None and f.name in SECTIONS:
-                continue
+            if (section_name is None and f.name in SECTIONS) or is_derived(f):
+                continue  # a section, or a derived value that is no flag
             assert f.name not in registry, f"config field {f.name!r} is declared twice"
             assert f.metadata.get("help"), f"config field {f.name!r} has no help line"
             kind, optional = _kind_of(hints[f.name], f"{cls.__name__}.{f.name}")
+            optional = optional or bool(f.metadata.get("resolved"))
             registry[f.name] = FieldSpec(f.name, section_name, kind, optional, f)
     return registry
 
@@ -211,13 +213,14 @@ def coerce(spec: FieldSpec, value: object) -> object:
 
 def check_field(spec: FieldSpec, value: object) -> str | None:
     """The problem with a coerced value against the field's choices and bounds, or None. Float values must be
-    finite (NaN is already refused by coercion)."""
+    finite (NaN is already refused by coercion). Choices of a field with a `registry` are checked by
+    `miles.preflight.server_flags` against that registry."""
     if value is None:
         return None
     if spec.kind == FLOAT and not math.isfinite(cast(float, value)):  # coerced: a float
         return "must be a finite number"  # no float flag means "unlimited": inf lr, timeouts, ... are typos
     choices = spec.choices
-    if choices is not None and value not in choices:
+    if choices is not None and value not in choices and not spec.meta("registry"):
         return f"must be one of {{{', '.join(choices)}}}"
     items = value if isinstance(value, list) else [value]
     for key, op, text in (

@@ -11,71 +11,19 @@ Nothing here imports torch, ray or transformers.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TypeVar, dataclass_transform
 
-from miles.backends import available_backends
-from miles.config import algo_names
+from miles.config import algo_names, registry_names
+from miles.config.fields import derived, opt, resolved
 
 # Flags the parser accepts but whose feature is not built yet. `Config.raise_if_unimplemented()` raises
 # NotImplementedError when any of them is set to a non-default value. Remove a name here once it lands.
 NOT_IMPLEMENTED: frozenset[str] = frozenset()
 
 _T = TypeVar("_T")
-
-
-def opt(
-    default: _T,
-    help: str,
-    *,
-    choices: Sequence[str] | Callable[[], Sequence[str]] | None = None,
-    required: bool = False,
-    gt: float | None = None,
-    ge: float | None = None,
-    lt: float | None = None,
-    le: float | None = None,
-    cli: bool = True,
-    secret: bool = False,
-) -> _T:
-    """Declare one config field: its default, a one-line help, and the checks applied after merging.
-
-    `choices` may be a callable (evaluated lazily, e.g. the backend registry). Bounds apply when the value is
-    not None. `cli=False` keeps the field out of the generated argparse parser (it is still a YAML key).
-    `secret=True` redacts the value in `Config.to_yaml()`.
-    """
-    metadata: dict[str, object] = {
-        "help": help,
-        "implemented": True,
-        "required": required,
-        "cli": cli,
-        "secret": secret,
-    }
-    if choices is not None:
-        metadata["choices"] = choices
-    for key, bound in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le)):
-        if bound is not None:
-            metadata[key] = bound
-    if isinstance(default, (dict, list)):
-        snapshot = default
-
-        def factory() -> _T:
-            return copy.copy(snapshot)  # a fresh container per instance, like the dict / list it copies
-
-        return field(default_factory=factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def field_default(f: dataclasses.Field[object]) -> object:
-    """The default value of a section field (its factory called when it has one)."""
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is dataclasses.MISSING:
-        raise TypeError(f"config field {f.name!r} has no default")
-    return f.default_factory()
 
 
 @dataclass_transform(frozen_default=True, field_specifiers=(field, dataclasses.Field))
@@ -127,9 +75,7 @@ class ClusterConfig:
 class ModelConfig:
     """The policy model."""
 
-    hf_checkpoint: str | None = opt(
-        None, "HuggingFace checkpoint dir of the policy (and tokenizer)", required=True
-    )
+    hf_checkpoint: str = resolved("HuggingFace checkpoint dir of the policy (and tokenizer)", required=True)
     attn_implementation: str = opt(
         "sdpa",
         "attention kernel of the trained model",
@@ -171,7 +117,7 @@ class CheckpointConfig:
 class DataConfig:
     """The prompt dataset."""
 
-    prompt_data: str | None = opt(None, "prompt dataset file (.jsonl or .parquet)", required=True)
+    prompt_data: str = resolved("prompt dataset file (.jsonl or .parquet)", required=True)
     input_key: str = opt("input", "dataset key holding the prompt")
     label_key: str | None = opt(None, "dataset key holding the label passed to the reward function")
     metadata_key: str = opt("metadata", "dataset key holding per-sample metadata")
@@ -188,8 +134,8 @@ class RolloutConfig:
         "rollout engine; auto: sglang where it can run, else local",
         choices=("auto", "sglang", "local"),
     )
-    num_rollout: int | None = opt(None, "number of rollout (generate + train) steps", required=True, ge=1)
-    rollout_batch_size: int | None = opt(None, "prompts per rollout step", required=True, ge=1)
+    num_rollout: int = resolved("number of rollout (generate + train) steps", required=True, ge=1)
+    rollout_batch_size: int = resolved("prompts per rollout step", required=True, ge=1)
     n_samples_per_prompt: int = opt(1, "responses sampled per prompt (a group)", ge=1)
     rollout_max_response_len: int = opt(1024, "max new tokens per response", ge=1)
     rollout_max_prompt_len: int | None = opt(None, "drop prompts longer than this many tokens", ge=1)
@@ -249,8 +195,8 @@ class RolloutConfig:
     dynamic_sampling_filter_path: str | None = opt(
         None, "group filter, e.g. miles.rollout.filter_hub.check_reward_nonzero_std (DAPO dynamic sampling)"
     )
-    over_sampling_batch_size: int | None = opt(
-        None, "prompt groups taken per sampling round; None: --rollout-batch-size", ge=1
+    over_sampling_batch_size: int = resolved(
+        "prompt groups taken per sampling round; None: --rollout-batch-size", ge=1
     )
     partial_rollout: bool = opt(
         False, "abort unfinished groups when the batch is full and continue them next rollout"
@@ -291,12 +237,6 @@ class EngineConfig:
     )
 
 
-def _router_policies() -> tuple[str, ...]:
-    from miles.engines.router_args import router_policies
-
-    return router_policies()
-
-
 @section
 class RouterConfig:
     """sglang-router in front of the engines. Any `--router-NAME VALUE` is passed to it as `--NAME VALUE`."""
@@ -304,7 +244,8 @@ class RouterConfig:
     router_policy: str | None = opt(
         None,
         "sglang-router policy; when set, generation goes through the router (None: straight to the engines)",
-        choices=_router_policies,
+        choices=registry_names.ROUTER_POLICIES,
+        registry="sglang-router",
     )
     sglang_router_ip: str | None = opt(
         None, "address of a running sglang-router to use instead of launching one (with --sglang-router-port)"
@@ -321,8 +262,10 @@ class RouterConfig:
 class TrainConfig:
     """Training actors."""
 
-    train_backend: str = opt("fsdp", "training backend", choices=available_backends)
-    global_batch_size: int | None = opt(None, "samples per optimizer step", required=True, ge=1)
+    train_backend: str = opt(
+        "fsdp", "training backend", choices=registry_names.TRAIN_BACKENDS, registry="miles.backends"
+    )
+    global_batch_size: int = resolved("samples per optimizer step", required=True, ge=1)
     micro_batch_size: int = opt(1, "samples per forward/backward (static batching)", ge=1)
     use_dynamic_batch_size: bool = opt(False, "pack micro-batches up to --max-tokens-per-gpu tokens")
     max_tokens_per_gpu: int | None = opt(None, "token budget of one packed micro-batch per GPU", ge=1)
@@ -340,17 +283,19 @@ class TrainConfig:
         None, "copy policy weights into the reference every N rollouts", ge=1
     )
     train_timeout: float = opt(1800.0, "seconds to wait for a collective or a Ray call", gt=0)
-    refit_timeout: float | None = opt(
-        None,
+    refit_timeout: float = resolved(
         "seconds one engine call of a weight refit may take (an expiry names the engine); "
         "None: min(300, --train-timeout / 2)",
         gt=0,
     )
+    steps_per_rollout: int = derived(
+        "optimizer steps per rollout: --rollout-batch-size * --n-samples-per-prompt / --global-batch-size"
+    )
 
     @property
     def refit_timeout_s(self) -> float:
-        """--refit-timeout, or its default below --train-timeout when unset (validation fills it in already)."""
-        return derived_refit_timeout(self.train_timeout) if self.refit_timeout is None else self.refit_timeout
+        """--refit-timeout (resolved by validation; kept for the readers that still use this name)."""
+        return self.refit_timeout
 
 
 def derived_refit_timeout(train_timeout: float) -> float:
@@ -366,7 +311,7 @@ class OptimConfig:
     lr: float = opt(1e-6, "peak learning rate", ge=0)
     min_lr: float = opt(0.0, "learning rate at the end of decay", ge=0)
     lr_decay_style: str = opt("constant", "decay schedule", choices=("constant", "linear", "cosine"))
-    lr_decay_iters: int | None = opt(None, "optimizer steps to decay over; None: all steps of the run", ge=1)
+    lr_decay_iters: int = resolved("optimizer steps to decay over; None: all steps of the run", ge=1)
     lr_warmup_iters: int = opt(0, "optimizer steps of linear warmup", ge=0)
     lr_warmup_fraction: float | None = opt(None, "warmup as a fraction of --lr-decay-iters", ge=0, le=1)
     weight_decay: float = opt(0.0, "decoupled weight decay", ge=0)
@@ -381,8 +326,7 @@ class AlgoConfig:
     """Advantages and the policy loss."""
 
     advantage_estimator: str = opt("grpo", "advantage estimator", choices=algo_names.ADVANTAGE_ESTIMATORS)
-    policy_loss: str | None = opt(
-        None,
+    policy_loss: str = resolved(
         "policy-gradient loss: PPO's token-level clipped ratio or GSPO's sequence-level one; "
         "None: gspo for --advantage-estimator gspo, else ppo",
         choices=algo_names.POLICY_LOSSES,
@@ -393,7 +337,7 @@ class AlgoConfig:
     gamma: float = opt(1.0, "discount factor (REINFORCE++, PPO's GAE)", ge=0, le=1)
     lambd: float = opt(1.0, "GAE lambda (--advantage-estimator ppo)", ge=0, le=1)
     eps_clip: float = opt(0.2, "PPO clip range, lower side", gt=0)
-    eps_clip_high: float | None = opt(None, "PPO clip range, upper side; None: --eps-clip", gt=0)
+    eps_clip_high: float = resolved("PPO clip range, upper side; None: --eps-clip", gt=0)
     eps_clip_c: float | None = opt(None, "dual-clip constant for negative advantages (> 1); None: off", gt=1)
     use_opsm: bool = opt(False, "off-policy sequence masking")
     opsm_delta: float = opt(1e-4, "OPSM threshold on the sequence KL", gt=0)
@@ -418,9 +362,7 @@ class AlgoConfig:
         "loss reduction: per-sample token mean, token mean over the batch, or sum / constant",
         choices=algo_names.LOSS_REDUCTIONS,
     )
-    loss_reduction_constant: float | None = opt(
-        None, "constant_sum divisor; None: --rollout-max-response-len", gt=0
-    )
+    loss_reduction_constant: float = resolved("constant_sum divisor; None: --rollout-max-response-len", gt=0)
     custom_loss_function_path: str | None = opt(None, "user policy-loss function, 'module:function'")
 
 
@@ -431,7 +373,7 @@ class CriticConfig:
     critic_load: str | None = opt(
         None, "critic init: a HF dir, or a DCP checkpoint (--save dir / iter_N); None: --hf-checkpoint"
     )
-    critic_lr: float | None = opt(None, "critic peak learning rate; None: --lr", ge=0)
+    critic_lr: float = resolved("critic peak learning rate; None: --lr", ge=0)
     critic_lr_warmup_iters: int = opt(0, "critic optimizer steps of linear warmup", ge=0)
     num_critic_only_steps: int = opt(0, "first N rollouts train the critic only (actor frozen)", ge=0)
     value_clip: float | None = opt(0.2, "clip the value change around the old value; None: off", gt=0)
@@ -457,14 +399,14 @@ class EvalConfig:
     eval_prompt_data: list[str] | None = opt(None, "pairs of NAME PATH, e.g. aime /data/aime.jsonl")
     eval_interval: int | None = opt(None, "evaluate every N rollouts (requires --eval-prompt-data)", ge=1)
     n_samples_per_eval_prompt: int = opt(1, "responses sampled per eval prompt", ge=1)
-    eval_max_response_len: int | None = opt(
-        None, "max new tokens in eval; None: --rollout-max-response-len", ge=1
+    eval_max_response_len: int = resolved("max new tokens in eval; None: --rollout-max-response-len", ge=1)
+    eval_temperature: float = resolved("eval sampling temperature; None: --rollout-temperature", ge=0)
+    eval_top_p: float = resolved("eval nucleus sampling threshold; None: --rollout-top-p", gt=0, le=1)
+    eval_top_k: int = resolved("eval top-k; -1: disabled; None: --rollout-top-k", ge=-1)
+    eval_input_key: str = resolved("eval dataset key holding the prompt; None: --input-key")
+    eval_label_key: str | None = opt(
+        None, "eval dataset key holding the label; None: --label-key", resolved=True
     )
-    eval_temperature: float | None = opt(None, "eval sampling temperature; None: --rollout-temperature", ge=0)
-    eval_top_p: float | None = opt(None, "eval nucleus sampling threshold; None: --rollout-top-p", gt=0, le=1)
-    eval_top_k: int | None = opt(None, "eval top-k; -1: disabled; None: --rollout-top-k", ge=-1)
-    eval_input_key: str | None = opt(None, "eval dataset key holding the prompt; None: --input-key")
-    eval_label_key: str | None = opt(None, "eval dataset key holding the label; None: --label-key")
     skip_eval_before_train: bool = opt(
         False, "do not evaluate before the first rollout (when eval is set up)"
     )
@@ -490,7 +432,7 @@ class LogConfig:
     wandb_group: str | None = opt(None, "wandb group")
     wandb_key: str | None = opt(None, "wandb API key (default: $MILES_WANDB_KEY)", secret=True)
     wandb_mode: str | None = opt(None, "wandb mode", choices=("online", "offline", "disabled"))
-    run_dir: str | None = opt(None, "output dir (metrics.jsonl, ...); None: runs/<UTC timestamp>")
+    run_dir: str = resolved("output dir (metrics.jsonl, ...); None: runs/<UTC timestamp>")
     dump_details: str | None = opt(None, "directory to dump rollout and training details to")
     log_level: str = opt(
         "INFO",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 from miles.ray.engine_health import HealthMonitor, HealthSettings
 from miles.ray.placement import Placement
@@ -24,15 +25,16 @@ from miles.ray.utils import ray_get
 from miles.utils import hang_dump
 from miles.utils.engine_http import health_problem, launch_keys
 
+if TYPE_CHECKING:
+    from miles.config import Config
+
 logger = logging.getLogger(__name__)
 
 
 class EngineFleet:
-    def __init__(self, config_dict: dict, placement: Placement | None, num_rollout_workers: int) -> None:
+    def __init__(self, config: Config, placement: Placement | None, num_rollout_workers: int) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from miles.config import Config
-
-        self.config = Config.from_dict(config_dict)
+        self.config = config  # validated once by the driver; Ray pickles it (secrets included)
         if self.config.log.run_dir:  # its stacks on SIGUSR1, for the driver's hang dumps
             hang_dump.install(hang_dump.stacks_dir_of(self.config.log.run_dir), "engine-fleet")
         self.timeout = float(self.config.rollout.rollout_request_timeout)

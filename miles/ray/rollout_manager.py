@@ -7,12 +7,12 @@ and engine URLs. Samples leave it as `Sample` records (Ray pickles them), never 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from miles.utils.types import Sample
 
 if TYPE_CHECKING:
+    from miles.config import Config
     from miles.rollout.runner import RolloutState
 
 
@@ -20,16 +20,14 @@ class RolloutManager:
     """Built in two steps so that its start-up (imports, tokenizer, prompt data) overlaps the trainers' and the
     engines': the constructor needs only the config; `connect` gives it the engines once they answer."""
 
-    # config_dict: Config.to_dict(), nested plain values that Config.from_dict checks
-    def __init__(self, config_dict: Mapping[str, object]) -> None:
+    # cfg: validated once by the driver; Ray pickles it (secrets included)
+    def __init__(self, cfg: Config) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoTokenizer
 
-        from miles.config import Config
         from miles.engines.router import generation_via_router
         from miles.rollout.runner import RolloutRunner
 
-        cfg = Config.from_dict(config_dict)
         if cfg.log.run_dir:  # its stacks on SIGUSR1, for the driver's hang dumps
             from miles.utils import hang_dump
 

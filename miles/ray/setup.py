@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from miles.config import required
 from miles.ray.colocate import MEMORY_TAGS, MemoryChoreography, TrainerOnly
 from miles.ray.engine_fleet import EngineFleet
 from miles.ray.placement import Placement, cluster_has_gpus, create_placement
@@ -85,8 +84,7 @@ class System:
             return float(r.rollout_timeout)
         if self.cfg.cluster.use_fault_tolerance:
             return None
-        batch = r.over_sampling_batch_size or required(r.rollout_batch_size, "--rollout-batch-size")
-        requests = batch * r.n_samples_per_prompt
+        requests = r.over_sampling_batch_size * r.n_samples_per_prompt
         waves = math.ceil(requests / (self.cfg.engine.engine_max_running_requests * self.num_engines))
         return 2 * self.timeout * max(1, waves)
 
@@ -307,7 +305,7 @@ def build_system(cfg: Config) -> System:
     timeout = float(cfg.train.train_timeout)
 
     tracker = Tracker(
-        required(cfg.log.run_dir, "--run-dir"),  # validation derives it when not given
+        cfg.log.run_dir,
         use_wandb=cfg.log.use_wandb,
         wandb_project=cfg.log.wandb_project,
         wandb_group=cfg.log.wandb_group,
@@ -317,13 +315,11 @@ def build_system(cfg: Config) -> System:
         use_tensorboard=cfg.log.use_tensorboard,
     )
     fleet = (
-        None
-        if replay
-        else ray.remote(EngineFleet).options(num_cpus=0).remote(cfg.to_dict(), placement, num_rollout)
+        None if replay else ray.remote(EngineFleet).options(num_cpus=0).remote(cfg, placement, num_rollout)
     )
     # the rollout side loads its tokenizer and prompts while the trainers and engines start; it gets the
     # engines' URLs (connect) once they answer
-    rollout = None if replay else ray.remote(RolloutManager).options(num_cpus=0).remote(cfg.to_dict())
+    rollout = None if replay else ray.remote(RolloutManager).options(num_cpus=0).remote(cfg)
     engines: tuple[str, list[str]] | None = None  # (router URL, engine URLs) once the engines answer
     released: list[str] = []  # the memory tags the engines hold released when the choreography starts
     if colocate and fleet is not None and not rollout_only:
@@ -395,7 +391,7 @@ def build_system(cfg: Config) -> System:
         use_gpu,
         start,
     )
-    bar = progress_bar(required(cfg.rollout.num_rollout, "--num-rollout") - start, "rollouts", unit="rollout")
+    bar = progress_bar(cfg.rollout.num_rollout - start, "rollouts", unit="rollout")
     return System(
         cfg,
         train_group,

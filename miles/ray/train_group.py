@@ -37,12 +37,10 @@ class RefitAfterTrainError(RuntimeError):
 class TrainWorker:
     """Body of the training Ray actor (wrapped with ray.remote in RayTrainGroup)."""
 
-    def __init__(self, config_dict: dict, rank: int, world_size: int, env_vars: dict[str, str]) -> None:
+    def __init__(self, config: Config, rank: int, world_size: int, env_vars: dict[str, str]) -> None:
         os.environ.update(env_vars)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from miles.config import Config
-
-        self.config = Config.from_dict(config_dict)
+        self.config = config  # validated once by the driver; Ray pickles it (secrets included)
         self.rank = rank
         self.world_size = world_size
         self.backend: TrainBackend | None = None
@@ -141,10 +139,9 @@ class RayTrainGroup:
         self.dims = ParallelDims(num_workers, int(config.train.context_parallel_size))
         self.cp_size = self.dims.cp_size
         remote_cls = ray.remote(TrainWorker)
-        config_dict = config.to_dict()
         self.workers = [
             remote_cls.options(**placement.worker_options(role, rank)).remote(
-                config_dict, rank, num_workers, env_vars
+                config, rank, num_workers, env_vars
             )
             for rank in range(num_workers)
         ]

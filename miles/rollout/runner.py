@@ -43,7 +43,6 @@ if TYPE_CHECKING:
     from miles.config.sections import DataConfig, EvalConfig, RolloutConfig
 
 T = TypeVar("T")
-V = TypeVar("V")
 
 
 class RolloutState(TypedDict):
@@ -69,17 +68,13 @@ def sampling_settings(rollout_cfg: RolloutConfig) -> SamplingSettings:
 
 
 def eval_sampling_settings(rollout_cfg: RolloutConfig, eval_cfg: EvalConfig) -> SamplingSettings:
-    """Eval sampling: each `--eval-*` setting, falling back to its rollout counterpart."""
+    """Eval sampling: the `--eval-*` settings (validation resolves each unset one to its rollout counterpart)."""
     r, ev = rollout_cfg, eval_cfg
-
-    def pick(value: V | None, fallback: V) -> V:
-        return fallback if value is None else value
-
     return SamplingSettings(
-        temperature=pick(ev.eval_temperature, r.rollout_temperature),
-        top_p=pick(ev.eval_top_p, r.rollout_top_p),
-        top_k=pick(ev.eval_top_k, r.rollout_top_k),
-        max_new_tokens=pick(ev.eval_max_response_len, r.rollout_max_response_len),
+        temperature=ev.eval_temperature,
+        top_p=ev.eval_top_p,
+        top_k=ev.eval_top_k,
+        max_new_tokens=ev.eval_max_response_len,
         stop=r.rollout_stop,
         stop_token_ids=r.rollout_stop_token_ids,
         skip_special_tokens=r.rollout_skip_special_tokens,
@@ -153,19 +148,16 @@ class RolloutRunner:
         self.scorer = build_scorer(rollout_cfg)
         r = rollout_cfg
         self.settings = RolloutSettings(
-            rollout_batch_size=required(r.rollout_batch_size, "--rollout-batch-size"),
+            rollout_batch_size=r.rollout_batch_size,
             n_samples_per_prompt=r.n_samples_per_prompt,
-            over_sampling_batch_size=r.over_sampling_batch_size
-            or required(r.rollout_batch_size, "--rollout-batch-size"),
+            over_sampling_batch_size=r.over_sampling_batch_size,
             sampling=sampling_settings(r),
             partial_rollout=r.partial_rollout,
             mask_offpolicy_in_partial_rollout=r.mask_offpolicy_in_partial_rollout,
             reward_key=r.reward_key,
         )
         self.data_source = RolloutDataSource(
-            self._dataset(
-                required(data_cfg.prompt_data, "--prompt-data"), data_cfg.input_key, data_cfg.label_key
-            ),
+            self._dataset(data_cfg.prompt_data, data_cfg.input_key, data_cfg.label_key),
             n_samples_per_prompt=r.n_samples_per_prompt,
             shuffle=data_cfg.rollout_shuffle,
             seed=r.rollout_seed,
@@ -339,14 +331,12 @@ class RolloutRunner:
     # ------------------------------------------------------------------------------------------ eval
     def eval_sets(self) -> list[EvalSet]:
         """One `EvalSet` per `--eval-prompt-data` pair (datasets read once, then cached)."""
-        ev, d = self.eval_cfg, self.data_cfg
+        ev = self.eval_cfg
         sampling = eval_sampling_settings(self.rollout_cfg, ev)
         sets = []
         for name, path in ev.eval_datasets:
             if name not in self._eval_datasets:
-                input_key = ev.eval_input_key or d.input_key
-                label_key = ev.eval_label_key or d.label_key
-                self._eval_datasets[name] = self._dataset(path, input_key, label_key)
+                self._eval_datasets[name] = self._dataset(path, ev.eval_input_key, ev.eval_label_key)
             source = RolloutDataSource(
                 self._eval_datasets[name],
                 n_samples_per_prompt=ev.n_samples_per_eval_prompt,

@@ -34,8 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miles.config import Config, ConfigError, parse_config
-from miles.config.preflight import PreflightError, RowKeys, data_file_problems, run_preflight
+from miles.config import Config, ConfigError
+from miles.preflight import parse_config
+from miles.preflight.checks import PreflightError, RowKeys, data_file_problems, run_preflight
 
 logger = logging.getLogger(__name__)
 

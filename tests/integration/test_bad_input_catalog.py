@@ -355,7 +355,7 @@ def test_load_of_the_hf_directory_starts_from_it(world, capsys, caplog):
     that the run starts from the --hf-checkpoint weights."""
     from miles.train import main
 
-    with caplog.at_level("WARNING", logger="miles.config.preflight"):
+    with caplog.at_level("WARNING", logger="miles.preflight.checks"):
         assert main(world.base + ["--load", world.model]) == 0, capsys.readouterr().err
     (line,) = [r.getMessage() for r in caplog.records if "--load" in r.getMessage()]
     assert "holds no checkpoint" in line and "starts from the --hf-checkpoint weights" in line

@@ -41,7 +41,7 @@ def test_validation_without_sglang_imports_neither_sglang_nor_torch():
     code = (
         "import sys\n"
         "sys.modules['sglang'] = None  # as where SGLang is not installed\n"
-        "from miles.config import parse_config\n"
+        "from miles.preflight import parse_config\n"
         f"parse_config({MINIMAL + ['--sglang-attention-backend', 'nope', '--sglang-enable-metrics']!r})\n"
         "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))\n"
     )
@@ -53,7 +53,7 @@ def test_help_and_a_run_without_router_flags_need_no_sglang_router():
     code = (
         "import sys\n"
         "sys.modules['sglang_router'] = sys.modules['sglang_router.router_args'] = None\n"
-        "from miles.config import ConfigError, parse_config\n"
+        "from miles.config import ConfigError\nfrom miles.preflight import parse_config\n"
         f"MINIMAL = {MINIMAL!r}\n"
         "assert parse_config(MINIMAL).router.router_args == {}\n"
         "try:\n"

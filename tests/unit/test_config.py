@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from miles.config import NOT_IMPLEMENTED, Config, ConfigError, build_parser, parse_config
+from miles.config import NOT_IMPLEMENTED, Config, ConfigError, build_parser
 from miles.config.schema import FIELDS
+from miles.preflight import parse_config
 
 # the reference launch line; flash_attention_2 where it had flash_attention_3, which has no context-parallel kernel
 # (ring-flash-attn runs FlashAttention-2) and is refused with --context-parallel-size 2

@@ -22,7 +22,9 @@ def test_defaults_name_the_default_seams() -> None:
     assert r.rollout_function_path == "miles.rollout.default_rollout.generate_rollout"
     assert ev.eval_function_path == "miles.rollout.default_rollout.eval_rollout"
     assert r.custom_generate_function_path is None and r.dynamic_sampling_filter_path is None
-    assert r.over_sampling_batch_size is None and not r.partial_rollout and not ev.skip_eval_before_train
+    # unset, --over-sampling-batch-size resolves to --rollout-batch-size
+    assert r.over_sampling_batch_size == r.rollout_batch_size
+    assert not r.partial_rollout and not ev.skip_eval_before_train
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from miles.config import ConfigError, parse_config
-from miles.config.preflight import TRACKER_FILE, load_dir_problems
 from miles.config.schema import FIELDS, FLOAT
 from miles.config.validate import is_loopback_host
+from miles.preflight.checks import TRACKER_FILE, load_dir_problems
 from miles.utils.hf_files import safetensors_problem
 
 BASE = [
@@ -108,7 +108,7 @@ def test_tracker_file_name_matches_the_checkpoint_module():
 
 def test_load_dir_rules(tmp_path, caplog):
     fresh = str(tmp_path / "new")
-    with caplog.at_level("WARNING", logger="miles.config.preflight"):
+    with caplog.at_level("WARNING", logger="miles.preflight.checks"):
         assert load_dir_problems(fresh, fresh, "/m") == []
     assert (
         "does not exist yet; it is also --save: the run starts from the --hf-checkpoint weights"
@@ -146,7 +146,7 @@ def test_load_of_a_directory_without_checkpoint_starts_from_hf(tmp_path, caplog)
     hf = tmp_path / "Qwen3-4B"
     hf.mkdir()
     (hf / "config.json").write_text("{}")
-    with caplog.at_level("INFO", logger="miles.config.preflight"):
+    with caplog.at_level("INFO", logger="miles.preflight.checks"):
         assert load_dir_problems(str(hf), None, str(hf)) == []
         assert load_dir_problems(str(hf), str(tmp_path / "elsewhere"), str(hf)) == []
     lines = [r.getMessage() for r in caplog.records]
@@ -176,7 +176,7 @@ def test_safetensors_checks(tmp_path):
 def test_replay_data_is_checked_in_full_unless_load_resumes_a_checkpoint(tmp_path):
     """--load of a directory without a checkpoint starts at rollout 0, so every saved rollout must be there;
     resuming a checkpoint needs only the last one."""
-    from miles.config.preflight import _debug_data_problems, _has_checkpoint
+    from miles.preflight.checks import _debug_data_problems, _has_checkpoint
 
     data = str(tmp_path / "r_{rollout_id}.jsonl")
     (tmp_path / "r_2.jsonl").write_text("")
@@ -192,7 +192,7 @@ def test_replay_data_is_checked_in_full_unless_load_resumes_a_checkpoint(tmp_pat
 def test_attention_kernel_modules_are_checked_where_the_driver_runs(monkeypatch):
     import importlib.util
 
-    from miles.config import preflight
+    from miles.preflight import checks as preflight
 
     installed: set[str] = set()
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name in installed else None)

@@ -11,11 +11,12 @@ import json
 import httpx
 import pytest
 
-from miles.config import ConfigError, parse_config
+from miles.config import ConfigError
 from miles.config.core import Config
 from miles.engines.external import ExternalEngine, engine_url, refit_path_problems
 from miles.engines.router import Router, generation_via_router, merge_args, resilience_args
 from miles.engines.router_args import router_command_args, router_policies
+from miles.preflight import parse_config
 from miles.ray.engine_health import HealthMonitor, HealthSettings
 from miles.rollout.engine_client import EngineClient, batching
 

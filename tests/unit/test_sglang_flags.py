@@ -10,11 +10,12 @@ import shlex
 
 import pytest
 
-from miles.config import ConfigError, parse_config
+from miles.config import ConfigError
 from miles.engines import sglang_args
 from miles.engines.sglang_args import flag_args, sglang_form, sglang_seeds_requests
 from miles.engines.sglang_engine import EngineProcess, engine_launch_kwargs
 from miles.engines.sglang_launch import ADMIN_API_KEY_ENV, argv_with_keys
+from miles.preflight import parse_config
 
 MINIMAL = shlex.split(
     "--hf-checkpoint /m --prompt-data /d.jsonl --num-rollout 2 --rollout-batch-size 4 "

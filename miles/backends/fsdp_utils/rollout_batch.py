@@ -50,7 +50,6 @@ from miles.backends.fsdp_utils.data_packing import (
 )
 from miles.backends.fsdp_utils.parallel import ParallelState
 from miles.config import AlgoConfig, Config
-from miles.config.algo_names import default_policy_loss
 from miles.utils.misc import load_function
 from miles.utils.types import Sample
 
@@ -246,7 +245,7 @@ def trainer_algo(cfg: Config) -> TrainerAlgo:
     the config was parsed; the records check their own invariants again only as plain values."""
     a = cfg.algo
     spec = PolicyLossSpec(
-        name=a.policy_loss or default_policy_loss(a.advantage_estimator),
+        name=a.policy_loss,
         eps_clip=a.eps_clip,
         eps_clip_high=a.eps_clip_high,
         eps_clip_c=a.eps_clip_c,

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypedDict
 
-from miles.config.core import Config, ConfigError, required
+from miles.config.core import Config, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -232,13 +232,9 @@ def run_preflight(cfg: Config) -> None:
         metadata_key=d.metadata_key,
         apply_chat_template=d.apply_chat_template,
     )
-    checks.append(lambda: data_file_problems("--prompt-data", required(d.prompt_data, "--prompt-data"), keys))
+    checks.append(lambda: data_file_problems("--prompt-data", d.prompt_data, keys))
     ev = cfg.eval
-    eval_keys: RowKeys = {
-        **keys,
-        "input_key": ev.eval_input_key or d.input_key,
-        "label_key": ev.eval_label_key or d.label_key,
-    }
+    eval_keys: RowKeys = {**keys, "input_key": ev.eval_input_key, "label_key": ev.eval_label_key}
     for name, path in ev.eval_datasets:
         checks.append(functools.partial(data_file_problems, f"--eval-prompt-data {name}", path, eval_keys))
     problems = [problem for check in checks for problem in check()]
@@ -255,13 +251,11 @@ def _has_checkpoint(load: str | None) -> bool:
     return (Path(load) / TRACKER_FILE).is_file()
 
 
-def _debug_data_problems(path: str | None, num_rollout: int | None, resuming: bool) -> list[str]:
+def _debug_data_problems(path: str | None, num_rollout: int, resuming: bool) -> list[str]:
     """--load-debug-rollout-data holds a file for every rollout the run trains on (the last one when resuming)."""
     if path is None:
         return []
     from miles.utils.debug_data import missing_rollouts
-
-    num_rollout = required(num_rollout, "--num-rollout")
 
     ids = range(num_rollout - 1, num_rollout) if resuming else range(num_rollout)
     missing = missing_rollouts(path, ids)
