@@ -18,7 +18,7 @@ from miles.utils.perf import peak_rss_gb, sample_counts, throughput
 
 if TYPE_CHECKING:
     from miles.config import Config
-    from miles.ray.setup import System
+    from miles.ray.system import System, TrainingSystem
 
 logger = logging.getLogger("miles.train")
 
@@ -29,13 +29,13 @@ def num_rollouts(cfg: Config) -> int:
 
 
 def run_loop(cfg: Config, system: System) -> None:
-    actor, choreo, timer = system.train_group, system.choreography, system.timer
+    timer = system.timer
     eval_before_train(cfg, system)
     for rollout_id in range(system.start_rollout_id, num_rollouts(cfg)):
         with timer.phase("rollout"):
             samples, metrics = system.generate(rollout_id)
         metrics.update(sample_counts(samples))
-        if actor is not None and choreo is not None:  # None with --debug-rollout-only: generate and log only
+        if system.mode != "rollout_only":  # --debug-rollout-only: generate and log only
             version = str(rollout_id + 1)
             # one trainer call trains and refits, unless a save is due between the two
             refit_in_train = None if any(save_due(cfg, rollout_id)) else version
@@ -46,12 +46,12 @@ def run_loop(cfg: Config, system: System) -> None:
             else:
                 maybe_save(cfg, system, rollout_id)
                 with timer.phase("refit"):
-                    choreo.refit(weight_version=version)
+                    system.choreography.refit(weight_version=version)
         finish_step(cfg, system, rollout_id, metrics)
 
 
 def train_rollout(
-    cfg: Config, system: System, rollout_id: int, samples: list, refit_version: str | None = None
+    cfg: Config, system: TrainingSystem, rollout_id: int, samples: list, refit_version: str | None = None
 ) -> dict[str, float]:
     """Onload, then train: the critic first (--advantage-estimator ppo: its values feed the actor's GAE), then
     the actor, unless this rollout is one of the --num-critic-only-steps. With `refit_version`, the actor's train
@@ -59,7 +59,6 @@ def train_rollout(
     answer then holds the refit's seconds under `REFIT_SECONDS`)."""
     per_dp = system.split_by_dp(samples)
     choreo, critic = system.choreography, system.critic_group
-    assert choreo is not None and system.train_group is not None
     choreo.before_train()
     metrics: dict[str, float] = {}
     values = None
@@ -84,18 +83,15 @@ def save_due(cfg: Config, rollout_id: int) -> tuple[bool, bool]:
     )
 
 
-def maybe_save(cfg: Config, system: System, rollout_id: int) -> None:
+def maybe_save(cfg: Config, system: TrainingSystem, rollout_id: int) -> None:
     """The checkpoint and the HF export `save_due` says are due."""
-    group = system.train_group
-    if group is None:  # --debug-rollout-only: no trainer, nothing to save
-        return
     save, save_hf = save_due(cfg, rollout_id)
     if save:
         with system.timer.phase("save"):
             system.save(rollout_id)
     if save_hf:
         with system.timer.phase("save_hf"):
-            group.save_hf(rollout_id)
+            system.train_group.save_hf(rollout_id)
 
 
 def eval_before_train(cfg: Config, system: System) -> None:

@@ -15,7 +15,7 @@ from miles.utils.perf import sample_counts
 
 if TYPE_CHECKING:
     from miles.config import Config
-    from miles.ray.setup import System
+    from miles.ray.system import System
 
 
 def run_async_loop(cfg: Config, system: System) -> None:
@@ -23,14 +23,14 @@ def run_async_loop(cfg: Config, system: System) -> None:
 
     from miles.ray.utils import ray_get
 
-    actor, choreo, timer = system.train_group, system.choreography, system.timer
-    if actor is None or choreo is None:  # _refuse turns away the modes without a trainer
-        raise RuntimeError("miles.train_async needs a train group (no --debug-rollout-only)")
+    if system.mode != "train":  # _refuse turns away the replay-debugging modes
+        raise RuntimeError("miles.train_async needs engines and a train group (no replay debugging)")
+    choreo, timer = system.choreography, system.timer
     num = num_rollouts(cfg)
     deadline = system.rollout_deadline  # the whole rollout's, not one request's
 
     def launch(rollout_id: int) -> ray.ObjectRef | None:
-        return system.rollout.generate.remote(rollout_id) if rollout_id < num else None
+        return system.engines.rollout.generate.remote(rollout_id) if rollout_id < num else None
 
     eval_before_train(cfg, system)
     in_flight = launch(system.start_rollout_id)

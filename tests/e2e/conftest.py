@@ -2,7 +2,7 @@
 
 `miles.train.main` starts a local Ray instance and stops it at the end of the run unless Ray is already up in the
 process; then it uses it and, at the end, kills only what it created (its actors and placement group; see
-`miles.ray.setup.System.release_ray_resources`). Starting Ray once here instead of once per run saves its start and
+`miles.ray.system`, each run mode's `shutdown`). Starting Ray once here instead of once per run saves its start and
 stop (several seconds each on 2 cores) for every driver. A run that fails while building its system still stops
 Ray; the next test starts it again. Tests marked `own_ray` (their own cluster) get no shared instance.
 """

@@ -157,3 +157,32 @@ def test_disaggregated_trainers_build_while_the_engines_start_and_nothing_is_rel
         ("engines answer",),
         ("refit", "0", URLS),
     ]
+
+
+def test_replay_starts_trainers_only_and_refits_nothing(monkeypatch):
+    """--load-debug-rollout-data: a `ReplaySystem` (no engine fleet, no rollout manager, nothing released or
+    refit); with PPO the critic builds too."""
+    from miles.ray.colocate import TrainerOnly
+    from miles.ray.system import ReplaySystem
+
+    log = Log()
+    _install(monkeypatch, log, gpu=True)
+    cfg = _cfg("--colocate", "--load-debug-rollout-data", "saved", "--advantage-estimator", "ppo")
+    system = setup.build_system(cfg)
+    assert isinstance(system, ReplaySystem) and isinstance(system.choreography, TrainerOnly)
+    assert system.rollouts == "saved" and system.critic_group is not None
+    # colocated, the critic sleeps until it trains (as in a training run)
+    assert log == [("trainers build", "actor"), ("trainers build", "critic"), ("sleep", "critic")]
+
+
+def test_rollout_only_starts_engines_only(monkeypatch):
+    """--debug-rollout-only: a `RolloutOnlySystem` (engines and rollout manager, no trainers, no refit; the
+    engines keep the --hf-checkpoint weights), even colocated: nothing to release for."""
+    from miles.ray.system import RolloutOnlySystem
+
+    log = Log()
+    _install(monkeypatch, log, gpu=True)
+    system = setup.build_system(_cfg("--debug-rollout-only", "--colocate"))
+    assert isinstance(system, RolloutOnlySystem) and system.engines.engine_urls == list(URLS)
+    assert _events(log) == [("start", "EngineFleet"), ("engines answer",)]
+    assert ("start", "RolloutManager") in log

@@ -68,10 +68,11 @@ class FakeTracker:
 
 
 class FakeSystem:
-    """What `run_loop` reads of `miles.ray.setup.System`."""
+    """What `run_loop` reads of `miles.ray.system.System` (a `RolloutOnlySystem` without a train group)."""
 
     def __init__(self, cfg, log: Log, train_group, choreography, start: int = 0) -> None:
         self.cfg, self.log = cfg, log
+        self.mode = "train" if train_group is not None else "rollout_only"
         self.train_group, self.choreography = train_group, choreography
         self.critic_group = None
         self.timer, self.start_rollout_id = Timer(), start
