@@ -1,7 +1,7 @@
 """The side process group of the broadcast refit: trainer rank 0 plus every engine rank, beside (not inside) the
 default group of either process.
 
-Both sides join it with `init_side_group`: the trainer (`miles.backends.fsdp_utils.broadcast_refit`, as rank 0)
+Both sides join it with `init_side_group`: the trainer (`miles.refit.broadcast`, as rank 0)
 and the embedded engine's `/init_weights_update_group` (`miles.engines.local.dist_update`, as rank
 `rank_offset`). It is built the way SGLang's engine side builds it (`init_custom_process_group`), so an SGLang
 engine joins the same group: a TCP rendezvous at `tcp://master_address:master_port` hosted by rank 0 with

@@ -115,18 +115,16 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
 
     from miles.backends.fsdp_utils.model import build_fsdp_model
     from miles.backends.fsdp_utils.parallel import init_distributed
-    from miles.backends.fsdp_utils.update_weight_utils import (
-        ColocatedWeightUpdater,
-        RefitSetup,
-        plan_weight_buckets,
-    )
+    from miles.refit.buckets import plan_weight_buckets
+    from miles.refit.session import RefitSetup
+    from miles.refit.tensor_handles import ColocatedWeightUpdater
     from miles.utils.engine_http import post_to_engines
 
     trainer_threads = max(1, (os.cpu_count() or 1) // world)  # what FSDPTrainer sets on CPU
     torch.set_num_threads(trainer_threads)
     ps = init_distributed("gloo", timeout_s=600)
     net = build_fsdp_model(model, ps.fsdp_mesh, device=torch.device("cpu"))
-    from miles.backends.fsdp_utils.weight_window import WindowWeightUpdater
+    from miles.refit.window import WindowWeightUpdater
 
     kind = WindowWeightUpdater if a["transport"] == "window" else ColocatedWeightUpdater
     updater = kind(RefitSetup(urls, ranks_per_engine=1, rank=rank, world_size=world, timeout_s=600))
@@ -195,7 +193,7 @@ def _time_parts(updater: object, spans: list[dict[str, float]]) -> None:
 
         return timed
 
-    refit = cls._refit
+    refit = cls.push
 
     def timed_refit(self: object, *args: object, **kwargs: object) -> object:
         spans.append({})
@@ -207,8 +205,8 @@ def _time_parts(updater: object, spans: list[dict[str, float]]) -> None:
             part["total"] = time.perf_counter() - t0
             part["rest"] = part["total"] - part.get("agree", 0.0) - part.get("http", 0.0)
 
-    updater._refit = types.MethodType(timed_refit, updater)  # type: ignore[attr-defined]
-    agree = "_agree" if hasattr(updater, "_agree") else "_raise_if_any_failed"  # window: host flags or gloo
+    updater.push = types.MethodType(timed_refit, updater)  # type: ignore[attr-defined]
+    agree = "_agree" if hasattr(updater, "_agree") else "raise_together"  # window: host flags or gloo
     setattr(updater, agree, wrap("agree", getattr(updater, agree)))
     for name in ("_load", "_post"):  # window: one load per engine; handles: one post per bucket
         if hasattr(updater, name):

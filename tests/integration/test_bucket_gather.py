@@ -10,12 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from miles.backends.fsdp_utils.update_weight_utils import (
-    _hf_tensors,
-    iter_weight_buckets,
-    plan_weight_buckets,
-    row_copies,
-)
+from miles.refit.buckets import hf_tensors, iter_weight_buckets, plan_weight_buckets, row_copies
 from tests.integration._util import run_distributed
 
 
@@ -59,7 +54,7 @@ def _body(rank: int, world_size: int, shared: str) -> None:
 
     # row_copies: every rank writes its own rows into destinations all ranks map (a shared file), no gather; a
     # non-contiguous view of a larger buffer included, nothing outside the views written; cast to dtype first
-    entries = _hf_tensors(model, None)
+    entries = hf_tensors(model, None)
     for k, dtype in enumerate((None, torch.bfloat16)):
         flat = torch.from_file(f"{shared}-{k}", shared=True, size=2 * 200, dtype=torch.float64)
         store = flat[:200].view(20, 10)

@@ -15,7 +15,6 @@ import torch.distributed as dist
 from _util import free_port, run_distributed, save_tiny_qwen3
 from safetensors.torch import load_file
 
-from miles.backends.fsdp_utils.broadcast_refit import DistributedWeightUpdater
 from miles.backends.fsdp_utils.model import (
     apply_fsdp2,
     build_fsdp_model,
@@ -29,12 +28,10 @@ from miles.backends.fsdp_utils.model import (
 )
 from miles.backends.fsdp_utils.offload import load_to_device, offload_to_cpu
 from miles.backends.fsdp_utils.parallel import ParallelDims, init_distributed
-from miles.backends.fsdp_utils.update_weight_utils import (
-    ColocatedWeightUpdater,
-    RefitSetup,
-    iter_weight_buckets,
-    plan_weight_buckets,
-)
+from miles.refit.broadcast import DistributedWeightUpdater
+from miles.refit.buckets import iter_weight_buckets, plan_weight_buckets
+from miles.refit.session import RefitSetup
+from miles.refit.tensor_handles import ColocatedWeightUpdater
 from miles.utils.serialization import deserialize
 from miles.utils.side_group import init_side_group
 

@@ -48,7 +48,7 @@ def test_gpu_check_script_on_cpu(tmp_path):
 
 _LOSE_A_TENSOR = """
 import sys
-from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater as U
+from miles.refit.tensor_handles import ColocatedWeightUpdater as U
 send = U._send_bucket
 U._send_bucket = lambda self, bucket, *a, **k: send(self, bucket[1:], *a, **k)  # a refit that loses a tensor
 from miles.tools.gpu_check.__main__ import main

@@ -20,7 +20,7 @@ def _lora_body(rank: int, world: int, model_dir: str, out: str, extra: list[str]
 
     from miles.backends.fsdp_utils.actor import FSDPTrainer
     from miles.backends.fsdp_utils.lora import MergedView, adapter_parameter_names, merged_weight
-    from miles.backends.fsdp_utils.update_weight_utils import iter_weight_buckets
+    from miles.refit.buckets import iter_weight_buckets
     from miles.utils.seqlen_balancing import partition_samples_by_dp
 
     samples = _rollout(model_dir)
@@ -70,7 +70,7 @@ def _run(tmp_path, world: int, extra: list[str], name: str):
 
 def _refit_names(model) -> set[str]:
     """The names a refit of the plain (un-adapted) model sends (tied tensors once)."""
-    from miles.backends.fsdp_utils.update_weight_utils import iter_weight_buckets
+    from miles.refit.buckets import iter_weight_buckets
 
     return {name for bucket in iter_weight_buckets(model, 1 << 20) for name, _ in bucket}
 
@@ -127,7 +127,7 @@ def _refit_loop_body(rank: int, world: int, model_dir: str, out: str) -> None:
     equals the one before (the merge never writes into, or aliases, a weight a forward reads)."""
     from miles.backends.fsdp_utils.actor import FSDPTrainer
     from miles.backends.fsdp_utils.lora import MergedView
-    from miles.backends.fsdp_utils.update_weight_utils import iter_weight_buckets
+    from miles.refit.buckets import iter_weight_buckets
 
     torch.set_num_threads(2)  # the intra-op pool a racing in-place merge would show up with
     samples = _rollout(model_dir)
@@ -206,7 +206,7 @@ def test_lora_checkpoint_resumes(tmp_path):
 
 def _export_body(rank: int, world: int, model_dir: str, save_dir: str, out: str) -> None:
     from miles.backends.fsdp_utils.actor import FSDPTrainer
-    from miles.backends.fsdp_utils.update_weight_utils import iter_weight_buckets
+    from miles.refit.buckets import iter_weight_buckets
 
     samples = _rollout(model_dir)
     trainer = FSDPTrainer(_config(model_dir, world, LORA + ["--save", save_dir]), rank, world)

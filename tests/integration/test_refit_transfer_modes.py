@@ -96,7 +96,7 @@ def _body(rank: int, world: int, model_dir: str, urls: list[str], pids: list[int
     try:
         trainer.train(0, _samples(0, rank))
         refit(urls, "v1")
-        updater = trainer._weight_updater
+        updater = trainer._refitter.transport
         kind = type(updater).__name__
         assert kind == ("WindowWeightUpdater" if colocated else "DistributedWeightUpdater"), kind
         if rank == 0:  # engine 1 dies and comes back on its port, as the health monitor restarts it
@@ -106,7 +106,7 @@ def _body(rank: int, world: int, model_dir: str, urls: list[str], pids: list[int
         dist.barrier()
         trainer.train(1, _samples(1, rank))
         refit([urls[1]], "v2")  # the restarted engine alone
-        assert trainer._weight_updater is updater
+        assert trainer._refitter.transport is updater
         trainer.train(2, _samples(2, rank))
         refit(urls, "v3")
     finally:
@@ -142,8 +142,8 @@ def _failure_body(rank: int, world: int, model_dir: str, urls: list[str]) -> Non
 
     from miles.backends.fsdp_utils.model import build_fsdp_model
     from miles.backends.fsdp_utils.parallel import init_distributed
-    from miles.backends.fsdp_utils.update_weight_utils import RefitSetup
-    from miles.backends.fsdp_utils.weight_window import HOST_FLAGS_SUPPORTED, WindowWeightUpdater
+    from miles.refit.session import RefitSetup
+    from miles.refit.window import HOST_FLAGS_SUPPORTED, WindowWeightUpdater
 
     ps = init_distributed("gloo", timeout_s=120)
     model = build_fsdp_model(model_dir, ps.fsdp_mesh, device=torch.device("cpu"))

@@ -225,7 +225,8 @@ def _tensor_body(rank: int, world: int, url: str, model_dir: str) -> None:
     """ColocatedWeightUpdater alone (no release/resume): its buckets must travel inside a weight-update session."""
     from transformers import AutoModelForCausalLM
 
-    from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater, RefitSetup
+    from miles.refit.session import RefitSetup
+    from miles.refit.tensor_handles import ColocatedWeightUpdater
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
@@ -252,8 +253,9 @@ def _colocated_body(rank: int, world: int, url: str, model_dir: str) -> None:
     and ColocatedWeightUpdater (with checksums); SGLang's bookkeeping must end with nothing released."""
     from transformers import AutoModelForCausalLM
 
-    from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater, RefitSetup
     from miles.ray.colocate import MemoryChoreography
+    from miles.refit.session import RefitSetup
+    from miles.refit.tensor_handles import ColocatedWeightUpdater
     from miles.utils.engine_http import EngineMemoryControl
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -298,8 +300,8 @@ def test_colocated_startup_and_cycle_tensor_path(sglang, model_dir):
 def _broadcast_body(rank: int, world: int, url: str, model_dir: str, port: int) -> None:
     from transformers import AutoModelForCausalLM
 
-    from miles.backends.fsdp_utils.broadcast_refit import DistributedWeightUpdater
-    from miles.backends.fsdp_utils.update_weight_utils import RefitSetup
+    from miles.refit.broadcast import DistributedWeightUpdater
+    from miles.refit.session import RefitSetup
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from miles.backends.fsdp_utils.weight_window import FLAGS_PREFIX, HostFlags
+from miles.refit.window import FLAGS_PREFIX, HostFlags
 
 
 def _ranks(world: int, tmp_path) -> list[HostFlags]:

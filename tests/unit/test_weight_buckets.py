@@ -6,13 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from miles.backends.fsdp_utils.broadcast_refit import DistributedWeightUpdater
-from miles.backends.fsdp_utils.update_weight_utils import (
-    RefitSetup,
-    hf_name,
-    iter_weight_buckets,
-    plan_weight_buckets,
-)
+from miles.refit.broadcast import DistributedWeightUpdater
+from miles.refit.buckets import hf_name, iter_weight_buckets, plan_weight_buckets
+from miles.refit.session import RefitSetup
 from tests.tiny_models import tiny_qwen3
 
 

@@ -1,5 +1,5 @@
-"""The shared-memory weight window between trainer and embedded engine (miles.engines.local.window,
-miles.backends.fsdp_utils.weight_window), in one process: layout, writes into the engine's fused blocks, the
+"""The shared-memory weight window between trainer and embedded engine (miles.refit.window_layout,
+miles.engines.local.window, miles.refit.window), in one process: layout, writes into the engine's fused blocks, the
 engine pointing its parameters at the window without a copy, and every refusal."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles.backends.fsdp_utils.weight_window import TrainerWindow
 from miles.engines.local.engine import LocalEngine, LocalEngineConfig
-from miles.engines.local.window import WINDOW_PREFIX, WindowLayout
+from miles.refit.window import TrainerWindow
+from miles.refit.window_layout import WINDOW_PREFIX, WindowLayout
 from miles.tools.tiny_model import build_word_model
 
 

@@ -38,10 +38,9 @@ if TYPE_CHECKING:
     from miles.backends.fsdp_utils.lora import MergedView
     from miles.backends.fsdp_utils.lr_scheduler import LRScheduler
     from miles.backends.fsdp_utils.parallel import ParallelState
-    from miles.backends.fsdp_utils.update_weight_utils import WeightUpdater
     from miles.config import Config
     from miles.config.sections import LoraConfig
-    from miles.utils.engine_http import EngineMemoryControl
+    from miles.refit.refitter import Refitter
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +114,7 @@ class FSDPTrainer(TrainBackend):
         # rb.old_log_probs_from_training_forward); tests switch it off to compare against the separate pass
         self.reuse_training_forward = True
         self._offloaded = False
-        self._weight_updater: WeightUpdater | None = None
+        self._refitter: Refitter | None = None  # built at the first refit
         start = 0
         if cfg.checkpoint.load:
             state = load_checkpoint(cfg.checkpoint.load, self.model, self.optimizer, self.lr_scheduler)
@@ -318,45 +317,20 @@ class FSDPTrainer(TrainBackend):
     def update_weights(
         self, engine_urls: list[str], weight_version: str, resume_tags: Sequence[str] = ()
     ) -> None:
-        """Refit ``engine_urls``: every engine, or (fault tolerance) the engines that were restarted since the
-        last refit, whose transport (update group, window mapping) is new. ``resume_tags``: rank 0 resumes them
-        on every engine before the weights move, all ranks raising its error (see `TrainBackend.update_weights`)."""
-        cfg = self.config
+        """Refit ``engine_urls`` (all engines, or the restarted ones) through `miles.refit`, the model awake
+        meanwhile. ``resume_tags``: rank 0 resumes them on every engine before the weights move, all ranks
+        raising its error (see `TrainBackend.update_weights`)."""
         was_offloaded = self._offloaded
         if was_offloaded:
             self.wake_up()
-        urls = [u.rstrip("/") for u in engine_urls]
-        if self._weight_updater is None:
-            self._weight_updater = self._make_weight_updater(urls)
-        updater = self._weight_updater
-        if resume_tags:  # rank 0 posts the resume; every rank raises its error, so none refits alone
-            tags = list(resume_tags)
-            updater.run_agreed(self.ps.rank == 0, lambda: self._engine_memory(urls).resume_memory(tags))
-        if urls != updater.engine_urls:
-            updater.engines_restarted(urls)
-        updater.update(
-            self._refit_source(),
-            cfg.train.update_weight_buffer_size,
-            weight_version,
-            dtype=self.param_dtype,
-            engines=urls,
-        )
+        if self._refitter is None:
+            from miles.refit.refitter import make_refitter
+
+            ps = self.ps
+            self._refitter = make_refitter(self.config, ps.rank, ps.world_size, ps.is_cuda, self.param_dtype)
+        self._refitter.update(self._refit_source(), weight_version, engine_urls, resume_tags)
         if was_offloaded:
             self.sleep()
-
-    def _engine_memory(self, engine_urls: list[str]) -> EngineMemoryControl:
-        from miles.utils.engine_http import EngineMemoryControl
-
-        timeout = float(self.config.rollout.rollout_request_timeout)
-        return EngineMemoryControl(engine_urls, self.config.engine.engine_api_key, timeout)
-
-    def _transfer_mode(self) -> str:
-        """--update-weight-transfer-mode resolved: auto is tensor when colocated or on CPU (shared memory, which
-        any process on this node can map), broadcast when disaggregated on GPU."""
-        mode = self.config.train.update_weight_transfer_mode
-        if mode == "auto":
-            return "tensor" if self.config.cluster.colocate or not self.ps.is_cuda else "broadcast"
-        return mode
 
     def _refit_source(self) -> torch.nn.Module | MergedView:
         """What refits and HF exports read: the model, or with LoRA its merged view (base names, W + s*B@A)."""
@@ -365,48 +339,6 @@ class FSDPTrainer(TrainBackend):
         from miles.backends.fsdp_utils.lora import MergedView
 
         return MergedView(self.model)
-
-    def _make_weight_updater(self, engine_urls: list[str]) -> WeightUpdater:
-        """The refit transport of --update-weight-transfer-mode: tensor handles (CUDA IPC / shared memory; a
-        shared-memory weight window when colocated on CPU and every engine is embedded) or a broadcast group
-        (NCCL on GPU, gloo on CPU)."""
-        from miles.backends.fsdp_utils.broadcast_refit import DistributedWeightUpdater
-        from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater, RefitSetup
-
-        cfg = self.config
-        setup = RefitSetup(
-            engine_urls,
-            ranks_per_engine=cfg.cluster.rollout_num_gpus_per_engine,
-            rank=self.ps.rank,
-            world_size=self.ps.world_size,
-            api_key=cfg.engine.engine_api_key,
-            timeout_s=cfg.train.refit_timeout_s,  # below the driver's wait: the engine is named
-            check_equal=cfg.engine.check_weight_update_equal,
-        )
-        if self._transfer_mode() == "tensor":
-            if cfg.cluster.colocate and not self.ps.is_cuda and self._all_engines_have_windows(engine_urls):
-                from miles.backends.fsdp_utils.weight_window import WindowWeightUpdater
-
-                return WindowWeightUpdater(setup)
-            return ColocatedWeightUpdater(setup)
-        # rank 0 hosts the update group; MASTER_ADDR is its node's address (what the engines can reach)
-        address = [os.environ["MASTER_ADDR"] if self.ps.rank == 0 else None]
-        dist.broadcast_object_list(address, src=0)
-        updater = DistributedWeightUpdater(setup, address[0], backend="nccl" if self.ps.is_cuda else "gloo")
-        updater.connect()
-        return updater
-
-    def _all_engines_have_windows(self, engine_urls: list[str]) -> bool:
-        """Rank 0 asks every engine for its window layout; all ranks get the answer (a collective)."""
-        from miles.backends.fsdp_utils.weight_window import engines_have_windows
-        from miles.utils.engine_http import bearer
-
-        answer = [None]
-        if self.ps.rank == 0:
-            headers = bearer(self.config.engine.engine_api_key)
-            answer = [engines_have_windows(engine_urls, headers, self.config.train.refit_timeout_s)]
-        dist.broadcast_object_list(answer, src=0)
-        return bool(answer[0])
 
 
 def clipped_optimizer_step(

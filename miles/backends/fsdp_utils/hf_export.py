@@ -191,7 +191,7 @@ def export_sharded_model(
     buckets); rank 0 writes. A failure on rank 0 (disk full) is raised on every rank after the walk completes,
     so no rank is left waiting in a collective. Returns `out_dir`.
     """
-    from miles.backends.fsdp_utils.update_weight_utils import iter_weight_buckets
+    from miles.refit.buckets import iter_weight_buckets
 
     final = Path(out_dir)
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -160,7 +160,7 @@ def merged_weight(layer: LoRALinear) -> torch.Tensor:
 class _LazyMerged:
     """Stands in for a merged weight in a state dict until the weight updater materialises it: exposes the
     metadata the bucket plan reads (dtype, numel, is_floating_point) and computes the merged tensor on
-    `detach()`, which is how the updater (`update_weight_utils._full_tensor`) turns a non-DTensor into data."""
+    `detach()`, which is how the updater (`miles.refit.buckets.full_tensor`) turns a non-DTensor into data."""
 
     def __init__(self, layer: LoRALinear) -> None:
         self.layer = layer

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from miles.engines.local.engine_loop import EngineLoop
     from miles.engines.local.model_runner import NoCacheRunner, PoolRunner
     from miles.engines.local.weights import WeightStore
-    from miles.engines.local.window import MappedWindow, WindowLayout
+    from miles.refit.window_layout import MappedWindow, WindowLayout
 
 
 def missing_local_path(model_path: str) -> str | None:
@@ -235,7 +235,7 @@ class WeightControl:
     ) -> WindowRefitReply:
         """miles-only: a whole refit in one call, its own weight-update session (refused while another is open):
         point every parameter at its view of the trainer's window file (no copy) and serve `weight_version`."""
-        from miles.engines.local.window import MappedWindow
+        from miles.refit.window_layout import MappedWindow
 
         if self.session_open:
             raise RefitRefused(

@@ -4,7 +4,7 @@ The group is created the way SGLang creates it, so one trainer-side helper serve
 rendezvous at `tcp://master_address:master_port` with `world_size` members (trainer = rank 0, engine = rank
 `rank_offset`), the store prefixed with `group_name`, then a process group named `group_name` on it, without
 touching the default group of either process: `miles.utils.side_group.init_side_group`, which the trainer side
-(`miles.backends.fsdp_utils.broadcast_refit`) joins too.
+(`miles.refit.broadcast`) joins too.
 Tensors arrive by `broadcast(src=0)`, one per name, in the order of `names`.
 """
 

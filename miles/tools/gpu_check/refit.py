@@ -41,7 +41,7 @@ def launch_engine(s: Settings, model_dir: str) -> EngineProcess:
 
 def _trainer_checksums(model: torch.nn.Module, s: Settings) -> tuple[dict[str, str], int]:
     """Checksums of the tensors a refit sends (HF names, the engine dtype) and their total bytes."""
-    from miles.backends.fsdp_utils.update_weight_utils import iter_weight_buckets
+    from miles.refit.buckets import iter_weight_buckets
     from miles.utils.weight_checksum import tensor_checksum
 
     sums, nbytes = {}, 0
@@ -53,7 +53,7 @@ def _trainer_checksums(model: torch.nn.Module, s: Settings) -> tuple[dict[str, s
 
 
 def _engine_checksums(url: str) -> dict[str, str]:
-    from miles.backends.fsdp_utils.engine_client import engine_checksums
+    from miles.refit.engine_endpoints import engine_checksums
 
     return engine_checksums(url, {}, 600.0, VERSION)
 
@@ -105,7 +105,8 @@ def generate_and_compare(trainer: FSDPTrainer, url: str, s: Settings) -> dict[st
 
 def check_refit(trainer: FSDPTrainer, url: str, s: Settings) -> CheckResult:
     """Refit with `ColocatedWeightUpdater` (timed), then every tensor's checksum on both sides."""
-    from miles.backends.fsdp_utils.update_weight_utils import ColocatedWeightUpdater, RefitSetup
+    from miles.refit.session import RefitSetup
+    from miles.refit.tensor_handles import ColocatedWeightUpdater
 
     trainer_sums, nbytes = _trainer_checksums(trainer.model, s)
     before = _engine_checksums(url)

@@ -1,4 +1,6 @@
-"""The trainer's HTTP calls to rollout engines during a refit: session, buckets, verification.
+"""The trainer's side of the refit endpoints: its HTTP calls to rollout engines around a refit (session,
+verification, the weight-window probe). The engine's side of the same endpoints: `miles.engines.local.control`
+(embedded) or SGLang's HTTP server.
 
 Calls go through `miles.utils.engine_http`, so every failure names the engine, the endpoint, what it was doing
 and the phase. The rules are SGLang 0.5.23's (docs/sglang-contract.md): a refit runs inside
@@ -11,7 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from miles.utils.engine_http import get_engine_json, post_engine
+from miles.utils.engine_http import EngineStatusError, get_engine_json, post_engine, request
+
+LAYOUT_ENDPOINT = "weight_window_layout"  # miles-only: the embedded engine's weight-window layout
 
 
 def begin_sessions(urls: list[str], headers: dict[str, str], timeout_s: float, version: str) -> list[str]:
@@ -61,9 +65,12 @@ def engine_checksums(url: str, headers: dict[str, str], timeout_s: float, versio
         url, "weights_checker", {"action": "checksum"}, headers, timeout_s, f"checksums after refit {version}"
     )
     ranks = answer.get("ranks") or []
-    if not ranks:
+    if not isinstance(ranks, list) or not ranks:
         raise RuntimeError(f"engine {url}, weights_checker: no per-rank checksums in {answer}")
-    return dict(ranks[0]["checksums"])
+    sums = ranks[0].get("checksums") if isinstance(ranks[0], dict) else None
+    if not isinstance(sums, dict):
+        raise RuntimeError(f"engine {url}, weights_checker: rank 0 reports no 'checksums' object in {answer}")
+    return {name: str(value) for name, value in sums.items()}
 
 
 def compare_checksums(url: str, trainer: dict[str, str], engine: dict[str, str], version: str) -> int:
@@ -94,3 +101,13 @@ def verify_refit(
         return
     for url in urls:
         compare_checksums(url, checksums, engine_checksums(url, headers, timeout_s, version), version)
+
+
+def engines_have_windows(urls: list[str], headers: dict[str, str], timeout_s: float) -> bool:
+    """Whether every engine serves the window endpoints (the embedded engine does, SGLang answers 404)."""
+    for url in urls:
+        try:
+            request("POST", url, LAYOUT_ENDPOINT, "window probe", timeout_s, headers, {})
+        except EngineStatusError:
+            return False
+    return True

@@ -2,7 +2,7 @@
 rank over a side process group (`miles.utils.side_group`), NCCL on GPU and gloo on CPU.
 
 Per refit, inside one SGLang weight-update session per engine (``/begin_weight_update`` ...
-``/end_weight_update``, see `miles.backends.fsdp_utils.update_weight_utils`), rank 0 announces each bucket's
+``/end_weight_update``, see `miles.refit.session`), rank 0 announces each bucket's
 names/dtypes/shapes (``/update_weights_from_distributed``) and broadcasts its tensors in that order; then every
 engine must report the new ``weight_version`` (and with ``check_equal`` the trainer's checksums).
 """
@@ -16,14 +16,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from miles.backends.fsdp_utils.engine_client import begin_sessions, end_sessions, verify_refit
-from miles.backends.fsdp_utils.update_weight_utils import (
-    Bucket,
-    RefitJob,
-    RefitSetup,
-    WeightUpdater,
-    stream_buckets,
-)
+from miles.refit.buckets import Bucket, RefitJob, stream_buckets
+from miles.refit.engine_endpoints import begin_sessions, end_sessions, verify_refit
+from miles.refit.session import RefitSetup, WeightUpdater
 from miles.utils.engine_http import post_engine
 from miles.utils.net import free_port
 from miles.utils.side_group import init_side_group
@@ -93,7 +88,7 @@ class DistributedWeightUpdater(WeightUpdater):
 
     def _post_to(self, urls: list[str], endpoint: str, bodies: list[dict], what: str) -> list[Future]:
         return [
-            self._pool.submit(post_engine, url, endpoint, body, self._headers, self.timeout_s, what)
+            self._pool.submit(post_engine, url, endpoint, body, self.headers, self.timeout_s, what)
             for url, body in zip(urls, bodies, strict=True)
         ]
 
@@ -102,13 +97,13 @@ class DistributedWeightUpdater(WeightUpdater):
 
     def engines_restarted(self, urls: list[str]) -> None:
         """``urls`` were restarted: they left the group with their old process (the next refit regroups)."""
-        self._lost.update(self._targets(urls))
+        self._lost.update(self.targets(urls))
 
     def connect(self, engines: list[str] | None = None) -> None:
         """Create the update group with ``engines`` (None: all). Collective over the training ranks."""
         if self._group is not None:
             raise RuntimeError(f"weights-update group {self.group_name!r} is already connected")
-        targets = self._targets(engines)
+        targets = self.targets(engines)
         port = self._next_port
         self._next_port = None
 
@@ -141,7 +136,7 @@ class DistributedWeightUpdater(WeightUpdater):
         self._on_rank0(join)
         self.members, self._lost = targets, set()
 
-    def _refit(self, job: RefitJob, targets: list[str]) -> int:
+    def push(self, job: RefitJob, targets: list[str]) -> int:
         """Regroup when the targets are not the group's members (or a member was restarted), then stream
         ``job`` by broadcast inside one weight-update session per engine, and verify."""
         if not self.members:
@@ -149,7 +144,7 @@ class DistributedWeightUpdater(WeightUpdater):
         if targets != self.members or self._lost:
             self.disconnect()
             self.connect(targets)
-        urls, headers, timeout, version = self.members, self._headers, self.timeout_s, job.weight_version
+        urls, headers, timeout, version = self.members, self.headers, self.timeout_s, job.weight_version
         self._on_rank0(lambda: begin_sessions(urls, headers, timeout, version))
         checksums: dict[str, str] | None = {} if self.check_equal and self.rank == 0 else None
 

@@ -2,7 +2,7 @@
 
 The per-bucket tensor-handle path copies every tensor into fresh shared memory, pickles handles, posts each
 bucket and lets the engine copy it again. Here the trainer owns one file in shared memory per engine, created at
-the first refit from the engine's own layout (`/weight_window_layout`, see `miles.engines.local.window`) by the
+the first refit from the engine's own layout (`/weight_window_layout`, see `miles.refit.window_layout`) by the
 rank serving that engine, mapped by every training rank and reused at every refit: each rank writes the rows of
 its own FSDP2 shards straight into their views in every targeted window (the engine's fused q/k/v and gate/up
 blocks included; no all-gather, no full tensor, each byte written once from the shard), the ranks agree that all
@@ -14,7 +14,7 @@ one call is the whole refit on the engine: its own weight-update session (no beg
 answer names the weight version the engine then serves, which must be ours; `check_equal` compares per-tensor
 checksums as on every other path.
 
-Only the embedded engine speaks this (`miles.backends.fsdp_utils.actor` picks it when every engine answers the
+Only the embedded engine speaks this (`miles.refit.refitter` picks it when every engine answers the
 layout endpoint); SGLang engines keep the handle path and its contract. A restarted engine has no mapping: the next
 `update_weights_from_window` names the same file, and the engine maps it again. The file lives until its
 trainer process exits (it is unlinked then).
@@ -44,33 +44,14 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from miles.backends.fsdp_utils.engine_client import compare_checksums, engine_checksums
-from miles.backends.fsdp_utils.update_weight_utils import (
-    ColocatedWeightUpdater,
-    RefitJob,
-    RefitSetup,
-    _Entry,
-    _hf_tensors,
-    _plan,
-    row_copies,
-)
-from miles.engines.local.window import WINDOW_PREFIX, MappedWindow, WindowLayout
-from miles.utils.engine_http import EngineStatusError, post_engine, request
+from miles.refit.buckets import RefitJob, RefitSource, TensorEntry, hf_tensors, plan_buckets, row_copies
+from miles.refit.engine_endpoints import LAYOUT_ENDPOINT, compare_checksums, engine_checksums
+from miles.refit.session import RefitSetup
+from miles.refit.tensor_handles import ColocatedWeightUpdater
+from miles.refit.window_layout import WINDOW_PREFIX, MappedWindow, WindowLayout
+from miles.utils.engine_http import post_engine
 from miles.utils.weight_checksum import tensor_checksum
-
-LAYOUT_ENDPOINT = "weight_window_layout"
-
-
-def engines_have_windows(urls: list[str], headers: dict[str, str], timeout_s: float) -> bool:
-    """Whether every engine serves the window endpoints (the embedded engine does, SGLang answers 404)."""
-    for url in urls:
-        try:
-            request("POST", url, LAYOUT_ENDPOINT, "window probe", timeout_s, headers, {})
-        except EngineStatusError:
-            return False
-    return True
 
 
 def _shm_dir() -> str:
@@ -216,23 +197,31 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
         # the per-refit agreements (x86 hosts with more than one rank; None: over gloo), made with the windows
         self.flags: HostFlags | None = None
 
-    def _ensure_window(self, url: str, model: nn.Module, dtype: torch.dtype | None) -> None:
+    def _ensure_window(self, url: str, model: RefitSource, dtype: torch.dtype | None) -> None:
         if self.window is not None:
             return
-        answer = post_engine(url, LAYOUT_ENDPOINT, {}, self._headers, self.timeout_s, "window layout")
-        window = TrainerWindow(WindowLayout.from_json(answer["layout"]))
+        answer = post_engine(url, LAYOUT_ENDPOINT, {}, self.headers, self.timeout_s, "window layout")
+        layout = answer.get("layout")
+        if not isinstance(layout, dict):
+            raise ValueError(f"engine {url}: {LAYOUT_ENDPOINT} answered no 'layout' object")
+        window = TrainerWindow(WindowLayout.from_json(layout))
         try:
-            window.check_covers([(e.name, tuple(e.tensor.shape)) for e in _hf_tensors(model, dtype)])
+            window.check_covers([(e.name, tuple(e.tensor.shape)) for e in hf_tensors(model, dtype)])
         except ValueError as exc:
             window.close()
             raise ValueError(f"engine {url}: weight window: {exc}") from None
         self.window = window
 
-    def _map_windows(self, targets: list[str], model: nn.Module, dtype: torch.dtype | None) -> None:
+    def _map_windows(self, targets: list[str], model: RefitSource, dtype: torch.dtype | None) -> None:
         """Each rank serving a targeted engine creates its window (once); then every rank maps every window
         created so far (collective: all ranks call it together, when some target has no window yet)."""
-        url = self._url_if_targeted(targets)
-        self.run_agreed(True, lambda: url and self._ensure_window(url, model, dtype))
+        url = self.url_if_targeted(targets)
+
+        def ensure() -> None:
+            if url:
+                self._ensure_window(url, model, dtype)
+
+        self.run_agreed(True, ensure)
         window = self.window
         mine = None
         if window is not None:
@@ -245,27 +234,27 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
         created: list[tuple[tuple[str, str, WindowLayout] | None, str | None]] = [(mine, flags_path)]
         if self.world_size > 1:
             created = [(None, None)] * self.world_size
-            dist.all_gather_object(created, (mine, flags_path), group=self._ctrl)
+            dist.all_gather_object(created, (mine, flags_path), group=self.ctrl_group)
 
         def attach() -> None:
             for engine, path, layout in filter(None, (c for c, _ in created)):
                 if engine not in self.windows:
-                    own = window is not None and path == window.path
-                    self.windows[engine] = window if own else TrainerWindow(layout, attach_to=path)
-            path = created[0][1]
-            if path is not None and self.rank != 0:
-                self.flags = HostFlags(self.rank, self.world_size, path=path)
+                    own = window if window is not None and path == window.path else None
+                    self.windows[engine] = own or TrainerWindow(layout, attach_to=path)
+            flags_at = created[0][1]
+            if flags_at is not None and self.rank != 0:
+                self.flags = HostFlags(self.rank, self.world_size, path=flags_at)
 
         self.run_agreed(True, attach)
 
-    def _refit(self, job: RefitJob, targets: list[str]) -> int:
+    def push(self, job: RefitJob, targets: list[str]) -> int:
         """Write every tensor into the targeted engines' windows (every rank its own rows) and load them with one
         call per engine, inside a weight-update session; verify versions (and checksums with ``check_equal``).
         Returns the number of buckets of the plan (the window needs none: nothing is gathered)."""
         if any(u not in self.windows for u in targets):
             self._map_windows(targets, job.model, job.dtype)
-        entries = _hf_tensors(job.model, job.dtype)
-        n_buckets = len(_plan(entries, job.bucket_bytes))
+        entries = hf_tensors(job.model, job.dtype)
+        n_buckets = len(plan_buckets(entries, job.bucket_bytes))
         error: str | None = None
         try:
             destinations = [self.windows[u].views for u in targets]
@@ -275,7 +264,7 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
         self._agree(error)  # also the agreement that every rank wrote its rows
-        url = self._url_if_targeted(targets)
+        url = self.url_if_targeted(targets)
         error = None
         try:
             if url:
@@ -289,9 +278,9 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
         """Every rank learns whether any failed; all raise together with every rank's message. Through the
         host's flags when there are some (the messages then travel over gloo only after a failure)."""
         if self.flags is None or self.flags.agree(error is not None, self.timeout_s):
-            self._raise_if_any_failed(error)
+            self.raise_together(error)
 
-    def _checksums(self, url: str, entries: list[_Entry]) -> dict[str, str] | None:
+    def _checksums(self, url: str, entries: list[TensorEntry]) -> dict[str, str] | None:
         """With ``check_equal``: the checksum of every tensor as the engine is to read it (in our window)."""
         if not self.check_equal:
             return None
@@ -309,7 +298,7 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
             "weight_version": weight_version,
         }
         answer = post_engine(
-            url, "update_weights_from_window", body, self._headers, self.timeout_s, f"refit {weight_version}"
+            url, "update_weights_from_window", body, self.headers, self.timeout_s, f"refit {weight_version}"
         )
         if answer.get("weight_version") != weight_version:
             raise RuntimeError(
@@ -319,6 +308,6 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
             compare_checksums(
                 url,
                 checksums,
-                engine_checksums(url, self._headers, self.timeout_s, weight_version),
+                engine_checksums(url, self.headers, self.timeout_s, weight_version),
                 weight_version,
             )

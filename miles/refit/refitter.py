@@ -1,0 +1,145 @@
+"""The refit's one entry point: `make_refitter` builds a `Refitter`, and `Refitter.update` pushes the trainer's
+weights to the rollout engines (what a training rank calls after each train step; waking and sleeping the model
+around it is the trainer's business).
+
+The transport is chosen at the first update, from --update-weight-transfer-mode (`resolve_transfer_mode`) and the
+engines themselves: tensor handles (CUDA IPC / shared memory, `miles.refit.tensor_handles`; a shared-memory weight
+window when colocated on CPU and every engine is embedded, `miles.refit.window`) or a broadcast group (NCCL on
+GPU, gloo on CPU, `miles.refit.broadcast`). It is kept for the run: a later update to some engines only (the
+restarted ones, under fault tolerance) tells it which engines are new processes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from miles.refit.broadcast import DistributedWeightUpdater
+from miles.refit.buckets import RefitSource
+from miles.refit.engine_endpoints import engines_have_windows
+from miles.refit.session import RefitSetup, WeightUpdater
+from miles.refit.tensor_handles import ColocatedWeightUpdater
+from miles.refit.window import WindowWeightUpdater
+from miles.utils.engine_http import EngineMemoryControl, bearer
+
+if TYPE_CHECKING:
+    from miles.config import Config
+
+
+@dataclass(frozen=True)
+class RefitSettings:
+    """What a refit reads from the run's configuration."""
+
+    transfer_mode: str  # --update-weight-transfer-mode: auto, tensor or broadcast
+    colocate: bool  # --colocate: engines on the training devices
+    ranks_per_engine: int  # --rollout-num-gpus-per-engine (the engine TP size)
+    bucket_bytes: int  # --update-weight-buffer-size
+    api_key: str | None  # --engine-api-key
+    timeout_s: float  # deadline of each engine call of a refit (below the driver's wait: the engine is named)
+    check_equal: bool  # --check-weight-update-equal: compare per-tensor checksums after each refit
+    resume_timeout_s: float  # --rollout-request-timeout: the deadline of resuming engine memory
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> RefitSettings:
+        return cls(
+            transfer_mode=cfg.train.update_weight_transfer_mode,
+            colocate=cfg.cluster.colocate,
+            ranks_per_engine=cfg.cluster.rollout_num_gpus_per_engine,
+            bucket_bytes=cfg.train.update_weight_buffer_size,
+            api_key=cfg.engine.engine_api_key,
+            timeout_s=cfg.train.refit_timeout_s,
+            check_equal=cfg.engine.check_weight_update_equal,
+            resume_timeout_s=float(cfg.rollout.rollout_request_timeout),
+        )
+
+
+def resolve_transfer_mode(mode: str, colocate: bool, is_cuda: bool) -> str:
+    """--update-weight-transfer-mode resolved: auto is tensor when colocated or on CPU (shared memory, which any
+    process on this node can map), broadcast when disaggregated on GPU."""
+    if mode == "auto":
+        return "tensor" if colocate or not is_cuda else "broadcast"
+    return mode
+
+
+class Refitter:
+    """One training rank's refit: collective over the training ranks (every rank calls `update` with the same
+    arguments), all raising together on any failure."""
+
+    def __init__(
+        self, settings: RefitSettings, rank: int, world_size: int, is_cuda: bool, dtype: torch.dtype | None
+    ) -> None:
+        self.settings = settings
+        self.rank, self.world_size, self.is_cuda, self.dtype = rank, world_size, is_cuda, dtype
+        self.transport: WeightUpdater | None = None  # built at the first update
+
+    @property
+    def transfer_mode(self) -> str:
+        s = self.settings
+        return resolve_transfer_mode(s.transfer_mode, s.colocate, self.is_cuda)
+
+    def update(
+        self, source: RefitSource, version: str, engine_urls: list[str], resume_tags: Sequence[str] = ()
+    ) -> int:
+        """Refit ``engine_urls`` with ``source``'s weights (cast to the refitter's dtype) as ``version``: every
+        engine, or (fault tolerance) the engines that were restarted since the last refit, whose transport (update
+        group, window mapping) is new. ``resume_tags``: rank 0 first resumes them on every engine, all ranks
+        raising its error, so none refits alone. Returns the number of buckets."""
+        urls = [u.rstrip("/") for u in engine_urls]
+        if self.transport is None:
+            self.transport = self._make_transport(urls)
+        transport = self.transport
+        if resume_tags:
+            tags = list(resume_tags)
+            transport.run_agreed(self.rank == 0, lambda: self._engine_memory(urls).resume_memory(tags))
+        if urls != transport.engine_urls:
+            transport.engines_restarted(urls)
+        return transport.update(source, self.settings.bucket_bytes, version, dtype=self.dtype, engines=urls)
+
+    def _engine_memory(self, urls: list[str]) -> EngineMemoryControl:
+        return EngineMemoryControl(urls, self.settings.api_key, self.settings.resume_timeout_s)
+
+    def _make_transport(self, urls: list[str]) -> WeightUpdater:
+        """The transport of `transfer_mode` (see the module docstring). Collective."""
+        s = self.settings
+        setup = RefitSetup(
+            urls,
+            ranks_per_engine=s.ranks_per_engine,
+            rank=self.rank,
+            world_size=self.world_size,
+            api_key=s.api_key,
+            timeout_s=s.timeout_s,
+            check_equal=s.check_equal,
+        )
+        if self.transfer_mode == "tensor":
+            if s.colocate and not self.is_cuda and self._all_engines_have_windows(urls):
+                return WindowWeightUpdater(setup)
+            return ColocatedWeightUpdater(setup)
+        # rank 0 hosts the update group; MASTER_ADDR is its node's address (what the engines can reach)
+        address: list[str | None] = [os.environ["MASTER_ADDR"] if self.rank == 0 else None]
+        dist.broadcast_object_list(address, src=0)
+        assert address[0] is not None
+        updater = DistributedWeightUpdater(setup, address[0], backend="nccl" if self.is_cuda else "gloo")
+        updater.connect()
+        return updater
+
+    def _all_engines_have_windows(self, urls: list[str]) -> bool:
+        """Rank 0 asks every engine for its window layout; all ranks get the answer (a collective)."""
+        answer: list[bool | None] = [None]
+        if self.rank == 0:
+            headers = bearer(self.settings.api_key)
+            answer = [engines_have_windows(urls, headers, self.settings.timeout_s)]
+        dist.broadcast_object_list(answer, src=0)
+        return bool(answer[0])
+
+
+def make_refitter(
+    config: Config, rank: int, world_size: int, is_cuda: bool, dtype: torch.dtype | None
+) -> Refitter:
+    """The refit of training rank ``rank`` of ``world_size``, sending floating weights as ``dtype`` (None: as
+    they are), configured by ``config`` (transfer mode, placement, bucket size, engine key, deadlines)."""
+    return Refitter(RefitSettings.from_config(config), rank, world_size, is_cuda, dtype)
