@@ -84,7 +84,9 @@ def _barrier() -> None:
 def _rng_state() -> dict[str, Any]:
     """RNG state as plain values and tensors only (the numpy key array becomes a tensor), so that it loads
     with ``torch.load(weights_only=True)``."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state(legacy=True)
+    assert isinstance(legacy, tuple), "the legacy MT19937 state is a tuple"
+    kind, keys, pos, has_gauss, cached = legacy
     state = {
         "python": random.getstate(),
         "numpy": (str(kind), torch.from_numpy(keys.copy()), int(pos), int(has_gauss), float(cached)),
@@ -173,7 +175,7 @@ def _any_rank(flag: bool) -> bool:
 def _chain(error: BaseException | None) -> list[BaseException]:
     """`error`, its causes and contexts, and the per-rank failures a DCP CheckpointException carries."""
     seen: list[BaseException] = []
-    todo = [error] if error is not None else []
+    todo: list[BaseException | None] = [error]
     while todo:
         e = todo.pop()
         if e is None or any(e is x for x in seen):

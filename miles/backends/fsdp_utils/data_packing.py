@@ -1,7 +1,7 @@
 """Exact sequence packing for the FSDP trainer.
 
 Samples are concatenated into one row per pack with boundaries in `cu_seqlens`; attention is block-diagonal
-causal over those boundaries (see attention.py), so no pad tokens are computed. Everything that maps values
+causal over those boundaries (see packed_attention.py), so no pad tokens are computed. Everything that maps values
 back to samples uses `cu_seqlens` and the recorded prompt/response lengths, never token values (a response
 may legitimately end in, or consist only of, token id 0).
 

@@ -25,6 +25,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from miles.backends.fsdp_utils.checkpoint import checkpoint_dir, read_tracker
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +213,7 @@ def export_sharded_model(
                 writer.add(name, tensor)
         except (OSError, ValueError) as e:
             error = f"{final}: {e}"
-    if rank == 0 and error is None:
+    if writer is not None and error is None:  # rank 0
         try:
             num_shards = writer.finish()
             copy_metadata(source, writer.out, dtype)
@@ -261,7 +265,7 @@ class _Tensor:
     shape: tuple[int, ...]
 
 
-def export_tensor_names(config) -> list[_Tensor]:
+def export_tensor_names(config: PretrainedConfig) -> list[_Tensor]:
     """The tensors a HF checkpoint of `config` holds, in state-dict order, tied tensors once (first name):
     read from the model built on the meta device (no memory)."""
     from transformers import AutoModelForCausalLM
