@@ -16,6 +16,7 @@ from _util import free_port, run_distributed, save_tiny_qwen3
 from safetensors.torch import load_file
 
 from miles.backends.fsdp_utils.broadcast_refit import DistributedWeightUpdater
+from miles.backends.fsdp_utils.hf_load import load_hf_model
 from miles.backends.fsdp_utils.model import (
     apply_fsdp2,
     build_fsdp_model,
@@ -23,7 +24,6 @@ from miles.backends.fsdp_utils.model import (
     build_reference_model,
     clip_grad_norm_sharded,
     default_defer_gradient_sync,
-    load_hf_model,
     per_layer_units,
     sync_gradients_after,
 )
