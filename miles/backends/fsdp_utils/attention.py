@@ -22,7 +22,6 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -214,7 +213,9 @@ def torch_varlen_func() -> VarlenKernel | None:
             raise ValueError(
                 "torch's varlen attention has no dropout; use flash-attn or MILES_VARLEN_BACKEND=sdpa"
             )
-        kwargs: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+        kwargs: dict[str, bool | float | tuple[int, int]] = (
+            {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+        )
         if softmax_scale is not None:
             if "scale" not in params:
                 raise ValueError("this torch's varlen_attn takes no scale; use flash-attn")
