@@ -13,6 +13,7 @@ softcap, ALiBi, a block table) raises instead of being ignored. `CALLS` counts f
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 import types
 from collections import Counter
@@ -137,6 +138,10 @@ def install() -> None:
     package = types.ModuleType("flash_attn")
     package.__path__ = []  # a package, so `flash_attn.flash_attn_interface` resolves
     interface = types.ModuleType("flash_attn.flash_attn_interface")
+    # specs, as imported modules have: importlib.util.find_spec raises ValueError for a module in sys.modules
+    # without one (transformers' flash-attn availability check, run when transformers is imported after this)
+    package.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None, is_package=True)
+    interface.__spec__ = importlib.machinery.ModuleSpec("flash_attn.flash_attn_interface", None)
     interface._flash_attn_varlen_forward = _flash_attn_varlen_forward
     interface._flash_attn_varlen_backward = _flash_attn_varlen_backward
     package.flash_attn_interface = interface

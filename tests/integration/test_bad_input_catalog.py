@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from miles.backends.fsdp_utils.checkpoint import TRACKER_FILE, load_checkpoint, save_checkpoint
-from miles.backends.fsdp_utils.model import load_hf_model
+from miles.backends.fsdp_utils.hf_load import load_hf_model
 from miles.rollout.data_source import PromptDataset
 from miles.rollout.rm_hub import score_samples
 from miles.utils.types import Sample

@@ -12,8 +12,9 @@ from _util import run_distributed, save_tiny_qwen3
 
 import miles.backends.fsdp_utils.checkpoint as ckpt
 from miles.backends.fsdp_utils.checkpoint import TRACKER_FILE, load_checkpoint, read_tracker, save_checkpoint
+from miles.backends.fsdp_utils.hf_load import load_hf_model
 from miles.backends.fsdp_utils.lr_scheduler import build_lr_scheduler
-from miles.backends.fsdp_utils.model import build_fsdp_model, build_optimizer, load_hf_model
+from miles.backends.fsdp_utils.model import build_fsdp_model, build_optimizer
 
 VOCAB = 96
 

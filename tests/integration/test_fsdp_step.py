@@ -15,6 +15,7 @@ import torch.distributed as dist
 from _util import free_port, run_distributed, save_tiny_qwen3
 from safetensors.torch import load_file
 
+from miles.backends.fsdp_utils.hf_load import load_hf_model
 from miles.backends.fsdp_utils.model import (
     apply_fsdp2,
     build_fsdp_model,
@@ -22,7 +23,6 @@ from miles.backends.fsdp_utils.model import (
     build_reference_model,
     clip_grad_norm_sharded,
     default_defer_gradient_sync,
-    load_hf_model,
     per_layer_units,
     sync_gradients_after,
 )

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from _util import run_distributed
 
+from miles.backends.fsdp_utils import hf_load
 from miles.backends.fsdp_utils import model as model_mod
 
 # ~27M parameters (109 MB in fp32), no tensor above 3.2 MB: a full copy stands out from one rank's half
@@ -73,7 +74,7 @@ def _build_body(rank: int, world_size: int, path: str, full_bytes: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world_size,))
-    model_mod.load_hf_model(path, on_meta=True)  # imports the model's code before the baseline
+    hf_load.load_hf_model(path, on_meta=True)  # imports the model's code before the baseline
     sharded_while_real: list[int] = []
     real_fully_shard = model_mod.fully_shard
 
@@ -108,7 +109,7 @@ def _build_body(rank: int, world_size: int, path: str, full_bytes: int) -> None:
 
 def _same_as_from_pretrained(model: torch.nn.Module, path: str) -> None:
     """Every parameter (gathered) and buffer equals `from_pretrained`'s bitwise."""
-    plain = model_mod.load_hf_model(path)
+    plain = hf_load.load_hf_model(path)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.full_tensor(), plain.get_parameter(name), atol=0, rtol=0, msg=name)
     buffers = dict(plain.named_buffers())
@@ -128,11 +129,9 @@ def _fallback_body(rank: int, world_size: int, path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world_size,))
-    model_mod.safetensors_shapes = lambda _path: (
-        None
-    )  # as for .bin weights: rank 0 loads whole, in host memory
+    hf_load.safetensors_shapes = lambda _path: None  # as for .bin weights: rank 0 loads whole, in host memory
     model = model_mod.build_fsdp_model(path, mesh, transform=model_mod.attach_value_head)
-    plain = model_mod.load_hf_model(path)
+    plain = hf_load.load_hf_model(path)
     for name, p in model.named_parameters():
         if name.startswith("lm_head."):  # the value head starts at zero, on every rank
             assert p.full_tensor().abs().max().item() == 0.0, name
@@ -155,7 +154,7 @@ def test_a_transform_that_adds_parameters_without_initial_values_is_refused():
     with pytest.raises(
         ValueError, match=r"added parameters \['weight', 'bias'\] to 1 \(Linear\) without initial"
     ):
-        model_mod._transform_initial_values(net, known)
+        hf_load._transform_initial_values(net, known)
     net[1] = model_mod.ValueHead(2)
-    values = model_mod._transform_initial_values(net, known)
+    values = hf_load._transform_initial_values(net, known)
     assert sorted(values) == ["1.bias", "1.weight"] and all(v.abs().sum() == 0 for v in values.values())

@@ -10,17 +10,17 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 from miles.algo.logprobs import compute_entropy, compute_log_probs
-from miles.backends.fsdp_utils.attention import (
+from miles.backends.fsdp_utils.attention import set_varlen_backend
+from miles.backends.fsdp_utils.data_packing import pack_sequences
+from miles.backends.fsdp_utils.forward import forward_packed
+from miles.backends.fsdp_utils.packed_attention import (
     PAD_WORK_LIMIT,
     VARLEN_ATTENTION,
     cu_seqlens_from_position_ids,
     length_buckets,
     padded_layout,
-    set_varlen_backend,
     varlen_attention_forward,
 )
-from miles.backends.fsdp_utils.data_packing import pack_sequences
-from miles.backends.fsdp_utils.forward import forward_packed
 from tests.tiny_models import tiny_qwen3
 
 TEMPERATURE = 0.7
@@ -422,13 +422,13 @@ def test_cp_without_flash_attn_uses_the_all_gather_on_cuda(monkeypatch):
 def test_boundaries_end_checked_once_per_tensor_and_again_after_a_change():
     """Every layer of a forward gets the same cu_seqlens tensor: its end is checked once (a device sync on CUDA),
     and again when the tensor is a new one or was changed in place."""
-    from miles.backends.fsdp_utils import attention
+    from miles.backends.fsdp_utils import packed_attention
 
     cu = torch.tensor([0, 3, 5], dtype=torch.int32)
-    attention._check_cu_end(cu, 5)
-    attention._check_cu_end(cu, 5)
+    packed_attention._check_cu_end(cu, 5)
+    packed_attention._check_cu_end(cu, 5)
     cu[-1] = 6  # in place: version bumps, checked again
     with pytest.raises(ValueError, match="cu_seqlens ends at 6 but the packed row has 5 tokens"):
-        attention._check_cu_end(cu, 5)
+        packed_attention._check_cu_end(cu, 5)
     with pytest.raises(ValueError, match="ends at 4"):
-        attention._check_cu_end(torch.tensor([0, 4], dtype=torch.int32), 5)
+        packed_attention._check_cu_end(torch.tensor([0, 4], dtype=torch.int32), 5)

@@ -58,7 +58,7 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
 
 
-def checkpoint_dir(root: str | os.PathLike, rollout_id: int) -> Path:
+def checkpoint_dir(root: str | os.PathLike[str], rollout_id: int) -> Path:
     """``root/iter_{rollout_id:07d}``."""
     return Path(root) / f"iter_{rollout_id:07d}"
 
@@ -84,7 +84,9 @@ def _barrier() -> None:
 def _rng_state() -> dict[str, Any]:
     """RNG state as plain values and tensors only (the numpy key array becomes a tensor), so that it loads
     with ``torch.load(weights_only=True)``."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state(legacy=True)
+    assert isinstance(legacy, tuple), "the legacy MT19937 state is a tuple"
+    kind, keys, pos, has_gauss, cached = legacy
     state = {
         "python": random.getstate(),
         "numpy": (str(kind), torch.from_numpy(keys.copy()), int(pos), int(has_gauss), float(cached)),
@@ -173,7 +175,7 @@ def _any_rank(flag: bool) -> bool:
 def _chain(error: BaseException | None) -> list[BaseException]:
     """`error`, its causes and contexts, and the per-rank failures a DCP CheckpointException carries."""
     seen: list[BaseException] = []
-    todo = [error] if error is not None else []
+    todo: list[BaseException | None] = [error]
     while todo:
         e = todo.pop()
         if e is None or any(e is x for x in seen):
@@ -231,7 +233,7 @@ def _save_error(error: BaseException | None, disk_full: bool, final: Path, tmp: 
 
 
 def save_checkpoint(
-    save_dir: str | os.PathLike,
+    save_dir: str | os.PathLike[str],
     rollout_id: int,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -299,7 +301,7 @@ def _run_save_step(step: Callable[[], object], final: Path, tmp: Path, rank: int
         raise _save_error(error, disk_full, final, tmp, rank) from error
 
 
-def read_tracker(load_dir: str | os.PathLike) -> int | None:
+def read_tracker(load_dir: str | os.PathLike[str]) -> int | None:
     """The rollout id named by ``load_dir``'s tracker file, or None when there is none."""
     tracker = Path(load_dir) / TRACKER_FILE
     if not tracker.exists():
@@ -322,7 +324,7 @@ def _torch_load(path: Path) -> Any:
         ) from e
 
 
-def check_dcp_files(path: str | os.PathLike) -> None:
+def check_dcp_files(path: str | os.PathLike[str]) -> None:
     """Check a DCP checkpoint directory before loading it: ``.metadata`` readable and every shard file it
     names present and at least as long as the bytes it must hold. ValueError naming the file otherwise."""
     path = Path(path)
@@ -348,7 +350,7 @@ def check_dcp_files(path: str | os.PathLike) -> None:
 
 
 def load_checkpoint(
-    load_dir: str | os.PathLike,
+    load_dir: str | os.PathLike[str],
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     lr_scheduler: LRScheduler | None,

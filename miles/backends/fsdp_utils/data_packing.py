@@ -1,7 +1,7 @@
 """Exact sequence packing for the FSDP trainer.
 
 Samples are concatenated into one row per pack with boundaries in `cu_seqlens`; attention is block-diagonal
-causal over those boundaries (see attention.py), so no pad tokens are computed. Everything that maps values
+causal over those boundaries (see packed_attention.py), so no pad tokens are computed. Everything that maps values
 back to samples uses `cu_seqlens` and the recorded prompt/response lengths, never token values (a response
 may legitimately end in, or consist only of, token id 0).
 
@@ -312,31 +312,35 @@ def plan_micro_batches(
     if dp_size > 1 and allreduce_max is None:
         raise ValueError(f"dp_size={dp_size} > 1 needs allreduce_max so DP ranks agree on micro-batch counts")
     cap = max_tokens_per_gpu * cp_size
-    plan = []
-    for step in steps:
-        # A sample longer than the cap gets a micro-batch of its own (as the reference does); the others are
-        # packed under the cap exactly as when every sample fits.
-        alone = [i for i in step if lengths[i] > cap]
-        packed = [i for i in step if lengths[i] <= cap]
-        if alone:
-            logger.warning(
-                "%d sample(s) of %s tokens exceed --max-tokens-per-gpu * context-parallel size = %d: each "
-                "is a micro-batch of its own (peak memory grows with it)",
-                len(alone),
-                sorted(lengths[i] for i in alone),
-                cap,
-            )
-        packed_lengths = [lengths[i] for i in packed]
-        local = get_minimum_num_micro_batch_size(packed_lengths, cap) + len(alone)
-        agreed = allreduce_max(local) if allreduce_max is not None else local
-        if agreed > len(step):
-            raise ValueError(
-                f"DP ranks agreed on {agreed} micro-batches but this rank has only {len(step)} samples in the step"
-            )
-        parts = partition_to_packs(packed_lengths, agreed - len(alone), cap) if packed else []
-        micro_batches = [[packed[i] for i in part] for part in parts] + [[i] for i in alone]
-        plan.append(sorted(micro_batches, key=lambda mb: mb[0]) if alone else micro_batches)
-    return plan
+    return [_plan_dynamic_step(step, lengths, cap, allreduce_max) for step in steps]
+
+
+def _plan_dynamic_step(
+    step: list[int], lengths: Sequence[int], cap: int, allreduce_max: Callable[[int], int] | None
+) -> list[list[int]]:
+    """One optimizer step's micro-batches under `cap` tokens each (see `plan_micro_batches`, dynamic)."""
+    # A sample longer than the cap gets a micro-batch of its own (as the reference does); the others are
+    # packed under the cap exactly as when every sample fits.
+    alone = [i for i in step if lengths[i] > cap]
+    packed = [i for i in step if lengths[i] <= cap]
+    if alone:
+        logger.warning(
+            "%d sample(s) of %s tokens exceed --max-tokens-per-gpu * context-parallel size = %d: each "
+            "is a micro-batch of its own (peak memory grows with it)",
+            len(alone),
+            sorted(lengths[i] for i in alone),
+            cap,
+        )
+    packed_lengths = [lengths[i] for i in packed]
+    local = get_minimum_num_micro_batch_size(packed_lengths, cap) + len(alone)
+    agreed = allreduce_max(local) if allreduce_max is not None else local
+    if agreed > len(step):
+        raise ValueError(
+            f"DP ranks agreed on {agreed} micro-batches but this rank has only {len(step)} samples in the step"
+        )
+    parts = partition_to_packs(packed_lengths, agreed - len(alone), cap) if packed else []
+    micro_batches = [[packed[i] for i in part] for part in parts] + [[i] for i in alone]
+    return sorted(micro_batches, key=lambda mb: mb[0]) if alone else micro_batches
 
 
 def dist_allreduce_max(group: ProcessGroup | None = None) -> Callable[[int], int]:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from miles.algo.logprobs import log_probs_and_entropy
-from miles.backends.fsdp_utils.attention import enable_varlen_attention, padded_layout, use_flash_kernel
+from miles.backends.fsdp_utils.attention import use_flash_kernel
 from miles.backends.fsdp_utils.context_parallel import CPContext, CPShard, all_gather_autograd, shard_for_cp
 from miles.backends.fsdp_utils.data_packing import PackedBatch, unpack_sequences
+from miles.backends.fsdp_utils.packed_attention import enable_varlen_attention, padded_layout
 
 __all__ = ["forward_packed", "forward_values"]
 
@@ -48,10 +49,10 @@ def forward_packed(
         )
     else:  # out: [C, V], this CP rank's rows
         local_lp, local_ent = log_probs_and_entropy(out, shard.local_next_tokens(), temperature, with_entropy)
-        log_probs = all_gather_autograd(local_lp, cp).index_select(0, positions)  # [T_pad] -> [R]
+        log_probs = all_gather_autograd(local_lp, shard.cp).index_select(0, positions)  # [T_pad] -> [R]
         entropy = None
         if local_ent is not None:
-            entropy = all_gather_autograd(local_ent, cp).index_select(0, positions)
+            entropy = all_gather_autograd(local_ent, shard.cp).index_select(0, positions)
 
     lp_list = unpack_sequences(log_probs, packed)
     ent_list = unpack_sequences(entropy, packed) if entropy is not None else None
@@ -68,7 +69,7 @@ def forward_values(
     out, _, positions, shard = _run_packed(model, packed, cp, "forward_values")
     values = out[:, 0].float()  # [R] at the scored rows, or [C] local rows under CP
     if shard is not None:
-        values = all_gather_autograd(values, cp).index_select(0, positions)
+        values = all_gather_autograd(values, shard.cp).index_select(0, positions)
     return unpack_sequences(values, packed)
 
 

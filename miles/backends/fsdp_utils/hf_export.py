@@ -25,6 +25,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from miles.backends.fsdp_utils.checkpoint import checkpoint_dir, read_tracker
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import STORAGE_TYPES as StorageMeta
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +77,7 @@ def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
 
 
 # ----------------------------------------------------------------------------------------------- metadata files
-def hf_metadata_files(source: str | os.PathLike) -> list[Path]:
+def hf_metadata_files(source: str | os.PathLike[str]) -> list[Path]:
     """The files of HF directory `source` that are not weights: config, generation config, tokenizer, template."""
     src = Path(source)
     if not (src / "config.json").is_file():
@@ -87,7 +92,7 @@ def hf_metadata_files(source: str | os.PathLike) -> list[Path]:
     )
 
 
-def copy_metadata(source: str | os.PathLike, dst: Path, dtype: torch.dtype) -> None:
+def copy_metadata(source: str | os.PathLike[str], dst: Path, dtype: torch.dtype) -> None:
     """Copy the non-weight files of HF dir `source` into `dst`, with `dtype` in config.json."""
     for path in hf_metadata_files(source):
         shutil.copyfile(path, dst / path.name)
@@ -117,7 +122,7 @@ def fresh_tmp(final: Path) -> Path:
 
 
 def write_checkpoint_hf_files(
-    ckpt_dir: str | os.PathLike, source: str | os.PathLike, dtype: torch.dtype
+    ckpt_dir: str | os.PathLike[str], source: str | os.PathLike[str], dtype: torch.dtype
 ) -> Path:
     """Store the config, tokenizer and generation config of `source` in `ckpt_dir/hf/` (atomically), with the
     training dtype in config.json, so the checkpoint converts to HF on its own. Call on one rank."""
@@ -179,8 +184,8 @@ class ShardWriter:
 # ----------------------------------------------------------------------------------------------- live export
 def export_sharded_model(
     model: nn.Module,
-    out_dir: str | os.PathLike,
-    source: str | os.PathLike,
+    out_dir: str | os.PathLike[str],
+    source: str | os.PathLike[str],
     dtype: torch.dtype,
     bucket_bytes: int,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -209,7 +214,7 @@ def export_sharded_model(
                 writer.add(name, tensor)
         except (OSError, ValueError) as e:
             error = f"{final}: {e}"
-    if rank == 0 and error is None:
+    if writer is not None and error is None:  # rank 0
         try:
             num_shards = writer.finish()
             copy_metadata(source, writer.out, dtype)
@@ -227,7 +232,7 @@ def export_sharded_model(
 
 
 # ----------------------------------------------------------------------------------------------- DCP checkpoints
-def resolve_dcp_checkpoint(path: str | os.PathLike) -> Path | None:
+def resolve_dcp_checkpoint(path: str | os.PathLike[str]) -> Path | None:
     """The `iter_N` directory that `path` names: `path` itself when it holds a DCP `.metadata`, the newest
     checkpoint when it is a `--save` directory (tracker file); None when it is neither."""
     p = Path(path)
@@ -245,7 +250,7 @@ def resolve_dcp_checkpoint(path: str | os.PathLike) -> Path | None:
     return found
 
 
-def load_model_weights(iter_dir: str | os.PathLike, model: nn.Module) -> None:
+def load_model_weights(iter_dir: str | os.PathLike[str], model: nn.Module) -> None:
     """Load only the model weights of DCP checkpoint `iter_dir` into `model` (sharded or not; the optimizer
     state in the checkpoint is not read). Collective over the default group when it is initialised."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -261,7 +266,7 @@ class _Tensor:
     shape: tuple[int, ...]
 
 
-def export_tensor_names(config) -> list[_Tensor]:
+def export_tensor_names(config: PretrainedConfig) -> list[_Tensor]:
     """The tensors a HF checkpoint of `config` holds, in state-dict order, tied tensors once (first name):
     read from the model built on the meta device (no memory)."""
     from transformers import AutoModelForCausalLM
@@ -284,10 +289,10 @@ def source_dtype(source: Path) -> torch.dtype:
 
 
 def convert_checkpoint(
-    checkpoint: str | os.PathLike,
-    out_dir: str | os.PathLike,
+    checkpoint: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
     dtype: torch.dtype | None = None,
-    hf_source: str | os.PathLike | None = None,
+    hf_source: str | os.PathLike[str] | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
 ) -> Path:
@@ -352,7 +357,9 @@ def convert_checkpoint(
     return final
 
 
-def _groups_by_bytes(tensors: list[_Tensor], stored: dict, max_bytes: int) -> list[list[_Tensor]]:
+def _groups_by_bytes(
+    tensors: list[_Tensor], stored: dict[str, StorageMeta], max_bytes: int
+) -> list[list[_Tensor]]:
     groups: list[list[_Tensor]] = [[]]
     size = 0
     for t in tensors:

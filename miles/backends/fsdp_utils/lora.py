@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TypedDict
 
 import torch
 from torch import nn
@@ -202,7 +203,21 @@ class MergedView:
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 
 
-def adapter_config(model: nn.Module, rank: int, alpha: float, dropout: float, base: str) -> dict[str, object]:
+class AdapterConfig(TypedDict):
+    """peft's ``adapter_config.json`` fields that a LoRA checkpoint records (`adapter_config`)."""
+
+    peft_type: str
+    task_type: str
+    base_model_name_or_path: str
+    r: int
+    lora_alpha: float
+    lora_dropout: float
+    target_modules: list[str]
+    bias: str
+    fan_in_fan_out: bool
+
+
+def adapter_config(model: nn.Module, rank: int, alpha: float, dropout: float, base: str) -> AdapterConfig:
     """The LoRA settings a checkpoint needs to be merged or exported without the run's flags: peft's
     `adapter_config.json` fields, `target_modules` as the module names actually adapted."""
     targets = sorted(

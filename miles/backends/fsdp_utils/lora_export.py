@@ -24,8 +24,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from miles.backends.fsdp_utils import hf_export
-from miles.backends.fsdp_utils.lora import ADAPTER_CONFIG_FILE, adapter_config, merge
+from miles.backends.fsdp_utils.lora import ADAPTER_CONFIG_FILE, AdapterConfig, adapter_config, merge
 from miles.config.sections import LoraConfig
+from miles.utils.types import JSON
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,9 @@ LORA_EXPORTS = ("merged", "adapter")
 _PEFT_PREFIX = "base_model.model."
 
 
-def write_adapter_config(ckpt_dir: str | os.PathLike, model: nn.Module, lora: LoraConfig, base: str) -> Path:
+def write_adapter_config(
+    ckpt_dir: str | os.PathLike[str], model: nn.Module, lora: LoraConfig, base: str
+) -> Path:
     """Write `adapter_config.json` into checkpoint `ckpt_dir` (temp file + rename). Call on one rank."""
     base_path = os.path.abspath(base) if os.path.isdir(base) else base
     config = adapter_config(model, lora.lora_rank, lora.lora_alpha, lora.lora_dropout, base_path)
@@ -53,7 +56,7 @@ def is_lora_checkpoint(iter_dir: Path) -> bool:
     return any(k.startswith("model.") and k.endswith(".lora_A") for k in stored)
 
 
-def _read_config(iter_dir: Path) -> dict:
+def _read_config(iter_dir: Path) -> AdapterConfig:
     path = iter_dir / ADAPTER_CONFIG_FILE
     if not path.is_file():
         raise ValueError(
@@ -109,10 +112,10 @@ class _BaseWeights:
 
 def convert_lora_checkpoint(
     iter_dir: Path,
-    out_dir: str | os.PathLike,
+    out_dir: str | os.PathLike[str],
     export: str,
     dtype: torch.dtype | None = None,
-    base: str | os.PathLike | None = None,
+    base: str | os.PathLike[str] | None = None,
     max_shard_bytes: int = hf_export.DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
 ) -> Path:
@@ -143,7 +146,7 @@ def convert_lora_checkpoint(
 
 def _write_merged(
     adapters: dict[str, tuple[torch.Tensor, torch.Tensor]],
-    config: dict,
+    config: AdapterConfig,
     base: _BaseWeights,
     source: Path,
     final: Path,
@@ -174,7 +177,10 @@ def _write_merged(
 
 
 def _write_adapter(
-    adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], config: dict, final: Path, dtype: torch.dtype
+    adapters: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    config: AdapterConfig,
+    final: Path,
+    dtype: torch.dtype,
 ) -> Path:
     from safetensors.torch import save_file
 
@@ -190,7 +196,9 @@ def _write_adapter(
     return final
 
 
-def read_adapter(path: str | os.PathLike) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+def read_adapter(
+    path: str | os.PathLike[str],
+) -> tuple[dict[str, JSON], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """An adapter export (or peft adapter directory) read back: (adapter_config, {module name: (A, B)})."""
     from safetensors.torch import load_file
 

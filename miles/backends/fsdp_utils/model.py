@@ -1,24 +1,11 @@
-"""Load a HuggingFace causal LM, shard it with FSDP2, build the reference model and the optimizer.
-
-Sharded materialisation (`build_fsdp_model`): every rank builds the model with its parameters on the meta device
-(no memory; buffers such as rotary ``inv_freq`` are computed for real, they are small), shards it, and allocates
-only its own shards on its device. Then the weights are filled one tensor at a time: rank 0 reads each tensor
-from the checkpoint's safetensors files (memory-mapped, so only that tensor is read), casts it to fp32 and
-broadcasts it; every rank copies its own rows into its shard. No rank ever holds more than its shards plus one
-full tensor (the largest: the embedding), on the device or in host memory. A checkpoint whose tensors do not
-match the model by name and shape (a layout transformers converts on load, ``.bin`` files) is loaded whole by
-``from_pretrained`` on rank 0, in host memory (never on the device), and streamed the same way. Non-persistent
-buffers are not part of the state dict; they are broadcast from rank 0 separately.
+"""The FSDP2 model of a role: a HuggingFace causal LM built sharded (`build_fsdp_model`: on the meta device, sharded
+by `apply_fsdp2`, its weights streamed from rank 0 by hf_load.py), the frozen reference model, the critic's value
+head, the optimizer, and the gradient sync and clipping of a sharded step.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from typing import Protocol
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -32,84 +19,11 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-logger = logging.getLogger(__name__)
+from miles.backends.fsdp_utils.hf_load import CheckpointWeights, load_hf_model
 
-_ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 _OPTIMIZERS = ("adam", "sgd")
 _FUSED_ADAM_DEVICES = ("cpu", "cuda")
-
-
-def _check_attn(attn_implementation: str) -> None:
-    if attn_implementation not in _ATTN_IMPLEMENTATIONS:
-        raise ValueError(
-            f"--attn-implementation={attn_implementation!r} is not supported; allowed: {_ATTN_IMPLEMENTATIONS}"
-        )
-
-
-@contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Inside the block, every parameter a module registers goes to the meta device as it is registered (its
-    initialisation then runs on meta: no memory, no time), while buffers stay real: a model built here has
-    the non-persistent buffers it computes in its constructor (rotary ``inv_freq``) and no weights. Each
-    parameter is allocated (uninitialised) for the instant of its registration only."""
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
-def load_hf_model(
-    path: str,
-    attn_implementation: str = "sdpa",
-    dtype: torch.dtype = torch.float32,
-    gradient_checkpointing: bool = False,
-    on_meta: bool = False,
-    flag: str = "--hf-checkpoint",
-) -> nn.Module:
-    """Build ``AutoModelForCausalLM`` from the HF directory ``path`` (weights on CPU, ``use_cache`` off).
-
-    The model is returned in train mode. ``on_meta=True`` reads only ``config.json`` and builds the model with
-    its parameters on the meta device (no weights, no memory) and its buffers computed on CPU, as
-    ``from_pretrained`` computes them (`parameters_on_meta`); `build_fsdp_model` builds every rank's model so.
-    Tied embeddings stay tied in both cases. A missing directory, config or weights, a truncated safetensors file, or any load
-    failure is a ValueError naming `flag` and the file (miles.utils.hf_files).
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from miles.utils.hf_files import check_hf_dir
-
-    _check_attn(attn_implementation)
-    check_hf_dir(path, flag, need_tokenizer=False)
-    try:
-        if on_meta:
-            config = AutoConfig.from_pretrained(path, trust_remote_code=True)
-            with parameters_on_meta():
-                model = AutoModelForCausalLM.from_config(
-                    config, attn_implementation=attn_implementation, dtype=dtype, trust_remote_code=True
-                )
-        else:
-            model = AutoModelForCausalLM.from_pretrained(
-                path, attn_implementation=attn_implementation, dtype=dtype, trust_remote_code=True
-            )
-    except Exception as e:  # noqa: BLE001 - transformers/safetensors errors rarely name the directory
-        raise ValueError(f"{flag}={path!r}: cannot load the model: {type(e).__name__}: {e}") from e
-    model.config.use_cache = False  # packed forwards silently ignore packing with a KV cache
-    # from_pretrained returns eval mode, from_config train mode: make every rank agree (gradient checkpointing
-    # only recomputes in train mode, and the recompute issues FSDP all-gathers that all ranks must join).
-    model.train()
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -163,162 +77,6 @@ def apply_fsdp2(
     return model
 
 
-def _broadcast_buffers(model: nn.Module, group: dist.ProcessGroup | None) -> None:
-    """Copy every buffer (persistent or not) from rank 0; FSDP2 does not shard buffers."""
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    for _, buf in model.named_buffers():
-        dist.broadcast(buf, src=src, group=group)
-
-
-class NewParameters(Protocol):
-    """A module whose parameters a `build_fsdp_model` transform added (not in the checkpoint): it gives their
-    initial values, full-size on CPU, by parameter name (its own parameters, not its children's)."""
-
-    def initial_parameters(self) -> dict[str, torch.Tensor]: ...
-
-
-class _TensorSource(Protocol):
-    """Rank 0's full checkpoint tensors, one at a time, by their names in the checkpoint."""
-
-    def get(self, name: str) -> torch.Tensor: ...
-
-    def close(self) -> None: ...
-
-
-def safetensors_shapes(path: str) -> dict[str, tuple[str, list[int]]] | None:
-    """Every tensor of the HF directory `path`'s safetensors weights: name -> (file, shape), read from the files'
-    headers (no tensor is read); None when the directory has no safetensors weights (``.bin`` files)."""
-    from safetensors import safe_open
-
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        files = [os.path.join(path, "model.safetensors")]
-    else:
-        return None
-    out: dict[str, tuple[str, list[int]]] = {}
-    for file in files:
-        with safe_open(file, framework="pt", device="cpu") as h:
-            for name in h.keys():
-                out[name] = (file, list(h.get_slice(name).get_shape()))
-    return out
-
-
-class _SafetensorsSource:
-    """Tensors read one at a time from memory-mapped safetensors files: a read touches only that tensor's bytes."""
-
-    def __init__(self, files: dict[str, str]) -> None:
-        self.files = files  # tensor name -> file
-        self._open: dict[str, object] = {}
-
-    def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        file = self.files[name]
-        if file not in self._open:
-            self._open[file] = safe_open(file, framework="pt", device="cpu")
-        return self._open[file].get_tensor(name)  # type: ignore[attr-defined]
-
-    def close(self) -> None:
-        self._open.clear()
-
-
-class _LoadedModelSource:
-    """The whole model as ``from_pretrained`` loads it, in host memory: for checkpoints whose tensors transformers
-    converts on load (names, fused layouts) or that are not safetensors."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.tensors: dict[str, torch.Tensor] | None = model.state_dict()
-
-    def get(self, name: str) -> torch.Tensor:
-        assert self.tensors is not None, "closed"
-        return self.tensors[name]
-
-    def close(self) -> None:
-        self.tensors = None
-
-
-def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for mname, module in model.named_modules():
-        for bname, buf in module.named_buffers(recurse=False):
-            if bname not in module._non_persistent_buffers_set:
-                out[f"{mname}.{bname}" if mname else bname] = buf
-    return out
-
-
-def _open_checkpoint(
-    path: str, wanted: dict[str, torch.Size], attn_implementation: str, flag: str
-) -> _TensorSource:
-    """Rank 0's source of the tensors named in `wanted` (name -> shape): the safetensors files read tensor by
-    tensor when every name is there with its shape, else the whole model loaded by ``from_pretrained`` on CPU."""
-    shapes = safetensors_shapes(path)
-    if shapes is None:
-        reason = "the weights are not safetensors"
-    else:
-        off = [n for n, shape in wanted.items() if n not in shapes or shapes[n][1] != list(shape)]
-        reason = (
-            f"{len(off)} tensor(s) differ from the model by name or shape (e.g. {off[:3]})" if off else ""
-        )
-    if shapes is not None and not reason:
-        return _SafetensorsSource({n: shapes[n][0] for n in wanted})
-    logger.info(
-        "%s=%s: %s; rank 0 loads the whole model in host memory (from_pretrained) and sends it tensor by tensor",
-        flag, path, reason,
-    )  # fmt: skip
-    return _LoadedModelSource(load_hf_model(path, attn_implementation, torch.float32, flag=flag))
-
-
-def _transform_initial_values(model: nn.Module, known: set[int]) -> dict[str, torch.Tensor]:
-    """The initial values of the parameters a transform added (those not in `known`, by id), in module order,
-    from each owning module's `NewParameters.initial_parameters`."""
-    out: dict[str, torch.Tensor] = {}
-    for mname, module in model.named_modules():
-        added = [n for n, p in module.named_parameters(recurse=False) if id(p) not in known]
-        if not added:
-            continue
-        init = getattr(module, "initial_parameters", None)
-        if init is None:
-            raise ValueError(
-                f"the model transform added parameters {added} to {mname or 'the root'} "
-                f"({type(module).__name__}) without initial values: give the module an initial_parameters() method"
-            )
-        values = init()
-        for n in added:
-            out[f"{mname}.{n}" if mname else n] = values[n]
-    return out
-
-
-def _fill_shards(
-    model: nn.Module, full_value: Callable[[str], torch.Tensor] | None, comm_device: torch.device, src: int
-) -> None:
-    """Every parameter of the sharded `model`, in order: global rank `src` gives its full value
-    (`full_value(fqn)`; None on the other ranks), it is broadcast, and each rank copies its own rows into its
-    shard. Each rank holds one full tensor at a time besides its shards."""
-    with torch.no_grad():
-        for fqn, param in model.named_parameters():
-            if full_value is not None:
-                full = full_value(fqn).to(device=comm_device, dtype=param.dtype)
-                if full.shape != param.shape:
-                    raise ValueError(
-                        f"{fqn}: the checkpoint has shape {list(full.shape)}, the model {list(param.shape)}"
-                    )
-            else:
-                full = torch.empty(param.shape, dtype=param.dtype, device=comm_device)
-            dist.broadcast(full, src=src)
-            if isinstance(param, DTensor):
-                shape, offset = compute_local_shape_and_global_offset(
-                    param.shape, param.device_mesh, param.placements
-                )
-                rows = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
-                param.to_local().copy_(full[rows])
-            else:
-                param.copy_(full)
-            del full
-
-
 def build_fsdp_model(
     path: str,
     mesh: DeviceMesh,
@@ -333,13 +91,13 @@ def build_fsdp_model(
     transform: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Build ``path`` sharded with `apply_fsdp2`: every rank builds it with its parameters on the meta device,
-    shards it, allocates its own shards and receives the weights tensor by tensor from global rank 0 (see the
-    module docstring); no rank materialises the full model.
+    shards it, allocates its own shards and receives the weights tensor by tensor from global rank 0
+    (`CheckpointWeights`, see hf_load.py); no rank materialises the full model.
 
     The master weights are fp32 (``param_dtype`` is the compute dtype). ``device`` is where the shards live
     (CPU when ``cpu_offload``). ``transform`` edits the module tree on every rank before sharding (a value
     head, LoRA adapters); the parameters it creates are not in the checkpoint: rank 0 takes their initial values
-    from their modules (`NewParameters`). Collective: every rank of ``mesh`` must call it.
+    from their modules (`hf_load.NewParameters`). Collective: every rank of ``mesh`` must call it.
 
     ``reshard_after_forward`` (None: `default_reshard_after_forward` of ``device``) frees each layer's gathered
     parameters after its forward, so the backward gathers them again.
@@ -351,59 +109,18 @@ def build_fsdp_model(
         )
     if reshard_after_forward is None:
         reshard_after_forward = default_reshard_after_forward(device)
-    is_src = dist.get_rank() == 0
     model = load_hf_model(
         path, attn_implementation, torch.float32, gradient_checkpointing, on_meta=True, flag=flag
     )
-    # by identity: a transform keeps a parameter under another name (LoRA's base weights) or adds new ones; the
-    # list keeps the replaced ones alive, so that no new parameter takes a replaced one's id
-    before = list(model.named_parameters())
-    checkpoint_name = {id(p): n for n, p in before}
-    persistent = _persistent_buffers(model)
-    source: _TensorSource | None = None
-    if is_src:
-        wanted = {n: p.shape for n, p in model.named_parameters()}
-        wanted.update({n: b.shape for n, b in persistent.items()})
-        source = _open_checkpoint(path, wanted, attn_implementation, flag)
+    weights = CheckpointWeights(model, path, attn_implementation, flag, is_src=dist.get_rank() == 0)
     if transform is not None:
         transform(model)
-    names = {fqn: checkpoint_name.get(id(p)) for fqn, p in model.named_parameters()}
-    initial = _transform_initial_values(model, set(checkpoint_name)) if is_src else {}
-    del before
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}  # to_empty below drops their values
-    if source is not None:
-        for n in _persistent_buffers(model).keys() & persistent.keys():
-            buffers[n] = source.get(n).to(buffers[n].dtype)
+    weights.after_transform(model)
     shard_device = torch.device("cpu") if cpu_offload else torch.device(device)
     per_layer = per_layer_units(device, cpu_offload, reshard_after_forward)
     apply_fsdp2(model, mesh, param_dtype, reduce_dtype, cpu_offload, reshard_after_forward, per_layer)
     model.to_empty(device=shard_device)
-    with torch.no_grad():
-        for n, value in buffers.items():
-            model.get_buffer(n).copy_(value)
-    del buffers
-
-    def full_value(fqn: str) -> torch.Tensor:
-        ckpt = names[fqn]
-        if ckpt is None:
-            return initial[fqn]
-        assert source is not None
-        try:
-            return source.get(ckpt)
-        except Exception as e:  # noqa: BLE001 - safetensors errors do not name the directory
-            raise ValueError(f"{flag}={path!r}: cannot read {ckpt}: {type(e).__name__}: {e}") from e
-
-    comm_device = (
-        torch.device(mesh.device_type, torch.cuda.current_device())
-        if mesh.device_type == "cuda"
-        else torch.device(mesh.device_type)
-    )
-    try:
-        _fill_shards(model, full_value if is_src else None, comm_device, src=0)
-    finally:
-        if source is not None:
-            source.close()
-    _broadcast_buffers(model, mesh.get_group())
+    weights.fill(model, mesh)
     return model
 
 
@@ -540,7 +257,7 @@ def build_optimizer(
 
 
 class ValueHead(nn.Linear):
-    """The critic's head, ``Linear(hidden, 1)``; it starts at zero (`NewParameters`)."""
+    """The critic's head, ``Linear(hidden, 1)``; it starts at zero (`hf_load.NewParameters`)."""
 
     def __init__(self, hidden: int, device: torch.device | str | None = None) -> None:
         super().__init__(hidden, 1, bias=True, device=device, dtype=torch.float32)

@@ -114,18 +114,27 @@ class RankBatch:
     def loss_inputs(
         self, indices: list[int], log_probs: list[torch.Tensor], entropy: list[torch.Tensor] | None
     ) -> LossInputs:
-        def pick(values: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
-            return None if values is None else [values[i] for i in indices]
+        def pick(values: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [values[i] for i in indices]
+
+        def pick_given(values: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+            return None if values is None else pick(values)
 
         return LossInputs(
             log_probs=log_probs,
-            old_log_probs=pick(self.old_log_probs),
-            advantages=pick(self.advantages),
+            old_log_probs=pick(computed(self.old_log_probs, "old_log_probs")),
+            advantages=pick(computed(self.advantages, "advantages")),
             loss_masks=pick(self.loss_masks),
-            ref_log_probs=pick(self.ref_log_probs),
-            rollout_log_probs=pick(self.rollout_log_probs),
+            ref_log_probs=pick_given(self.ref_log_probs),
+            rollout_log_probs=pick_given(self.rollout_log_probs),
             entropy=entropy,
         )
+
+
+def computed(values: list[torch.Tensor] | None, name: str) -> list[torch.Tensor]:
+    """`values`, a `RankBatch` field that the trainer fills before it is read (old log-probs, advantages)."""
+    assert values is not None, f"RankBatch.{name} is read before it is computed"
+    return values
 
 
 @dataclass
@@ -139,17 +148,19 @@ class Pack:
 def plan_steps(batch: RankBatch, cfg: Config, ps: ParallelState, steps_per_rollout: int) -> list[list[Pack]]:
     """Optimizer steps of `global_batch_size / dp` samples, each a list of packs (agreed across DP ranks)."""
     t = cfg.train
+    gbs = t.global_batch_size
+    assert gbs is not None, "--global-batch-size is required (validation resolves it)"
     lengths = [len(x) for x in batch.tokens]
-    expected = steps_per_rollout * t.global_batch_size // ps.dp_size
+    expected = steps_per_rollout * gbs // ps.dp_size
     if len(lengths) != expected:
         raise ValueError(
             f"DP rank {ps.dp_rank} got {len(lengths)} samples, expected {expected} "
-            f"({steps_per_rollout} optimizer steps x --global-batch-size {t.global_batch_size} / dp {ps.dp_size}); "
+            f"({steps_per_rollout} optimizer steps x --global-batch-size {gbs} / dp {ps.dp_size}); "
             "prompt groups must split evenly over DP ranks (--rollout-batch-size divisible by the DP size)"
         )
     plan = plan_micro_batches(
         lengths,
-        global_batch_size=t.global_batch_size,
+        global_batch_size=gbs,
         use_dynamic=t.use_dynamic_batch_size,
         max_tokens_per_gpu=t.max_tokens_per_gpu,
         micro_batch_size=t.micro_batch_size,
@@ -343,8 +354,12 @@ class MetricSum:
         this rank's `maxima` (returned under their own keys; each rank sums its values into its own slot of a
         [ranks, k] block, so the block after the sum holds every rank's values and its column maxima are exact)."""
         keys, stacked = stack_metrics(self.pairs)
-        moments = stacked.new_zeros(0) if batch is None else local_moments(batch.advantages, batch.loss_masks)
-        names = sorted(maxima or {})
+        if batch is None:
+            moments = stacked.new_zeros(0)
+        else:
+            moments = local_moments(computed(batch.advantages, "advantages"), batch.loss_masks)
+        maxima = maxima or {}
+        names = sorted(maxima)
         ranks, me = (
             (dist.get_world_size(dp_group), dist.get_rank(dp_group)) if dist.is_initialized() else (1, 0)
         )
