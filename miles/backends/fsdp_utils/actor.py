@@ -253,7 +253,7 @@ class FSDPTrainer(PolicyBackend):
     ) -> None:
         """Refit ``engine_urls``: every engine, or (fault tolerance) the engines that were restarted since the
         last refit, whose transport (update group, window mapping) is new. ``resume_tags``: rank 0 resumes them
-        on every engine before the weights move, all ranks raising its error (see `TrainBackend.update_weights`)."""
+        on every engine before the weights move, all ranks raising its error (see `PolicyBackend.update_weights`)."""
         cfg = self.config
         was_offloaded = self.state.offloaded
         if was_offloaded:
