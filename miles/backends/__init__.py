@@ -1,4 +1,4 @@
-"""Training backend registry: `--train-backend NAME` -> actor class, imported lazily.
+"""Training backend registry: `--train-backend NAME` -> the class of each role, imported lazily.
 
 The registry itself imports nothing heavy, so configuration parsing can list the choices without torch.
 """
@@ -6,9 +6,14 @@ The registry itself imports nothing heavy, so configuration parsing can list the
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-# name -> role -> "module:ClassName" of the backend's plain trainer class (see miles/backends/base.py); every
-# backend has an "actor"; one with a "critic" supports --advantage-estimator ppo
+if TYPE_CHECKING:
+    from miles.backends.base import PolicyBackend, ValueBackend
+
+# name -> role -> "module:ClassName" of the backend's plain class for that role (see miles/backends/base.py):
+# every backend has an "actor" (a `PolicyBackend`); one with a "critic" (a `ValueBackend`) supports
+# --advantage-estimator ppo
 _BACKENDS: dict[str, dict[str, str]] = {
     "fsdp": {
         "actor": "miles.backends.fsdp_utils.actor:FSDPTrainer",
@@ -36,3 +41,23 @@ def get_backend_class(name: str, role: str = "actor") -> type:
         raise ValueError(f"--train-backend {name!r} has no {role!r} role (has: {sorted(_BACKENDS[name])})")
     module_name, _, cls_name = _BACKENDS[name][role].partition(":")
     return getattr(importlib.import_module(module_name), cls_name)
+
+
+def get_policy_class(name: str) -> type[PolicyBackend]:
+    """The 'actor' role's class of backend `name`."""
+    from miles.backends.base import PolicyBackend
+
+    cls = get_backend_class(name, "actor")
+    if not issubclass(cls, PolicyBackend):
+        raise TypeError(f"--train-backend {name!r}: the actor {cls.__qualname__} is not a PolicyBackend")
+    return cls
+
+
+def get_value_class(name: str) -> type[ValueBackend]:
+    """The 'critic' role's class of backend `name`."""
+    from miles.backends.base import ValueBackend
+
+    cls = get_backend_class(name, "critic")
+    if not issubclass(cls, ValueBackend):
+        raise TypeError(f"--train-backend {name!r}: the critic {cls.__qualname__} is not a ValueBackend")
+    return cls

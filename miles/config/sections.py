@@ -292,11 +292,6 @@ class TrainConfig:
         "optimizer steps per rollout: --rollout-batch-size * --n-samples-per-prompt / --global-batch-size"
     )
 
-    @property
-    def refit_timeout_s(self) -> float:
-        """--refit-timeout (resolved by validation; kept for the readers that still use this name)."""
-        return self.refit_timeout
-
 
 def derived_refit_timeout(train_timeout: float) -> float:
     """The default --refit-timeout: 300 s, or half of --train-timeout when that is shorter (it must expire first)."""

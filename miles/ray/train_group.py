@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, TypeAlias, TypeVar, cast
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import ray
 
@@ -21,7 +21,7 @@ from miles.utils.parallel_dims import ParallelDims
 from miles.utils.types import JSON, Sample
 
 if TYPE_CHECKING:
-    from miles.backends.base import TrainBackend
+    from miles.backends.base import PolicyBackend, ValueBackend, ValueTrainResult
     from miles.config import Config
 
 # the critic's values of one rank's samples: one list of floats per sample (per response token)
@@ -43,7 +43,7 @@ class TrainWorker:
         self.config = config  # validated once by the driver; Ray pickles it (secrets included)
         self.rank = rank
         self.world_size = world_size
-        self.backend: TrainBackend | None = None
+        self.backend: PolicyBackend | ValueBackend | None = None  # by the role `init` was given
 
     def master_address(self) -> tuple[str, int]:
         return get_node_ip(), free_port("")
@@ -58,22 +58,43 @@ class TrainWorker:
                 "LOCAL_RANK": "0",  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
             }
         )
-        from miles.backends import get_backend_class
+        from miles.backends import get_policy_class, get_value_class
         from miles.utils import hang_dump
 
         if self.config.log.run_dir:  # its stacks on SIGUSR1, for the driver's hang dumps
             hang_dump.install(
                 hang_dump.stacks_dir_of(self.config.log.run_dir), f"trainer-{role}-rank{self.rank}"
             )
-        cls = get_backend_class(self.config.train.train_backend, role)
+        name = self.config.train.train_backend
+        cls = get_value_class(name) if role == "critic" else get_policy_class(name)
         self.backend = cls(self.config, self.rank, self.world_size)
         return self.backend.init(role, with_ref)
 
     @property
-    def _backend(self) -> TrainBackend:
+    def _backend(self) -> PolicyBackend | ValueBackend:
         if self.backend is None:
             raise RuntimeError(f"training worker rank {self.rank}: called before init()")
         return self.backend
+
+    @property
+    def _policy(self) -> PolicyBackend:
+        from miles.backends.base import ValueBackend
+
+        backend = self._backend
+        if isinstance(backend, ValueBackend):
+            raise RuntimeError(
+                f"training worker rank {self.rank}: the critic role trains with train_values()"
+            )
+        return backend
+
+    @property
+    def _value(self) -> ValueBackend:
+        from miles.backends.base import ValueBackend
+
+        backend = self._backend
+        if not isinstance(backend, ValueBackend):
+            raise RuntimeError(f"training worker rank {self.rank}: the actor role trains with train()")
+        return backend
 
     def train(
         self,
@@ -81,10 +102,10 @@ class TrainWorker:
         samples: list[Sample],
         values: SampleValues | None = None,
         refit: RefitAfterTrain | None = None,
-    ) -> Mapping[str, object]:
-        """Train on this rank's samples; with `refit`, then refit the engines in the same call (its seconds
-        under `REFIT_SECONDS`; a failure there raises `RefitAfterTrainError`)."""
-        backend = self._backend
+    ) -> dict[str, float]:
+        """Train the policy on this rank's samples; with `refit`, then refit the engines in the same call (its
+        seconds under `REFIT_SECONDS`; a failure there raises `RefitAfterTrainError`)."""
+        backend = self._policy
         metrics = (
             backend.train(rollout_id, samples)
             if values is None
@@ -102,6 +123,10 @@ class TrainWorker:
             ) from e
         return {**metrics, REFIT_SECONDS: time.perf_counter() - start}
 
+    def train_values(self, rollout_id: int, samples: list[Sample]) -> ValueTrainResult:
+        """Train the value model on this rank's samples: its metrics and the values GAE used."""
+        return self._value.train(rollout_id, samples)
+
     def save(self, rollout_id: int, extra_state: dict[str, JSON] | None = None) -> None:
         self._backend.save(rollout_id, extra_state)
 
@@ -109,7 +134,7 @@ class TrainWorker:
         return self._backend.resume_state()
 
     def save_hf(self, rollout_id: int) -> None:
-        self._backend.save_hf(rollout_id)
+        self._policy.save_hf(rollout_id)
 
     def sleep(self) -> None:
         self._backend.sleep()
@@ -118,7 +143,7 @@ class TrainWorker:
         self._backend.wake_up()
 
     def update_weights(self, engine_urls: list[str], weight_version: str) -> None:
-        self._backend.update_weights(engine_urls, weight_version)
+        self._policy.update_weights(engine_urls, weight_version)
 
 
 class RayTrainGroup:
@@ -150,12 +175,12 @@ class RayTrainGroup:
     def dp_size(self) -> int:
         return self.dims.dp_size
 
-    def _all(self, phase: str, method: str, *args: object) -> list[object]:
+    def _all(self, phase: str, method: str, *args: object) -> list[Any]:
         return self._gather([getattr(w, method).remote(*args) for w in self.workers], phase)
 
-    def _gather(self, refs: Sequence[ray.ObjectRef], phase: str) -> list[object]:
+    def _gather(self, refs: Sequence[ray.ObjectRef], phase: str) -> list[Any]:
         """Wait for one call per rank; a dead worker is named by its rank and the phase, a deadline by the ranks
-        that had not answered."""
+        that had not answered. The answers are what the workers' methods return (Ray does not type them)."""
 
         def late() -> str:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
@@ -179,7 +204,7 @@ class RayTrainGroup:
         addr, port = ray_get(
             self.workers[0].master_address.remote(), self.timeout, "train init: master address"
         )
-        starts = cast(list[int], self._all(f"{self.role} init", "init", addr, port, self.role, with_ref))
+        starts: list[int] = self._all(f"{self.role} init", "init", addr, port, self.role, with_ref)
         if len(set(starts)) != 1:
             raise RuntimeError(f"training ranks disagree on the resume rollout id: {starts}")
         return starts[0]
@@ -211,7 +236,7 @@ class RayTrainGroup:
         phase = f"{self.role} train rollout {rollout_id}"
         if refit is not None:
             phase += f", then weight refit {refit.weight_version}"
-        results = self._gather(
+        results: list[dict[str, float]] = self._gather(
             [
                 w.train.remote(
                     rollout_id, refs[self.dims.coords(rank)[0]], vrefs[self.dims.coords(rank)[0]], refit
@@ -220,7 +245,7 @@ class RayTrainGroup:
             ],
             phase,
         )
-        return cast(dict[str, float], results[0])
+        return results[0]
 
     def train_critic(
         self, rollout_id: int, per_dp_rank: list[list[Sample]]
@@ -229,16 +254,15 @@ class RayTrainGroup:
         if len(per_dp_rank) != self.dp_size:
             raise ValueError(f"expected data for {self.dp_size} DP ranks, got {len(per_dp_rank)}")
         refs = self._shared(per_dp_rank)
-        results = self._gather(
+        answers: list[ValueTrainResult] = self._gather(
             [
-                w.train.remote(rollout_id, refs[self.dims.coords(rank)[0]])
+                w.train_values.remote(rollout_id, refs[self.dims.coords(rank)[0]])
                 for rank, w in enumerate(self.workers)
             ],
             f"critic train rollout {rollout_id}",
         )
-        answers = cast(list[dict[str, dict[str, float] | SampleValues]], results)  # the critic's train answer
-        values = [cast(SampleValues, answers[d * self.cp_size]["values"]) for d in range(self.dp_size)]
-        return cast(dict[str, float], answers[0]["metrics"]), values
+        values = [answers[d * self.cp_size]["values"] for d in range(self.dp_size)]
+        return answers[0]["metrics"], values
 
     def save(self, rollout_id: int, extra_state: dict[str, JSON] | None = None) -> None:
         """Checkpoint on every rank; `extra_state` (plain data, e.g. the data cursor) is stored with it."""

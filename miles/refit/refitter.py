@@ -52,7 +52,7 @@ class RefitSettings:
             ranks_per_engine=cfg.cluster.rollout_num_gpus_per_engine,
             bucket_bytes=cfg.train.update_weight_buffer_size,
             api_key=cfg.engine.engine_api_key,
-            timeout_s=cfg.train.refit_timeout_s,
+            timeout_s=cfg.train.refit_timeout,
             check_equal=cfg.engine.check_weight_update_equal,
             resume_timeout_s=float(cfg.rollout.rollout_request_timeout),
         )

@@ -138,6 +138,7 @@ def miles_rank(rank: int, world: int, w: Workload, model_dir: Path, batch: Fixed
 
     from miles.backends.fsdp_utils import actor as actor_mod
     from miles.backends.fsdp_utils import rollout_batch as rb
+    from miles.backends.fsdp_utils import state as state_mod
     from miles.config import parse_config
     from miles.rollout.rm_hub.math_utils import math_reward
     from miles.utils.seqlen_balancing import partition_samples_by_dp
@@ -165,7 +166,7 @@ def miles_rank(rank: int, world: int, w: Workload, model_dir: Path, batch: Fixed
     before = _full_state(trainer.model, get_model_state_dict, StateDictOptions)
 
     seen: dict[str, object] = {}
-    real_advantages, real_step = rb.compute_advantages_for, actor_mod.clipped_optimizer_step
+    real_advantages, real_step = rb.compute_advantages_for, state_mod.clipped_optimizer_step
 
     def advantages(batch_, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003 - pass-through spy
         real_advantages(batch_, *args, **kwargs)
@@ -179,11 +180,11 @@ def miles_rank(rank: int, world: int, w: Workload, model_dir: Path, batch: Fixed
         }
         return real_step(model, *args, **kwargs)
 
-    rb.compute_advantages_for, actor_mod.clipped_optimizer_step = advantages, step
+    rb.compute_advantages_for, state_mod.clipped_optimizer_step = advantages, step
     try:
         metrics = trainer.train(0, mine)
     finally:
-        rb.compute_advantages_for, actor_mod.clipped_optimizer_step = real_advantages, real_step
+        rb.compute_advantages_for, state_mod.clipped_optimizer_step = real_advantages, real_step
     after = _full_state(trainer.model, get_model_state_dict, StateDictOptions)
     per_rank = {
         "indices": parts[rank], "rewards": [s.scalar_reward() for s in mine], "advantages": seen["advantages"],

@@ -1,7 +1,9 @@
-"""The FSDP2 critic (`--advantage-estimator ppo`): the trainer's second role, a value model.
+"""The FSDP2 critic (`--advantage-estimator ppo`): the trainer's value role, an `FSDPState` (state.py) composed
+with the values, GAE and the value loss.
 
-Same public surface as the actor (`init`, `train`, `save`, `sleep`, `wake_up`); `train` returns, beside its
-metrics, the values it computed before updating (the "old" values GAE uses), which the driver hands to the actor.
+Public surface (`miles.backends.base.ValueBackend`): `init`, `train`, `save`, `sleep`, `wake_up`,
+`resume_state`; `train` returns a `ValueTrainResult`: beside its metrics, the values it computed before updating
+(the "old" values GAE uses), which the driver hands to the actor.
 
 The model is the HF causal LM with its LM head replaced by a zero-initialised ``Linear(hidden, 1)``
 (`model.attach_value_head`), initialised from --critic-load (a HF directory, or a DCP checkpoint of a critic)
@@ -23,21 +25,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from miles.backends.base import ValueBackend, ValueTrainResult
 from miles.backends.fsdp_utils import rollout_batch as rb
-from miles.backends.fsdp_utils.actor import (
-    FSDPTrainer,
-    _param_dtype,
-    _select_attention_kernel,
-    _set_cpu_threads,
-    clipped_optimizer_step,
-    fuse_models_elementwise,
-)
+from miles.backends.fsdp_utils.state import FSDPState, StateSpec
 from miles.utils.types import JSON, Sample
 
 if TYPE_CHECKING:
@@ -45,75 +40,24 @@ if TYPE_CHECKING:
 
     from torch.distributed import ProcessGroup
 
+    from miles.config import Config
+
 logger = logging.getLogger(__name__)
 
 CRITIC_SUBDIR = "critic"
 
 
-class FSDPCritic(FSDPTrainer):
+class FSDPCritic(ValueBackend):
     def init(self, role: str, with_ref: bool) -> int:
-        from miles.backends.fsdp_utils.checkpoint import load_checkpoint, read_tracker
-        from miles.backends.fsdp_utils.lr_scheduler import build_lr_scheduler
-        from miles.backends.fsdp_utils.model import (
-            attach_value_head,
-            build_fsdp_model,
-            build_optimizer,
-            default_defer_gradient_sync,
-        )
-        from miles.backends.fsdp_utils.parallel import init_distributed
+        from miles.backends.fsdp_utils.checkpoint import read_tracker
 
         cfg = self.config
         if role != "critic":
             raise ValueError(f"FSDPCritic is the 'critic' role, got {role!r}")
         if with_ref:
             raise ValueError("the critic has no reference model")
-        torch.manual_seed(cfg.seed)
-        self.ps = ps = init_distributed(None, cfg.train.train_timeout, cfg.train.context_parallel_size)
-        _set_cpu_threads(ps)
-        self.param_dtype = _param_dtype(cfg.model.train_dtype, ps.is_cuda)
-        _select_attention_kernel(cfg.model.attn_implementation, ps.is_cuda, ps.cp_size)
-        init_path, init_dcp = _critic_init_source(cfg.critic.critic_load, cfg.model.hf_checkpoint)
-        self.model = build_fsdp_model(
-            init_path,
-            ps.fsdp_mesh,
-            param_dtype=self.param_dtype,
-            reduce_dtype=torch.float32,
-            cpu_offload=cfg.train.fsdp_cpu_offload,
-            gradient_checkpointing=cfg.model.gradient_checkpointing,
-            device=ps.device,
-            attn_implementation="sdpa",
-            flag="--critic-load" if cfg.critic.critic_load else "--hf-checkpoint",
-            transform=attach_value_head,
-        )
-        if init_dcp is not None:
-            from miles.backends.fsdp_utils.hf_export import load_model_weights
-
-            load_model_weights(init_dcp, self.model)
-            logger.info("critic: weights of %s", init_dcp)
-        self.model.train()
-        if ps.is_cuda and cfg.model.fused_elementwise:
-            fuse_models_elementwise([self.model], ps.device, self.param_dtype)
-        self.defer_grad_sync = default_defer_gradient_sync(ps.device, cfg.train.fsdp_cpu_offload)
-        self.ref_model = None
-        o, c = cfg.optim, cfg.critic
-        lr = c.critic_lr if c.critic_lr is not None else o.lr
-        self.optimizer = build_optimizer(
-            self.model.parameters(), o.optimizer, lr, o.weight_decay, (o.adam_beta1, o.adam_beta2), o.adam_eps
-        )
-        r = cfg.rollout
-        self.steps_per_rollout = r.rollout_batch_size * r.n_samples_per_prompt // cfg.train.global_batch_size
-        self.lr_scheduler = build_lr_scheduler(
-            self.optimizer,
-            lr=lr,
-            min_lr=min(o.min_lr, lr),
-            decay_style=o.lr_decay_style,
-            total_iters=r.num_rollout * self.steps_per_rollout,
-            warmup_iters=c.critic_lr_warmup_iters,
-            decay_iters=o.lr_decay_iters,
-        )
-        self._offloaded = False
-        self._weight_updater = None
-        start = 0
+        self.state = FSDPState(cfg, critic_spec(cfg))
+        self.state.fuse_elementwise()
         if cfg.checkpoint.load:
             load_dir = os.path.join(cfg.checkpoint.load, CRITIC_SUBDIR)
             actor_tracker = read_tracker(cfg.checkpoint.load)
@@ -122,26 +66,25 @@ class FSDPCritic(FSDPTrainer):
                     f"--load={cfg.checkpoint.load!r} holds an actor checkpoint but no critic one "
                     f"({load_dir}); --advantage-estimator ppo resumes both"
                 )
-            state = load_checkpoint(load_dir, self.model, self.optimizer, self.lr_scheduler)
-            if state is not None:
-                start = int(state["next_rollout_id"])
-                logger.info("critic resumed from %s at rollout %d", load_dir, start)
+        start = self.state.resume()
         self.reduction = rb.loss_reduction(cfg.algo)
         return start
 
-    def train(  # type: ignore[override]
-        self, rollout_id: int, samples: list[Sample]
-    ) -> dict[str, dict[str, float] | list[list[float]]]:
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.state.model
+
+    def train(self, rollout_id: int, samples: list[Sample]) -> ValueTrainResult:
         """Train the value model on this rank's samples. Returns ``{"metrics": {...}, "values": B x [L_i]}``:
         the values before this call's update (lists of floats, in `samples` order), which GAE used."""
         from miles.algo import AdvantageInputs, compute_advantages
 
-        if self._offloaded:
+        if self.state.offloaded:
             self.wake_up()
         t0 = time.perf_counter()
-        cfg, ps = self.config, self.ps
+        cfg, ps = self.config, self.state.ps
         batch = rb.RankBatch.from_samples(samples, ps.device)
-        steps = rb.plan_steps(batch, cfg, ps, self.steps_per_rollout)
+        steps = rb.plan_steps(batch, cfg, ps, self.state.steps_per_rollout)
         with torch.no_grad():
             old_values = self._values(batch, steps)
         gae = compute_advantages(
@@ -159,7 +102,7 @@ class FSDPCritic(FSDPTrainer):
         for step_packs in steps:
             self._critic_step(batch, step_packs, old_values, gae.returns, metrics)
         out = _critic_metrics(metrics, ps.dp_group)
-        out["critic/lr"] = self.optimizer.param_groups[0]["lr"]
+        out["critic/lr"] = self.state.optimizer.param_groups[0]["lr"]
         out["timing/critic_train"] = time.perf_counter() - t0
         return {"metrics": out, "values": [v.tolist() for v in old_values]}
 
@@ -169,9 +112,11 @@ class FSDPCritic(FSDPTrainer):
         values: list[torch.Tensor | None] = [None] * len(batch)
         for step_packs in steps:
             for pack in step_packs:
-                for sample_i, v in zip(pack.indices, forward_values(self.model, pack.packed, cp=self._cp())):
+                for sample_i, v in zip(
+                    pack.indices, forward_values(self.model, pack.packed, cp=self.state.cp())
+                ):
                     values[sample_i] = v.detach().float()
-        return values  # type: ignore[return-value]
+        return values
 
     def _critic_step(
         self,
@@ -183,13 +128,12 @@ class FSDPCritic(FSDPTrainer):
     ) -> None:
         from miles.algo.value_loss import ValueLossInputs, compute_value_loss
         from miles.backends.fsdp_utils.forward import forward_values
-        from miles.backends.fsdp_utils.model import sync_gradients_after
 
         cfg = self.config
-        reduction = rb.step_reduction(self.reduction, batch, step_packs, self.ps)
+        reduction = rb.step_reduction(self.reduction, batch, step_packs, self.state.ps)
         for mb_index, pack in enumerate(step_packs):
-            sync_gradients_after(self.model, mb_index == len(step_packs) - 1, self.defer_grad_sync)
-            values = forward_values(self.model, pack.packed, cp=self._cp())
+            self.state.sync_gradients(mb_index == len(step_packs) - 1)
+            values = forward_values(self.model, pack.packed, cp=self.state.cp())
             inputs = ValueLossInputs(
                 values=values,
                 old_values=[old_values[i] for i in pack.indices],
@@ -199,22 +143,41 @@ class FSDPCritic(FSDPTrainer):
             loss, mb_metrics = compute_value_loss(inputs, cfg.critic.value_clip, reduction)
             loss.backward()
             metrics.add(mb_metrics)
-        grad_norm = clipped_optimizer_step(
-            self.model, self.optimizer, self.lr_scheduler, cfg.optim.clip_grad, "critic"
-        )
-        metrics.add_value("grad_norm", grad_norm)
+        metrics.add_value("grad_norm", self.state.optimizer_step())
 
     def save(self, rollout_id: int, extra_state: dict[str, JSON] | None = None) -> None:
-        self._save_checkpoint(CRITIC_SUBDIR, rollout_id, extra_state)
+        self.state.save(rollout_id, extra_state)
         dist.barrier()
 
-    def save_hf(self, rollout_id: int) -> None:
-        raise ValueError("--save-hf exports the policy; the critic has no HF export")
+    def resume_state(self) -> dict[str, JSON]:
+        return dict(self.state.resumed_extra_state)
 
-    def update_weights(
-        self, engine_urls: list[str], weight_version: str, resume_tags: Sequence[str] = ()
-    ) -> None:
-        raise ValueError("the critic does not refit rollout engines")
+    def sleep(self) -> None:
+        self.state.sleep()
+
+    def wake_up(self) -> None:
+        self.state.wake_up()
+
+
+def critic_spec(cfg: Config) -> StateSpec:
+    """The critic's training state: --critic-load (or --hf-checkpoint) with a value head, --critic-lr (default
+    --lr) and --critic-lr-warmup-iters, checkpoints in <--save>/critic and <--load>/critic."""
+    from miles.backends.fsdp_utils.model import attach_value_head
+
+    o, c = cfg.optim, cfg.critic
+    init_path, init_dcp = _critic_init_source(c.critic_load, cfg.model.hf_checkpoint)
+    lr = c.critic_lr  # --lr when not given (resolved at validation)
+    return StateSpec(
+        role="critic",
+        init_path=init_path,
+        init_flag="--critic-load" if c.critic_load else "--hf-checkpoint",
+        transform=attach_value_head,
+        lr=lr,
+        min_lr=min(o.min_lr, lr),
+        warmup_iters=c.critic_lr_warmup_iters,
+        checkpoint_subdir=CRITIC_SUBDIR,
+        init_dcp=init_dcp,
+    )
 
 
 def _critic_init_source(critic_load: str | None, hf_checkpoint: str) -> tuple[str, Path | None]:
