@@ -1,5 +1,10 @@
-"""Import rules between packages: `miles/config` is the floor every package reads, so it imports nothing from
-the packages above it (rollout, backends, engines, ray, the drivers), at module level or inside a function."""
+"""Import rules between packages, at module level or inside a function:
+- `miles/config` is the floor every package reads: it imports nothing from the packages above it (rollout,
+  backends, engines, ray, the drivers);
+- the trainer and the engines meet only through the refit wing: `miles/backends` imports nothing from
+  `miles/engines` and `miles/engines` nothing from `miles/backends`;
+- `miles/refit` (shared by the trainer and the embedded engine) imports neither of them, nor the rollout side,
+  Ray set-up or the drivers: a backend hands it the tensors to send."""
 
 from __future__ import annotations
 
@@ -78,6 +83,47 @@ def test_the_check_finds_each_kind_of_import(source: str) -> None:
 def test_imports_of_the_floor_pass(source: str) -> None:
     names = [name for _, name in imported_modules(source, "miles.config.sections")]
     assert not any(forbidden(n) for n in names), names
+
+
+# package -> the packages none of its files may import
+RULES: dict[str, tuple[str, ...]] = {
+    "miles/backends": ("miles.engines",),
+    "miles/engines": ("miles.backends",),
+    "miles/refit": ("miles.backends", "miles.engines", "miles.rollout", "miles.ray", "miles.train"),
+}
+
+
+def _under(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") or name.startswith(p + "_") for p in packages)
+
+
+def _rule_cases() -> list[tuple[Path, tuple[str, ...]]]:
+    return [(path, banned) for pkg, banned in RULES.items() for path in sorted((ROOT / pkg).rglob("*.py"))]
+
+
+@pytest.mark.parametrize(
+    ("path", "banned"), _rule_cases(), ids=lambda c: str(c.relative_to(ROOT)) if isinstance(c, Path) else ""
+)
+def test_package_import_rules(path: Path, banned: tuple[str, ...]) -> None:
+    module = "miles." + ".".join(path.relative_to(ROOT / "miles").with_suffix("").parts)
+    bad = [f"{path.relative_to(ROOT)}:{line}: {name}" for line, name in imported_modules(path.read_text(), module)
+           if _under(name, banned)]  # fmt: skip
+    assert not bad, f"imports across a package rule ({banned} are off limits):\n" + "\n".join(bad)
+
+
+def test_the_rules_cover_the_refit_wing_and_both_sides() -> None:
+    files = {str(p.relative_to(ROOT)) for p, _ in _rule_cases()}
+    assert {
+        "miles/refit/refitter.py",
+        "miles/engines/local/window.py",
+        "miles/backends/fsdp_utils/actor.py",
+    } <= files
+    names = [n for _, n in imported_modules("from ..local import window", "miles.backends.fsdp_utils.actor")]
+    assert not any(_under(n, RULES["miles/backends"]) for n in names)  # ..local is miles.backends.local
+    names = [
+        n for _, n in imported_modules("from ...engines.local import window", "miles.backends.fsdp_utils.x")
+    ]
+    assert any(_under(n, RULES["miles/backends"]) for n in names)
 
 
 def test_every_config_file_is_checked() -> None:
