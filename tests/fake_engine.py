@@ -45,7 +45,7 @@ def log_prob_of(token: int, position: int) -> float:
 
 
 class FakeEngine:
-    """Serves one engine at `url` (also its own router): `transport` goes to `EngineClient`/`RolloutRunner`."""
+    """Serves one engine at `url` (also its own router): `transport` goes to `GenerateClient`/`RolloutRunner`."""
 
     def __init__(
         self, respond: Callable[[list[int], dict, str], Reply], url: str = "http://fake-engine:1"

@@ -23,7 +23,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from miles.engines.sglang_engine import EngineActorMethods, EngineCalls, EngineStartupError
-from miles.utils.engine_http import health_problem
+from miles.utils.engine_control_http import health_problem
 from miles.utils.net import node_ip
 
 logger = logging.getLogger(__name__)

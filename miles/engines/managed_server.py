@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import IO
 
-from miles.utils.engine_http import EngineCallError
+from miles.utils.engine_control_http import EngineCallError
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ never goes on the router's command line (`--api-key` would be readable in /proc,
 on its own API).
 
 Where generation goes (`generation_via_router`): through the router when the run asks for a router policy or
-names a running router; otherwise straight to the engines (see `miles.rollout.engine_client`).
+names a running router; otherwise straight to the engines (see `miles.rollout.generate_client`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 import time
 
 from miles.engines.managed_server import EngineStartupError, ManagedServer
-from miles.utils.engine_http import EngineCallError, health_problem, request
+from miles.utils.engine_control_http import EngineCallError, health_problem, request
 from miles.utils.net import free_port
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from miles.engines.managed_server import EngineStartupError, ManagedServer
 from miles.engines.sglang_args import flag_args, sglang_seeds_requests
 from miles.engines.sglang_launch import ADMIN_API_KEY_ENV, API_KEY_ENV
-from miles.utils.engine_http import EngineStatusError, engine_headers, health_problem, request
+from miles.utils.engine_control_http import EngineStatusError, engine_headers, health_problem, request
 from miles.utils.net import free_port, node_ip
 from miles.utils.types import JSON
 
@@ -122,8 +122,8 @@ def engine_launch_kwargs(
 
 
 class EngineCalls(ABC):
-    """An engine's control calls, keyed by SGLang's rule (`miles.utils.engine_http.engine_headers`); errors
-    name the engine, the endpoint and the phase (`EngineHTTPError` on an error status)."""
+    """An engine's control calls, keyed by SGLang's rule (`miles.utils.engine_control_http.engine_headers`);
+    errors name the engine, the endpoint and the phase (`EngineHTTPError` on an error status)."""
 
     api_key: str | None
     admin_api_key: str | None

@@ -9,7 +9,7 @@ it never released), so the choreography remembers which tags the engines release
 (`miles.ray.setup.build_system`): colocated engines start first, size their pools on devices the trainers do not
 use yet, and release everything before the trainers load, so the start-up refit resumes what they released;
 disaggregated engines hold their freshly loaded weights and the start-up refit resumes nothing. A release waits
-for the engine to be idle (`miles.utils.engine_http.EngineMemoryControl.release_memory`).
+for the engine to be idle (`miles.utils.engine_control_http.EngineMemoryControl.release_memory`).
 
 Colocated on CPU (no accelerator: `trainer_offload=False`) the trainers' sleep and wake move nothing (their
 parameters live in host memory either way), so the choreography skips those calls; the engines still release

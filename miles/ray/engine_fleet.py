@@ -4,8 +4,8 @@
 engine on the placement group (or, with `--rollout-external-engine-addrs`, one `ExternalEngine` actor per running
 engine, which it neither starts nor stops), puts sglang-router in front of them (or registers them with the
 running one of `--sglang-router-ip/--sglang-router-port`). Memory release/resume is posted by the driver itself
-(`miles.utils.engine_http.EngineMemoryControl`), not through this actor.
-Generation does not go through it either: the rollout runner's engine client sends requests to the engines
+(`miles.utils.engine_control_http.EngineMemoryControl`), not through this actor.
+Generation does not go through it either: the rollout runner's generate client sends requests to the engines
 directly, reading the router's worker list to learn which engines are admitted, or through the router (see
 `miles.engines.router.generation_via_router`).
 Engines get their GPUs from the placement's sorted bundle order (`Placement.engine_gpus`); each checks them at start.
@@ -23,7 +23,7 @@ from miles.ray.engine_health import HealthMonitor, HealthSettings
 from miles.ray.placement import Placement
 from miles.ray.utils import ray_get
 from miles.utils import hang_dump
-from miles.utils.engine_http import health_problem, launch_keys
+from miles.utils.engine_control_http import health_problem, launch_keys
 
 if TYPE_CHECKING:
     from miles.config import Config

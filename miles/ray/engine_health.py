@@ -4,7 +4,7 @@ While a rollout runs, every `interval` seconds each engine's `GET /health_genera
 `timeout` seconds (after `first_wait` seconds from the start of the rollout). An engine that fails is taken out of
 the router, killed and restarted on the same bundle and port; it then waits in `restarted` until the driver refits
 it with the current weights and version and `EngineFleet.readmit` puts it back behind the router. Its in-flight
-requests fail when it is killed and the engine client retries them on the engines that remain (the client
+requests fail when it is killed and the generate client retries them on the engines that remain (the client
 reads the router's worker list, so a restarted engine gets no request before its refit and readmission).
 
 A plain class with one thread, driven by callables, so tests exercise it without Ray or servers.
@@ -76,7 +76,7 @@ class HealthMonitor:
         """Stop checking, wait (at most `timeout` s) for a restart in progress, then check every engine once more
         and recover a failed one now; returns `take_restarted()`.
 
-        The last check matters because the engine client sends around a dead engine at once: a rollout can end
+        The last check matters because the generate client sends around a dead engine at once: a rollout can end
         before the periodic check saw the engine die, and the refit that follows must not meet a dead engine."""
         with self._lock:
             self._watching_since = None

@@ -25,7 +25,7 @@ from miles.ray.system import (
 )
 from miles.ray.train_group import RayTrainGroup
 from miles.ray.utils import init_ray, ray_get
-from miles.utils.engine_http import EngineMemoryControl
+from miles.utils.engine_control_http import EngineMemoryControl
 from miles.utils.progress import ProgressBar, progress_bar, progress_enabled, progress_env
 from miles.utils.tracking import Tracker
 from miles.utils.types import ActorHandle

@@ -1,9 +1,10 @@
 """The trainer's side of the refit endpoints: its HTTP calls to rollout engines around a refit (session,
 verification, the weight-window probe). The engine's side of the same endpoints: `miles.engines.local.control`
-(embedded) or SGLang's HTTP server.
+(embedded) or SGLang's HTTP server. Generation is the rollout's (`miles.rollout.generate_client`); engine
+memory control and health are `miles.utils.engine_control_http`'s.
 
-Calls go through `miles.utils.engine_http`, so every failure names the engine, the endpoint, what it was doing
-and the phase. The rules are SGLang 0.5.23's (docs/sglang-contract.md): a refit runs inside
+Calls go through `miles.utils.engine_control_http`, so every failure names the engine, the endpoint, what it
+was doing and the phase. The rules are SGLang 0.5.23's (docs/sglang-contract.md): a refit runs inside
 ``/begin_weight_update`` ... ``/end_weight_update``; the weight version an engine serves is the
 ``weight_version`` of ``/model_info``; ``/weights_checker`` with action ``checksum`` answers per-tensor checksums
 (`miles.utils.weight_checksum`).
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from miles.utils.engine_http import EngineStatusError, get_engine_json, post_engine, request
+from miles.utils.engine_control_http import EngineStatusError, get_engine_json, post_engine, request
 
 LAYOUT_ENDPOINT = "weight_window_layout"  # miles-only: the embedded engine's weight-window layout
 

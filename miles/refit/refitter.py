@@ -25,7 +25,7 @@ from miles.refit.engine_endpoints import engines_have_windows
 from miles.refit.session import RefitSetup, WeightUpdater
 from miles.refit.tensor_handles import ColocatedWeightUpdater
 from miles.refit.window import WindowWeightUpdater
-from miles.utils.engine_http import EngineMemoryControl, bearer
+from miles.utils.engine_control_http import EngineMemoryControl, bearer
 
 if TYPE_CHECKING:
     from miles.config import Config

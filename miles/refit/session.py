@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from miles.refit.buckets import RefitJob, RefitSource
-from miles.utils.engine_http import bearer
+from miles.utils.engine_control_http import bearer
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from miles.refit.buckets import Bucket, RefitJob, stream_buckets
 from miles.refit.engine_endpoints import begin_sessions, end_sessions, verify_refit
 from miles.refit.session import RefitSetup, WeightUpdater
-from miles.utils.engine_http import post_engine
+from miles.utils.engine_control_http import post_engine
 from miles.utils.serialization import serialize, share_named_tensors
 
 

@@ -50,7 +50,7 @@ from miles.refit.engine_endpoints import LAYOUT_ENDPOINT, compare_checksums, eng
 from miles.refit.session import RefitSetup
 from miles.refit.tensor_handles import ColocatedWeightUpdater
 from miles.refit.window_layout import WINDOW_PREFIX, MappedWindow, WindowLayout
-from miles.utils.engine_http import post_engine
+from miles.utils.engine_control_http import post_engine
 from miles.utils.weight_checksum import tensor_checksum
 
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from miles.rollout.data_source import RolloutDataSource
-    from miles.rollout.engine_client import EngineClient
+    from miles.rollout.generate_client import GenerateClient
     from miles.rollout.rm_hub.scoring import RewardScorer
 
 
@@ -78,7 +78,7 @@ class MultiTurnSettings:
 
 @dataclass(frozen=True)
 class GenerateContext:
-    """What a generate function gets besides the engine client, the sample and the sampling settings."""
+    """What a generate function gets besides the generate client, the sample and the sampling settings."""
 
     tokenizer: PreTrainedTokenizerBase
     request_id_prefix: str  # e.g. "rollout12" or "eval-aime-12": request ids are `<prefix>-<sample index>...`
@@ -101,7 +101,7 @@ class GenerateFn(Protocol):
     """
 
     def __call__(
-        self, client: EngineClient, sample: Sample, sampling: SamplingSettings, ctx: GenerateContext
+        self, client: GenerateClient, sample: Sample, sampling: SamplingSettings, ctx: GenerateContext
     ) -> Awaitable[Sample]: ...
 
 
@@ -139,7 +139,7 @@ class RolloutSettings:
 class RolloutContext:
     """Everything a whole-rollout function works with. Built by the rollout runner for each call."""
 
-    client: EngineClient
+    client: GenerateClient
     data_source: RolloutDataSource
     settings: RolloutSettings
     generate: GenerateFn

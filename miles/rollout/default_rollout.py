@@ -37,13 +37,8 @@ from miles.rollout.base_types import (
     RolloutContext,
     RolloutOutput,
 )
-from miles.rollout.engine_client import (
-    EngineClient,
-    EngineError,
-    batching,
-    batching_open,
-    expired_in_thread,
-)
+from miles.rollout.generate_batching import batching, batching_open
+from miles.rollout.generate_client import EngineError, GenerateClient, expired_in_thread
 from miles.rollout.metrics import eval_metrics
 from miles.utils.progress import progress_bar
 from miles.utils.types import Sample, SampleStatus
@@ -105,7 +100,7 @@ def _verdict(ctx: RolloutContext, group: list[Sample]) -> FilterResult:
     return FilterResult(keep=out.keep, reason=out.reason or "filtered") if not out.keep else out
 
 
-async def _drain(client: EngineClient, pending: dict[asyncio.Task, list[Sample]]) -> list[list[Sample]]:
+async def _drain(client: GenerateClient, pending: dict[asyncio.Task, list[Sample]]) -> list[list[Sample]]:
     """Stop generation: no new requests, abort in-flight ones on every engine (repeated until all returned,
     for requests that were on their way), and return the groups of the tasks that were pending."""
     if not pending:

@@ -1,7 +1,7 @@
 """The stock single-turn generate function (the default `GenerateFn`) and helpers shared by generate functions.
 
-One generation per sample (`EngineClient.generate`; the stock rollout batches a group's requests, or those of all
-the groups it launches at once when it needs every one of them: see `default_rollout`). Token ids are the currency:
+One generation per sample (`GenerateClient.generate`; the stock rollout batches a group's requests, or those of
+all the groups it launches at once when it needs every one of them: see `default_rollout`). Token ids are the currency:
 the prompt (and any partial response from an aborted earlier attempt) goes as `input_ids`, the response comes back
 as `output_ids` with the sampled tokens' log-probs, and nothing is re-tokenized.
 """
@@ -9,7 +9,7 @@ as `output_ids` with the sampled tokens' log-probs, and nothing is re-tokenized.
 from __future__ import annotations
 
 from miles.rollout.base_types import GenerateContext, SamplingSettings
-from miles.rollout.engine_client import EngineClient, GenerateOutput
+from miles.rollout.generate_client import GenerateClient, GenerateOutput
 from miles.utils.types import Sample, SampleStatus
 
 __all__ = ["SamplingSettings", "apply_output", "generate_single_turn", "request_id"]
@@ -41,7 +41,7 @@ def apply_output(sample: Sample, out: GenerateOutput) -> None:
 
 
 async def generate_single_turn(
-    client: EngineClient, sample: Sample, sampling: SamplingSettings, ctx: GenerateContext
+    client: GenerateClient, sample: Sample, sampling: SamplingSettings, ctx: GenerateContext
 ) -> Sample:
     """Generate (or continue) one response; `sampling.max_new_tokens` bounds the whole response."""
     if sample.is_finished:

@@ -27,8 +27,8 @@ turn, which is what a reward function usually scores); `response` is the decoded
 from __future__ import annotations
 
 from miles.rollout.base_types import GenerateContext, MultiTurnSettings, SamplingSettings
-from miles.rollout.engine_client import EngineClient
 from miles.rollout.generate import FINISH_TO_STATUS, request_id
+from miles.rollout.generate_client import GenerateClient
 from miles.utils.deadline import DeadlineExceeded, call_with_deadline
 from miles.utils.types import Sample, SampleStatus
 
@@ -90,7 +90,7 @@ async def run_tool(settings: MultiTurnSettings, arguments: str, sample: Sample, 
 
 
 async def generate_multi_turn(
-    client: EngineClient, sample: Sample, sampling: SamplingSettings, ctx: GenerateContext
+    client: GenerateClient, sample: Sample, sampling: SamplingSettings, ctx: GenerateContext
 ) -> Sample:
     """Generate (or continue) a multi-turn response with tool calls (see the module docstring)."""
     settings = ctx.multi_turn

@@ -1,6 +1,6 @@
 """`RolloutRunner`: data source -> generate -> filter -> score -> metrics, as a plain object (no Ray).
 
-The runner talks to the engines only over HTTP (one long-lived engine client: the engine itself when there is
+The runner talks to the engines only over HTTP (one long-lived generate client: the engine itself when there is
 one, else the router; engine URLs for aborts), so tests build it against a real embedded engine process or a
 fake HTTP server. The Ray actor in `miles.ray.rollout_manager`
 wraps one. Each `generate` call runs the whole-rollout function (`--rollout-function-path`, by default
@@ -31,7 +31,7 @@ from miles.rollout.base_types import (
     SamplingSettings,
 )
 from miles.rollout.data_source import PromptDataset, RolloutDataSource
-from miles.rollout.engine_client import EngineClient
+from miles.rollout.generate_client import GenerateClient
 from miles.rollout.metrics import rollout_metrics
 from miles.rollout.rm_hub import RewardContext, RewardScorer
 from miles.rollout.seams import Seams, load_seams
@@ -135,7 +135,7 @@ class RolloutRunner:
         transport: httpx.AsyncBaseTransport | None = None,
         via_router: bool = False,
     ) -> None:
-        """`transport` replaces the network for the engine client (tests: an in-process fake engine);
+        """`transport` replaces the network for the generate client (tests: an in-process fake engine);
         `via_router` sends generation through the router instead of straight to the engines."""
         self.transport = transport
         self.via_router = via_router
@@ -164,28 +164,28 @@ class RolloutRunner:
         )
         self._eval_datasets: dict[str, PromptDataset] = {}
         self._states_after: dict[int, RolloutState] = {}  # rollout id -> state_dict() right after it
-        # one event loop and one engine client (connection pool, TLS context) for the runner's lifetime
+        # one event loop and one generate client (connection pool, TLS context) for the runner's lifetime
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._engine_client: EngineClient | None = None
+        self._generate_client: GenerateClient | None = None
 
     def connect(self, router_url: str, engine_urls: list[str], concurrency: int) -> None:
         """Point the runner at its engines (the driver builds the runner while the engines still start; see
-        `miles.ray.rollout_manager`). Only before the first request: the engine client is made on first use."""
-        if self._engine_client is not None:
+        `miles.ray.rollout_manager`). Only before the first request: the generate client is made on first use."""
+        if self._generate_client is not None:
             raise RuntimeError(
-                "RolloutRunner.connect: the engine client already exists (connect before generating)"
+                "RolloutRunner.connect: the generate client already exists (connect before generating)"
             )
         self.router_url, self.engine_urls, self.concurrency = router_url, list(engine_urls), concurrency
 
-    def _run(self, fn: Callable[[EngineClient], Awaitable[T]]) -> T:
+    def _run(self, fn: Callable[[GenerateClient], Awaitable[T]]) -> T:
         """Run `fn(client)` to completion on the runner's long-lived loop and client (made on first use)."""
         if self._loop is None or self._loop.is_closed():
             self._loop = asyncio.new_event_loop()
-            self._engine_client = None
+            self._generate_client = None
         loop = self._loop
-        if self._engine_client is None:
-            self._engine_client = loop.run_until_complete(self._client().__aenter__())
-        client = self._engine_client
+        if self._generate_client is None:
+            self._generate_client = loop.run_until_complete(self._client().__aenter__())
+        client = self._generate_client
         client.resume()
         try:
             return loop.run_until_complete(fn(client))
@@ -194,9 +194,9 @@ class RolloutRunner:
             raise
 
     def close(self) -> None:
-        """Close the engine client and the event loop (idempotent)."""
-        loop, client = self._loop, self._engine_client
-        self._loop = self._engine_client = None
+        """Close the generate client and the event loop (idempotent)."""
+        loop, client = self._loop, self._generate_client
+        self._loop = self._generate_client = None
         if loop is None or loop.is_closed():
             return
         try:
@@ -209,7 +209,7 @@ class RolloutRunner:
     @property
     def generate_requests_sent(self) -> int:
         """POST /generate requests this runner's client has sent (a batch counts once)."""
-        return 0 if self._engine_client is None else self._engine_client.requests_sent
+        return 0 if self._generate_client is None else self._generate_client.requests_sent
 
     def _dataset(self, path: str, input_key: str, label_key: str | None) -> PromptDataset:
         d = self.data_cfg
@@ -223,8 +223,8 @@ class RolloutRunner:
             max_prompt_len=self.rollout_cfg.rollout_max_prompt_len,
         )
 
-    def _client(self) -> EngineClient:
-        return EngineClient(
+    def _client(self) -> GenerateClient:
+        return GenerateClient(
             self.router_url,
             self.engine_urls,
             self.api_key,
@@ -235,7 +235,7 @@ class RolloutRunner:
             via_router=self.via_router,
         )
 
-    def _context(self, client: EngineClient) -> RolloutContext:
+    def _context(self, client: GenerateClient) -> RolloutContext:
         return RolloutContext(
             client=client,
             data_source=self.data_source,

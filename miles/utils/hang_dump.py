@@ -22,7 +22,7 @@ process writes it once continued), or on another host). Best effort: it never ra
 `expired(message, stalled)` is the one place deadline errors get their note: `message` plus the folder (unchanged
 when this process never called `install`); the callers are the deadline errors: `ray_get`/`phase_timeout`
 (rollout, train, refit, save, eval waits of the driver), `EngineTimeout` (engine calls: refit, memory control),
-and the rollout's request deadline (`miles.rollout.engine_client`).
+and the rollout's request deadline (`miles.rollout.generate_client`).
 
 Processes on other hosts (multi-node) cannot be signalled from here: `index.txt` lists them with the command to
 run on their host (`kill -USR1 <pid>`), which appends their stacks to their own file under `logs/stacks/` on

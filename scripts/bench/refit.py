@@ -118,7 +118,7 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
     from miles.refit.buckets import plan_weight_buckets
     from miles.refit.session import RefitSetup
     from miles.refit.tensor_handles import ColocatedWeightUpdater
-    from miles.utils.engine_http import post_to_engines
+    from miles.utils.engine_control_http import post_to_engines
 
     trainer_threads = max(1, (os.cpu_count() or 1) // world)  # what FSDPTrainer sets on CPU
     torch.set_num_threads(trainer_threads)

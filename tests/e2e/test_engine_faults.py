@@ -93,7 +93,7 @@ NO_FT = ["--rollout-request-timeout", "20"]
 def test_without_fault_tolerance_the_fault_is_named(tiny, fault, monkeypatch):
     """Without --use-fault-tolerance the run ends within the request deadline with an error naming the engine
     and the phase. A stopped engine fails the rollout's requests; a killed one refuses connections, so the
-    engine client sends its requests to the other engine and the run ends at the next engine control call
+    generate client sends its requests to the other engine and the run ends at the next engine control call
     (the colocated memory release before training, which first waits for the engines to be idle), which names
     the engine and the endpoint."""
     import time

@@ -11,7 +11,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from miles.utils.engine_http import EngineStatusError, EngineTimeout, EngineUnreachable, post_to_engines
+from miles.utils.engine_control_http import (
+    EngineStatusError,
+    EngineTimeout,
+    EngineUnreachable,
+    post_to_engines,
+)
 from miles.utils.net import free_port
 
 

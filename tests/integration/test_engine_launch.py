@@ -56,8 +56,12 @@ def test_command_lines():
         "miles.engines.sglang_launch",
     ]  # sglang.launch_server, keys from the environment
     assert cmd[3:] == [
-        "--model-path=/m", "--host=127.0.0.1", "--port=1234", "--tp-size=2",
-        "--mem-fraction-static=0.7", "--enable-memory-saver",
+        "--model-path=/m",
+        "--host=127.0.0.1",
+        "--port=1234",
+        "--tp-size=2",
+        "--mem-fraction-static=0.7",
+        "--enable-memory-saver",
     ]  # fmt: skip  (one token per valued flag: a value starting with '-' stays a value)
     local = EngineProcess("/m", kind="local", port=5, api_key="k", local_args={"random_seed": 3}).command()
     assert local[1:3] == ["-m", "miles.engines.local"] and local[-1] == "--random-seed=3"
@@ -138,15 +142,15 @@ def test_router_passthrough(keyed_engine):
         assert router.list_workers() == []
 
 
-def test_engine_client_sends_only_to_engines_the_router_lists(keyed_engine, monkeypatch):
-    """The engine client bypasses sglang-router for generation but reads its worker list (the fault-tolerance
+def test_generate_client_sends_only_to_engines_the_router_lists(keyed_engine, monkeypatch):
+    """The generate client bypasses sglang-router for generation but reads its worker list (the fault-tolerance
     registry): an engine the router does not list gets nothing (here a dead URL, never tried), a request waits
     while no engine is listed and goes out once the router lists one again."""
     import asyncio
     import threading
     import time
 
-    import miles.rollout.engine_client as ec
+    import miles.rollout.generate_client as ec
     from miles.utils.net import free_port
 
     monkeypatch.setattr(ec, "ENGINE_LIST_TTL_S", 0.0)
@@ -154,7 +158,7 @@ def test_engine_client_sends_only_to_engines_the_router_lists(keyed_engine, monk
     with Router([keyed_engine.url]) as router:
 
         async def go() -> list[int]:
-            async with ec.EngineClient(router.url, [dead, keyed_engine.url], None, 60.0, 4) as c:
+            async with ec.GenerateClient(router.url, [dead, keyed_engine.url], None, 60.0, 4) as c:
                 sent = []
                 for i in range(3):
                     out = await c.generate([3, 4], {"max_new_tokens": 2, "ignore_eos": True}, i, "test")
@@ -179,7 +183,7 @@ def test_engine_client_sends_only_to_engines_the_router_lists(keyed_engine, monk
 
 
 def test_batch_generate_equals_single_requests(keyed_engine):
-    """SGLang's batch form (what the rollout's engine client sends for a prompt group: per-item sampling params
+    """SGLang's batch form (what the rollout's generate client sends for a prompt group: per-item sampling params
     and rids) answers a list in the batch's order, each item what the same request alone answers (sampling is
     seeded by the rid). sglang-router refuses this form (422: it takes one rid and one sampling_params), so
     with several engines the client sends batches to the engines itself."""

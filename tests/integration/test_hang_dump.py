@@ -3,7 +3,7 @@ driver-like process each leave every process's stacks in `<run-dir>/logs/hang-<t
 
 The processes are small Python subprocesses that install the dumps as miles processes do; the stalled engine is
 an HTTP server whose handler never answers (it sleeps in `stalled_generate`), called through the real
-`miles.utils.engine_http.request`, whose `EngineTimeout` names the folder and the engine.
+`miles.utils.engine_control_http.request`, whose `EngineTimeout` names the folder and the engine.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def _read(folder: str, role: str) -> str:
 
 
 def test_a_request_deadline_on_a_stalled_engine_dumps_every_process(tmp_path, procs):
-    from miles.utils.engine_http import EngineTimeout, request
+    from miles.utils.engine_control_http import EngineTimeout, request
 
     stacks = hang_dump.stacks_dir_of(str(tmp_path))
     hang_dump.install(stacks, "trainer-actor-rank1")  # this process: the trainer whose refit call times out

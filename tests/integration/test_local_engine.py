@@ -347,7 +347,7 @@ def test_release_while_a_request_runs_is_refused_and_a_control_release_waits_for
     with its words, and /flush_cache answers 400 while a request runs. `EngineMemoryControl.release_memory`
     retries the flush until the engine is idle: it times out naming the engine while the request stays, and
     releases once the request has ended."""
-    from miles.utils import engine_http as eh
+    from miles.utils import engine_control_http as eh
 
     results: dict[str, dict] = {}
     t = _start_long(engine, "long-release", results)

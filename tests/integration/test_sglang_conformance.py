@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from miles.engines.sglang_engine import EngineProcess, engine_launch_kwargs
-from miles.utils.engine_http import bearer, launch_keys
+from miles.utils.engine_control_http import bearer, launch_keys
 from tests.integration._util import free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,12 +173,12 @@ def test_context_errors_match(sglang, local):
 
 
 def test_rollout_generate_through_router(sglang):
-    """The rollout's engine client and the stock single-turn generate function through sglang-router, and its
+    """The rollout's generate client and the stock single-turn generate function through sglang-router, and its
     abort (POST /abort_request {"abort_all": true} with the admin key) on SGLang's own front-end."""
     from miles.engines.router import Router
     from miles.rollout.base_types import GenerateContext, SamplingSettings
-    from miles.rollout.engine_client import EngineClient
     from miles.rollout.generate import generate_single_turn
+    from miles.rollout.generate_client import GenerateClient
     from miles.utils.types import Sample
 
     samples = [Sample(index=i, group_index=i, prompt="", tokens=[3 + i, 4, 5]) for i in range(3)]
@@ -186,7 +186,7 @@ def test_rollout_generate_through_router(sglang):
     ctx = GenerateContext(tokenizer=None, request_id_prefix="conformance")
 
     async def run(router_url: str) -> None:
-        async with EngineClient(router_url, [sglang.url], KEY, timeout=120, concurrency=3) as client:
+        async with GenerateClient(router_url, [sglang.url], KEY, timeout=120, concurrency=3) as client:
             await asyncio.gather(*(generate_single_turn(client, s, settings, ctx) for s in samples))
             await client.abort_all("conformance abort")
 
@@ -202,11 +202,11 @@ def test_rollout_generate_through_router(sglang):
 def test_an_engine_retracting_every_time_ends_the_request_at_its_deadline(sglang):
     """SGLang's decode retraction without a KV backup answers 503 "... Retry later" while /health answers 200
     (after its 1 s one-token check): the request ends at its deadline, naming the engine and SGLang's answer."""
-    from miles.rollout.engine_client import EngineClient, EngineError
+    from miles.rollout.generate_client import EngineError, GenerateClient
     from tests.sglang_conformance.fake_scheduler import RETRACTED_PROMPT
 
     async def run() -> None:
-        async with EngineClient(sglang.url, [sglang.url], KEY, timeout=3, concurrency=1) as client:
+        async with GenerateClient(sglang.url, [sglang.url], KEY, timeout=3, concurrency=1) as client:
             await asyncio.wait_for(
                 client.generate(RETRACTED_PROMPT, {"max_new_tokens": 2}, 0, "conformance"), 60
             )
@@ -256,7 +256,7 @@ def _colocated_body(rank: int, world: int, url: str, model_dir: str) -> None:
     from miles.ray.colocate import MemoryChoreography
     from miles.refit.session import RefitSetup
     from miles.refit.tensor_handles import ColocatedWeightUpdater
-    from miles.utils.engine_http import EngineMemoryControl
+    from miles.utils.engine_control_http import EngineMemoryControl
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     updater = ColocatedWeightUpdater(

@@ -10,7 +10,7 @@ import pytest
 from examples.calculator.build import TOOL_TOKENS, corpus
 from examples.calculator.tool import calculator, calculator_reward
 from miles.rollout.base_types import GenerateContext, MultiTurnSettings, SamplingSettings
-from miles.rollout.engine_client import EngineClient
+from miles.rollout.generate_client import GenerateClient
 from miles.rollout.multi_turn import ToolTimeoutError, generate_multi_turn, parse_tool_call
 from miles.rollout.rm_hub import RewardContext
 from miles.utils.types import Sample, SampleStatus
@@ -45,7 +45,7 @@ def run(tok, engine: FakeEngine, sample: Sample, tool=calculator, max_turns: int
     sampling = SamplingSettings(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=budget)
 
     async def go() -> Sample:
-        async with EngineClient(
+        async with GenerateClient(
             engine.url, [engine.url], None, 30.0, 8, transport=engine.transport
         ) as client:
             return await generate_multi_turn(client, sample, sampling, ctx)

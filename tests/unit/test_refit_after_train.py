@@ -11,7 +11,7 @@ import pytest
 
 from miles.ray.colocate import REFIT_SECONDS, MemoryChoreography, RefitAfterTrain
 from miles.ray.train_group import RefitAfterTrainError, TrainWorker
-from miles.utils.engine_http import EngineUnreachable
+from miles.utils.engine_control_http import EngineUnreachable
 from miles.utils.types import Sample
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from miles.config import parse_config
 from miles.rollout.default_rollout import DynamicSamplingExhausted
-from miles.rollout.engine_client import request_seed
+from miles.rollout.generate_client import request_seed
 from miles.rollout.runner import RolloutRunner
 from miles.utils.types import Sample, SampleStatus
 from tests.fake_engine import FakeEngine, Reply, log_prob_of
@@ -89,9 +89,9 @@ def test_default_rollout_single_turn(tokenizer, data, tmp_path):
     assert engine.posts == 1 and engine.batch_sizes == [8]
     assert runner.generate_requests_sent == 1
     # the next rollout reuses the runner's client and loop: same answers, same batching
-    client = runner._engine_client
+    client = runner._generate_client
     again, _ = runner.generate(1)
-    assert runner._engine_client is client and engine.batch_sizes == [8, 8]
+    assert runner._generate_client is client and engine.batch_sizes == [8, 8]
     assert [s.response for s in again] == [str(i % 4) for i in range(8)]
     runner.close()
     runner.close()  # idempotent
@@ -297,18 +297,19 @@ def test_rollout_state_round_trips_through_json(tokenizer, data):
         a.state_dict(5)
 
 
-def test_engine_client_batches_per_key_and_names_every_sample_on_error():
+def test_generate_client_batches_per_key_and_names_every_sample_on_error():
     """Calls under one `batching` key in the same loop turn share a request (items answered in order, each
     caller its own); calls without a key go alone; a failed batch fails each of its callers naming them all; a
     batch answered with the wrong number of items is an error."""
     import asyncio
 
-    from miles.rollout.engine_client import EngineClient, EngineError, batching
+    from miles.rollout.generate_batching import batching
+    from miles.rollout.generate_client import EngineError, GenerateClient
 
     engine = FakeEngine(lambda ids, sp, rid: Reply([ids[0], 7]))
 
     async def go(keyed: list[list[int]], alone: list[int]) -> list:
-        async with EngineClient(
+        async with GenerateClient(
             "http://router:1", [engine.url], None, 5.0, 16, transport=engine.transport
         ) as c:
 
@@ -348,20 +349,22 @@ def test_engine_client_batches_per_key_and_names_every_sample_on_error():
 async def go_bad(engine, sp, transport=None):
     import asyncio
 
-    from miles.rollout.engine_client import EngineClient, batching
+    from miles.rollout.generate_batching import batching
+    from miles.rollout.generate_client import GenerateClient
 
     url = "http://e:1"
-    async with EngineClient(url, [url], None, 5.0, 16, transport=transport or engine.transport) as c:
+    async with GenerateClient(url, [url], None, 5.0, 16, transport=transport or engine.transport) as c:
         with batching("g"):
             return await asyncio.gather(*(c.generate([p], sp, p, "test", rid=f"r{p}") for p in (10, 11, 12)))
 
 
-def test_engine_client_splits_one_batch_over_the_engines_that_may_take_it():
+def test_generate_client_splits_one_batch_over_the_engines_that_may_take_it():
     """A batch of 7 calls and 3 engines: 3 requests of 3, 2 and 2 calls in arrival order, one per engine; an
     engine set aside takes none (its share goes to the others), and every caller gets its own answer."""
     import asyncio
 
-    from miles.rollout.engine_client import EngineClient, batching
+    from miles.rollout.generate_batching import batching
+    from miles.rollout.generate_client import GenerateClient
 
     engines = [FakeEngine(lambda ids, sp, rid: Reply([ids[0]]), url=f"http://e{i}:1") for i in range(3)]
     by_host = {httpx.URL(e.url).host: e for e in engines}
@@ -371,7 +374,7 @@ def test_engine_client_splits_one_batch_over_the_engines_that_may_take_it():
 
     async def go(set_aside: set[int]) -> list[int]:
         urls = [e.url for e in engines]
-        async with EngineClient(urls[0], urls, None, 5.0, 64, transport=httpx.MockTransport(route)) as c:
+        async with GenerateClient(urls[0], urls, None, 5.0, 64, transport=httpx.MockTransport(route)) as c:
             c._set_aside, c._listed_at = set(set_aside), float("inf")  # no /health probe brings it back
             with batching("wave", per_engine=True):
                 outs = await asyncio.gather(
@@ -387,18 +390,19 @@ def test_engine_client_splits_one_batch_over_the_engines_that_may_take_it():
 
 
 def test_split_evenly():
-    from miles.rollout.engine_client import split_evenly
+    from miles.rollout.generate_batching import split_evenly
 
     assert split_evenly(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
     assert split_evenly([1, 2], 5) == [[1], [2]]
     assert split_evenly([1, 2, 3], 1) == [[1, 2, 3]]
 
 
-def test_engine_client_spreads_batches_over_engines():
+def test_generate_client_spreads_batches_over_engines():
     """Several engines: each batch goes straight to the engine with the fewest generations in flight."""
     import asyncio
 
-    from miles.rollout.engine_client import EngineClient, batching
+    from miles.rollout.generate_batching import batching
+    from miles.rollout.generate_client import GenerateClient
 
     engines = [FakeEngine(lambda ids, sp, rid: Reply([ids[0]]), url=f"http://e{i}:1") for i in range(2)]
     by_host = {httpx.URL(e.url).host: e for e in engines}
@@ -408,7 +412,7 @@ def test_engine_client_spreads_batches_over_engines():
 
     async def go() -> None:
         urls = [e.url for e in engines]
-        async with EngineClient(
+        async with GenerateClient(
             "http://router:1", urls, None, 5.0, 64, transport=httpx.MockTransport(route)
         ) as c:
 

@@ -18,7 +18,8 @@ from miles.engines.router import Router, generation_via_router, merge_args, resi
 from miles.engines.router_args import router_command_args, router_policies
 from miles.preflight import parse_config
 from miles.ray.engine_health import HealthMonitor, HealthSettings
-from miles.rollout.engine_client import EngineClient, batching
+from miles.rollout.generate_batching import batching
+from miles.rollout.generate_client import GenerateClient
 
 BASE = [
     "--hf-checkpoint", "/m", "--prompt-data", "/d.jsonl", "--rm-type", "math", "--num-rollout", "1",
@@ -153,7 +154,7 @@ def _client_calls(via_router: bool) -> list[str]:
         return httpx.Response(200, json=[one] * n if isinstance(body["rid"], list) else one)
 
     async def go():
-        async with EngineClient(
+        async with GenerateClient(
             "http://router:1", ["http://e0:1", "http://e1:1"], None, 5.0, 8,
             transport=httpx.MockTransport(handler), via_router=via_router,
         ) as client:  # fmt: skip

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from miles.tools.gpu_check.common import POWER, CheckResult, Settings, sync
-from miles.utils.engine_http import request
+from miles.utils.engine_control_http import request
 
 if TYPE_CHECKING:
     from miles.backends.fsdp_utils.actor import FSDPTrainer

@@ -1,5 +1,5 @@
-"""The shared engine HTTP client (`miles.utils.engine_http`) against a mock transport: keys, deadlines, success
-checks and errors that name the server, the endpoint, what the call was for and the phase."""
+"""The synchronous engine-control HTTP layer (`miles.utils.engine_control_http`) against a mock transport: keys,
+deadlines, success checks and errors that name the server, the endpoint, what the call was for and the phase."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pickle
 import httpx
 import pytest
 
-from miles.utils import engine_http as eh
+from miles.utils import engine_control_http as eh
 
 
 def _client(handler) -> httpx.Client:

@@ -1,5 +1,6 @@
-"""The one synchronous HTTP layer miles talks to engine servers (and sglang-router) with: keys, deadlines,
-success checks and errors.
+"""Engine control over HTTP: the one synchronous layer the driver (launch, health, memory release and resume,
+`EngineMemoryControl`) and the trainer's refit (through `miles.refit.engine_endpoints`) talk to engine servers
+(and sglang-router) with: keys, deadlines, success checks and errors. Generation is not here.
 
 - Keys: `bearer` builds the Authorization header from a key, `engine_headers` applies SGLang's rule for which
   key an endpoint takes (the admin key on `ADMIN_ENDPOINTS` when one is set, the API key everywhere else);
@@ -12,8 +13,8 @@ success checks and errors.
   `status` (an error status: `EngineStatusError`, with `.status` and `.body`) or `response` (not JSON, or
   SGLang's `success` field false where `require_success` asks for it).
 
-The rollout's async client (`miles.rollout.engine_client`) keeps its own pooled `httpx.AsyncClient` for
-generation and takes its header from `bearer`. Torch-free.
+The rollout's async generation client (`miles.rollout.generate_client.GenerateClient`) keeps its own pooled
+`httpx.AsyncClient` and takes its header from `bearer`. Torch-free.
 """
 
 from __future__ import annotations

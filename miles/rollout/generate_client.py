@@ -1,4 +1,7 @@
-"""The one async HTTP client the rollout side talks to the engines with.
+"""The rollout side's async generation client (`GenerateClient`): the one HTTP client the rollout talks to the
+engines with, for generation and aborts. Engine control (memory, weights, health) goes elsewhere: the driver's
+synchronous calls through `miles.utils.engine_control_http`, the trainer's refit calls through
+`miles.refit.engine_endpoints`.
 
 It knows the router URL, the engine URLs (aborts go to every engine), the API key and the deadlines. Every error
 names the phase, the endpoint (engine or router URL) and, for a generate request, the sample index. Use it as an
@@ -26,36 +29,27 @@ failed it since the last wait, the request waits with backoff (0.2 s doubling, a
 error naming the engine and its last answer. Without a router worker list (a fake or single server), only the
 health probe brings an engine back.
 
-Request batching: `generate` calls made under the same `batch_key` (see `batching`; the stock rollout opens one
-per prompt group, or one for all the groups it launches at once when it needs every one of them) within the same
-event-loop turn go out as one SGLang batch request (`input_ids` a list of prompts, `sampling_params`, `rid` and
-`return_logprob` per item; the answer is a list in the same order) and each caller gets its own item; with
-`per_engine`, as one batch request per engine that may take one (the calls cut in arrival order into that many
-near-equal contiguous chunks). SGLang answers a batch when all its items are done, so only requests that are
-awaited together anyway share one. Calls outside `batching` go alone, and so does every call through the router,
-which takes no batch form.
+Request batching (`miles.rollout.generate_batching`): `generate` calls made under the same `batching` key in the
+same event-loop turn go out as one SGLang batch request; calls outside `batching`, and every call through the
+router, go alone.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
 import hashlib
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TypeVar
 
 import httpx
 
-from miles.utils.engine_http import bearer
+from miles.rollout.generate_batching import Batch, current_batch, split_evenly
+from miles.utils.engine_control_http import bearer
 from miles.utils.hang_dump import expired
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 FINISH_REASONS = ("stop", "length", "abort")
 # Answers that mean "no engine could take it right now" (the router has no live worker, a worker restarts, a
@@ -129,44 +123,6 @@ def request_seed(seed: int, rid: str) -> int:
 ABORTED_BEFORE_SENDING = GenerateOutput(output_ids=[], log_probs=[], text="", finish_reason="abort")
 
 
-@dataclass(frozen=True)
-class _Batch:
-    key: object
-    per_engine: bool  # split into one request per engine that may take one
-
-
-_BATCH: contextvars.ContextVar[_Batch | None] = contextvars.ContextVar("miles_engine_batch", default=None)
-
-
-@contextlib.contextmanager
-def batching(key: object, per_engine: bool = False) -> Iterator[None]:
-    """`generate` calls made inside (including in tasks created inside) may share one batch request with the
-    other calls under the same `key` issued in the same event-loop turn; with `per_engine`, one batch request
-    per engine that may take one (the calls cut in arrival order into that many near-equal contiguous chunks)."""
-    token = _BATCH.set(_Batch(key, per_engine))
-    try:
-        yield
-    finally:
-        _BATCH.reset(token)
-
-
-def batching_open() -> bool:
-    """Whether the calling code (or the task that created it) runs inside `batching`."""
-    return _BATCH.get() is not None
-
-
-def split_evenly(items: list[T], parts: int) -> list[list[T]]:
-    """`items` in order, cut into min(parts, len(items)) contiguous chunks whose sizes differ by at most one."""
-    parts = max(1, min(parts, len(items)))
-    size, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + size + (i < extra)
-        out.append(items[start:end])
-        start = end
-    return out
-
-
 @dataclass
 class _Queued:
     """One generate call waiting to be sent (alone or in a batch)."""
@@ -179,7 +135,7 @@ class _Queued:
     future: asyncio.Future = field(repr=False)
 
 
-class EngineClient:
+class GenerateClient:
     """Async client for the engines behind one router.
 
     `generate` holds at most `concurrency` requests in flight and waits at most `timeout` seconds for each.
@@ -215,17 +171,17 @@ class EngineClient:
         self.seed = seed
         self.via_router = via_router
         if not self.engine_urls:
-            raise ValueError("EngineClient needs at least one engine URL")
+            raise ValueError("GenerateClient needs at least one engine URL")
         self._in_flight = [0] * len(self.engine_urls)  # generations sent to each engine and not yet answered
         self._next_engine = 0
         self._set_aside: set[int] = set()  # engines that failed a request (see the module docstring)
         self._unlisted: set[int] = set()  # engines the router's worker list lacks (taken out by the monitor)
         self._listed_at = float("-inf")  # when the router's worker list was last read
-        self._queues: dict[_Batch, list[_Queued]] = {}
+        self._queues: dict[Batch, list[_Queued]] = {}
         self._sending: set[asyncio.Task] = set()
         self.requests_sent = 0  # POST /generate requests (a batch counts once)
 
-    async def __aenter__(self) -> EngineClient:
+    async def __aenter__(self) -> GenerateClient:
         limits = httpx.Limits(
             max_connections=self.concurrency + 8, max_keepalive_connections=self.concurrency
         )
@@ -250,7 +206,7 @@ class EngineClient:
     @property
     def http(self) -> httpx.AsyncClient:
         if self._http is None:
-            raise RuntimeError("EngineClient used outside `async with`")
+            raise RuntimeError("GenerateClient used outside `async with`")
         return self._http
 
     # ------------------------------------------------------------------------------------------ requests
@@ -342,13 +298,13 @@ class EngineClient:
         also seed its sampling from), sent alone or in a batch with the other calls of its `batching` key."""
         if self._stopped:
             return ABORTED_BEFORE_SENDING
-        assert self._limiter is not None, "EngineClient used outside `async with`"
+        assert self._limiter is not None, "GenerateClient used outside `async with`"
         async with self._limiter:
             if self._stopped:
                 return ABORTED_BEFORE_SENDING
             if rid is not None and self.seed is not None and "sampling_seed" not in sampling_params:
                 sampling_params = {**sampling_params, "sampling_seed": request_seed(self.seed, rid)}
-            batch = None if self.via_router else _BATCH.get()  # the router takes no batch form
+            batch = None if self.via_router else current_batch()  # the router takes no batch form
             item = _Queued(
                 list(input_ids),
                 sampling_params,
@@ -366,7 +322,7 @@ class EngineClient:
                     asyncio.get_running_loop().call_soon(self._flush_when_settled, batch, 1)
             return await item.future
 
-    def _flush_when_settled(self, batch: _Batch, seen: int) -> None:
+    def _flush_when_settled(self, batch: Batch, seen: int) -> None:
         """Send `batch`'s queue once an event-loop turn passes without a new arrival."""
         queue = self._queues.get(batch, [])
         if len(queue) > seen:

@@ -1,4 +1,4 @@
-"""EngineClient: transient failures (connection refused, 502/503/504) are retried with backoff within the
+"""GenerateClient: transient failures (connection refused, 502/503/504) are retried with backoff within the
 request's deadline; other errors are not; an expired deadline names the phase, URL, sample and the engines that do
 not answer /health."""
 
@@ -10,14 +10,15 @@ import json
 import httpx
 import pytest
 
-from miles.rollout.engine_client import EngineClient, EngineError, batching
+from miles.rollout.generate_batching import batching
+from miles.rollout.generate_client import EngineError, GenerateClient
 
 OK = {"text": "7", "output_ids": [7], "meta_info": {"finish_reason": {"type": "stop"}}}
 
 
 def run(handler, timeout: float = 5.0, engines: tuple[str, ...] = ("http://e0:1",)):
     async def go():
-        async with EngineClient(
+        async with GenerateClient(
             "http://router:1", list(engines), None, timeout, 4, transport=httpx.MockTransport(handler)
         ) as client:
             return await client.generate([1, 2], {"max_new_tokens": 1}, 3, "rollout generate (rollout0)")
@@ -87,7 +88,7 @@ def test_abort_skips_an_unreachable_engine_but_not_an_error():
         return httpx.Response(200 if request.url.host == "e0" else 401, text="")
 
     async def go(engines):
-        async with EngineClient(
+        async with GenerateClient(
             "http://r:1", engines, None, 5.0, 4, transport=httpx.MockTransport(handler)
         ) as c:
             await c.abort_all("rollout abort")
@@ -120,13 +121,13 @@ class Fleet:
 
 
 def test_a_dead_engine_is_set_aside_and_comes_back_only_when_the_router_lists_it_again(monkeypatch):
-    import miles.rollout.engine_client as ec
+    import miles.rollout.generate_client as ec
 
     monkeypatch.setattr(ec, "ENGINE_LIST_TTL_S", 0.0)  # read the router's list before every request
     fleet = Fleet()
 
     async def go():
-        async with EngineClient(
+        async with GenerateClient(
             "http://router:1", ["http://e0:1", "http://e1:1"], None, 5.0, 4,
             transport=httpx.MockTransport(fleet.handler),
         ) as c:  # fmt: skip
@@ -160,7 +161,7 @@ def test_a_batch_in_flight_on_an_engine_that_dies_is_answered_by_another():
     fleet.dead.add("http://e0:1")
 
     async def go():
-        async with EngineClient(
+        async with GenerateClient(
             "http://router:1", ["http://e0:1", "http://e1:1"], None, 5.0, 8,
             transport=httpx.MockTransport(fleet.handler),
         ) as c:  # fmt: skip
@@ -200,7 +201,7 @@ def test_an_engine_answering_503_forever_ends_the_request_at_its_deadline(engine
         return httpx.Response(503, text=RETRACTED)
 
     async def go():
-        async with EngineClient(
+        async with GenerateClient(
             "http://router:1", list(engines), None, 3.0, 4, transport=httpx.MockTransport(handler)
         ) as client:
             return await asyncio.wait_for(
@@ -233,7 +234,7 @@ def test_a_request_an_engine_refused_goes_to_another_at_once(monkeypatch):
     """One engine answers 503 forever while its /health answers 200 (so every probe readmits it), the other is
     busy: a request the first refused goes to the busy one, not back to the one that refused it (which has fewer
     requests in flight) until a backoff has passed."""
-    import miles.rollout.engine_client as ec
+    import miles.rollout.generate_client as ec
 
     monkeypatch.setattr(ec, "ENGINE_LIST_TTL_S", 0.0)  # probe the set-aside engine before every pick
     posts: list[str] = []
@@ -248,7 +249,7 @@ def test_a_request_an_engine_refused_goes_to_another_at_once(monkeypatch):
         return httpx.Response(200, json=OK)
 
     async def go():
-        async with EngineClient(
+        async with GenerateClient(
             "http://router:1", ["http://e0:1", "http://e1:1"], None, 30.0, 4,
             transport=httpx.MockTransport(handler),
         ) as c:  # fmt: skip
