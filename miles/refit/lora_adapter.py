@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from miles.utils.types import JSON
@@ -64,7 +64,9 @@ def adapter_names_in(models: JSON) -> list[str]:
     return [str(c["id"]) for c in cards if isinstance(c, dict) and c.get("parent") and "id" in c]
 
 
-def write_adapter(root: str, name: str, tensors: dict[str, torch.Tensor], config: dict[str, JSON]) -> str:
+def write_adapter(
+    root: str, name: str, tensors: dict[str, torch.Tensor], config: Mapping[str, object]
+) -> str:
     """Write a PEFT adapter directory `root/name` atomically; returns its absolute path."""
     from safetensors.torch import save_file
 
@@ -101,7 +103,7 @@ class AdapterRefitter:
         self,
         base: RefitSource,
         adapters: Callable[[], dict[str, torch.Tensor]],
-        config: dict[str, JSON],
+        config: Mapping[str, object],
         version: str,
         engine_urls: list[str],
         resume_tags: Sequence[str] = (),
@@ -131,7 +133,7 @@ class AdapterRefitter:
     def _load(
         self,
         tensors: dict[str, torch.Tensor],
-        config: dict[str, JSON],
+        config: Mapping[str, object],
         version: str,
         urls: list[str],
         restarted: bool,

@@ -286,7 +286,7 @@ class FSDPTrainer(PolicyBackend):
             model, lora.lora_rank, lora.lora_alpha, lora.lora_dropout, self.config.model.hf_checkpoint
         )
         tensors = lambda: gathered_adapters(model, self.param_dtype)  # noqa: E731 - collective, run by the refit
-        self._adapter_refit.update(BaseView(model), tensors, dict(config), version, engine_urls, resume_tags)
+        self._adapter_refit.update(BaseView(model), tensors, config, version, engine_urls, resume_tags)
 
     def _refit_source(self) -> torch.nn.Module | MergedView:
         """What refits and HF exports read: the model, or with LoRA its merged view (base names, W + s*B@A)."""

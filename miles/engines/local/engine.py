@@ -375,14 +375,14 @@ class LocalEngine(WeightControl):
 
     def model_cards(self) -> dict[str, JSON]:
         """Body of GET /v1/models (SGLang's): the base model, then every loaded adapter (its `parent`)."""
-        base = {
+        base: dict[str, JSON] = {
             "id": self.model_path,
             "object": "model",
             "root": self.model_path,
             "max_model_len": self.context_len,
         }
         cards: list[JSON] = [base]
-        for name, a in self.adapters.loaded.items():
+        for name, a in list(self.adapters.loaded.items()):  # a copy: loads run on the scheduler thread
             cards.append({"id": name, "object": "model", "root": a.path, "parent": self.model_path})
         return {"object": "list", "data": cards}
 

@@ -17,12 +17,10 @@ import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-
-from miles.utils.types import JSON
 
 if TYPE_CHECKING:
     from torch import nn
@@ -52,7 +50,7 @@ class Adapter:
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def read_peft_dir(path: str) -> tuple[dict[str, JSON], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+def read_peft_dir(path: str) -> tuple[dict[str, Any], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """(adapter_config, {module: (A, B)}) of a PEFT adapter directory; ValueError naming what is missing."""
     from safetensors.torch import load_file
 
@@ -131,11 +129,11 @@ class LoraAdapters:
                     f"lora_path {name!r} is not a loaded LoRA adapter; loaded: {sorted(self.loaded)}"
                 )
 
-    def for_rows(self, decode: list[BatchRow], prompts: list[BatchRow]) -> LoraBatch | None:
-        """The adapters of one packed forward (decode rows, one token each, then prompt rows' tokens, in
+    def for_rows(self, decode: list[BatchRow], buckets: list[list[BatchRow]]) -> LoraBatch | None:
+        """The adapters of one packed forward (decode rows, one token each, then the prompt buckets' tokens, in
         `PoolRunner._pack`'s order); None when no row names one."""
         per_token: list[str | None] = [r.req.lora_path for r in decode]
-        for r in prompts:
+        for r in (r for bucket in buckets for r in bucket):
             per_token += [r.req.lora_path] * len(r.token_ids)
         if not any(per_token):
             return None

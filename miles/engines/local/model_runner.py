@@ -163,7 +163,7 @@ def _shared_prompts(rows: list[BatchRow]) -> tuple[list[BatchRow], list[tuple[Ba
     times, so this feeds each distinct prompt once (what SGLang's radix cache gets from its prefix tree)."""
     fed: list[BatchRow] = []
     same_as: list[tuple[BatchRow, BatchRow]] = []
-    first_of: dict[tuple[int, ...], BatchRow] = {}
+    first_of: dict[tuple[str | int | None, ...], BatchRow] = {}
     for r in rows:
         if r.start != 0:
             fed.append(r)
@@ -380,7 +380,7 @@ class PoolRunner:
         picked = [last[id(r)] for r in batch.rows if r.sample]
         picked_t = None if picked == list(range(len(ids))) else torch.tensor(picked, device=dev)
         copies = [(first.slot, r.slot, len(r.token_ids)) for r, first in same_as]
-        lora = self.adapters and self.adapters.for_rows(decode, [r for bucket in buckets for r in bucket])
+        lora = None if self.adapters is None else self.adapters.for_rows(decode, buckets)
         return _Packed(ids_t, positions, kv_index, groups, picked_t, copies, lora)
 
     def _layer(
