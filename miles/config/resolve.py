@@ -114,6 +114,20 @@ def _sglang_args(v: Values) -> None:
     v.values["sglang_args"] = args
 
 
+def _lora_refit(v: Values) -> None:
+    """--lora-refit auto: adapter unless the engines are external; adapter refits with launched SGLang engines
+    need SGLang's LoRA flags (--enable-lora, --max-lora-rank, --lora-target-modules all: a superset of ours)."""
+    if v["lora_rank"] == 0 or "sglang_args" in v.bad:
+        return
+    if v["lora_refit"] == "auto":
+        v.set_derived("lora_refit", "merged" if v["rollout_external"] else "adapter")
+    if v["lora_refit"] == "adapter" and not v["rollout_external"]:
+        args = v.values["sglang_args"]
+        args.setdefault("enable_lora", True)
+        args.setdefault("max_lora_rank", str(v["lora_rank"]))
+        args.setdefault("lora_target_modules", "all")
+
+
 def _refit_timeout(v: Values) -> None:
     """--refit-timeout defaults below --train-timeout (derived from it): lowering one never trips the other."""
     if v.values["refit_timeout"] is None and "refit_timeout" not in v.bad:
@@ -130,5 +144,6 @@ RESOLVERS: list[Rule] = [
     _lr_decay_iters,
     _run_dir,
     _sglang_args,
+    _lora_refit,
     _refit_timeout,
 ]

@@ -376,7 +376,8 @@ class CriticConfig:
 
 @section
 class LoraConfig:
-    """LoRA adapters on the policy: only adapters train; refits send merged weights; the reference is the base."""
+    """LoRA adapters on the policy: only adapters train; refits send the adapter (or merged weights); the
+    reference is the base."""
 
     lora_rank: int = opt(0, "LoRA rank; 0: full fine-tuning", ge=0)
     lora_alpha: float = opt(16.0, "LoRA alpha (the update is scaled by alpha / rank)", gt=0)
@@ -385,6 +386,13 @@ class LoraConfig:
         "names of the nn.Linear modules that get adapters ('all-linear': every Linear but the LM head)",
     )
     lora_dropout: float = opt(0.0, "dropout on the adapter input", ge=0, lt=1)
+    lora_refit: str = opt(
+        "auto",
+        "what a LoRA refit ships: adapter (only the adapter, applied unmerged by the engines; launched SGLang "
+        "engines get --enable-lora), merged (W + alpha/r * B@A under the base names); auto: adapter unless the "
+        "engines are external (--rollout-external: miles cannot know they run with --enable-lora)",
+        choices=("auto", "adapter", "merged"),
+    )
 
 
 @section

@@ -76,6 +76,7 @@ class MemoryChoreography:
         critic: Trainer | None = None,
         trainer_offload: bool = True,
         released: list[str] | tuple[str, ...] = (),
+        keep_weights: bool = False,
     ) -> None:
         """`trainer_offload`: the trainers' sleep/wake move their state off/onto the devices the engines use
         (GPU); False on CPU, where both are no-ops (see the module docstring). `released`: the tags the engines
@@ -87,14 +88,16 @@ class MemoryChoreography:
         self.engine_urls = list(engine_urls)
         self.trainer_offload = trainer_offload
         self.released: set[str] = set(released)  # fresh engines hold everything
+        # --lora-refit adapter: the engines keep the frozen base resident (a refit ships only the adapter)
+        self.release_tags = [t for t in MEMORY_TAGS if not (keep_weights and t == "weights")]
 
     def before_train(self) -> None:
         """Colocated: the engines give the devices back (all tags), then the critic (when there is one, it
         trains first) or the trainer onloads (not on CPU: see the module docstring)."""
         if not self.colocate:
             return
-        self.engines.release_memory(list(MEMORY_TAGS))
-        self.released = set(MEMORY_TAGS)
+        self.engines.release_memory(list(self.release_tags))
+        self.released = set(self.release_tags)
         if self.trainer_offload:
             (self.critic or self.trainer).wake_up()
 

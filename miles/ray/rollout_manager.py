@@ -46,6 +46,7 @@ class RolloutManager:
             via_router=generation_via_router(
                 cfg.router.router_policy, cfg.router.sglang_router_ip is not None
             ),
+            lora_adapters=cfg.lora.lora_rank > 0 and cfg.lora.lora_refit == "adapter",
         )
 
     def connect(self, router_url: str, engine_urls: list[str]) -> None:

@@ -180,6 +180,7 @@ class GenerateClient:
         self._queues: dict[Batch, list[_Queued]] = {}
         self._sending: set[asyncio.Task] = set()
         self.requests_sent = 0  # POST /generate requests (a batch counts once)
+        self.lora_path: str | None = None  # --lora-refit adapter: every request's adapter (set by the runner)
 
     async def __aenter__(self) -> GenerateClient:
         limits = httpx.Limits(
@@ -360,6 +361,8 @@ class GenerateClient:
             if not all(r is not None for r in rids):
                 rids = [r if r is not None else f"{rids[0]}-b{i}" for i, r in enumerate(rids)]
             payload["rid"] = rids[0] if single else rids
+        if self.lora_path is not None:
+            payload["lora_path"] = self.lora_path
         try:
             if self.via_router:
                 url = f"{self.router_url}/generate"

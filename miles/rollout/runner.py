@@ -118,6 +118,27 @@ def dump_samples(path: Path, samples: list[Sample]) -> None:
     os.replace(tmp, path)
 
 
+async def serving_adapter(client: GenerateClient) -> str:
+    """The newest miles LoRA adapter the engines list (`GET /v1/models`; see `miles.refit.lora_adapter`).
+    RuntimeError when none lists one: rolling out with the base model instead would go unnoticed."""
+    from miles.refit.lora_adapter import adapter_names_in, newest_adapter
+
+    names: list[str] = []
+    for url in client.engine_urls:
+        try:
+            resp = await client.http.get(f"{url}/v1/models", timeout=30.0)
+            names += adapter_names_in(resp.json()) if resp.is_success else []
+        except (httpx.HTTPError, ValueError):
+            continue  # an engine that is down serves nothing; the others decide
+    newest = newest_adapter(names)
+    if newest is None:
+        raise RuntimeError(
+            f"--lora-refit adapter: no engine of {client.engine_urls} lists a miles LoRA adapter on GET /v1/models "
+            "(was the refit skipped, or were the SGLang engines started without --enable-lora?)"
+        )
+    return newest
+
+
 class RolloutRunner:
     """Generates training rollouts and evaluations against the engines behind `router_url`."""
 
@@ -134,11 +155,14 @@ class RolloutRunner:
         dump_dir: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         via_router: bool = False,
+        lora_adapters: bool = False,
     ) -> None:
         """`transport` replaces the network for the generate client (tests: an in-process fake engine);
-        `via_router` sends generation through the router instead of straight to the engines."""
+        `via_router` sends generation through the router instead of straight to the engines; `lora_adapters`
+        (--lora-refit adapter): every request names the LoRA adapter the engines serve (`serving_adapter`)."""
         self.transport = transport
         self.via_router = via_router
+        self.lora_adapters = lora_adapters
         self.data_cfg, self.rollout_cfg, self.eval_cfg = data_cfg, rollout_cfg, eval_cfg
         self.tokenizer = tokenizer
         self.router_url, self.engine_urls = router_url, list(engine_urls)
@@ -187,6 +211,8 @@ class RolloutRunner:
             self._generate_client = loop.run_until_complete(self._client().__aenter__())
         client = self._generate_client
         client.resume()
+        if self.lora_adapters:  # asked before every rollout: a refit loads a new adapter between two
+            client.lora_path = loop.run_until_complete(serving_adapter(client))
         try:
             return loop.run_until_complete(fn(client))
         except BaseException:

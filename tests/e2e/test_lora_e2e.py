@@ -1,7 +1,8 @@
 """--lora-rank through the whole system (colocated, embedded engine), in one run that is resumed once: the LoRA
-policy learns the tiny task with adapter-only optimizer state, refits send merged weights that the engine holds
-bit-equal to the trainer's (--check-weight-update-equal compares per-tensor checksums after every refit, in
-fp32), the engine's log-probs equal the adapted trainer's, and the run resumes from its checkpoint.
+policy learns the tiny task with adapter-only optimizer state, refits ship the adapter alone (--lora-refit
+adapter, the default: the first refit pushes the frozen base, which --check-weight-update-equal checks, then only
+lora_A/lora_B, which the engine applies unmerged), the engine's log-probs equal the adapted trainer's, and the run
+resumes from its checkpoint.
 
 The model is the tiny Qwen3 at hidden size 256, not the default 64: at 64 the echo task is learned mostly through
 the tied 48-token embedding, which LoRA keeps frozen (measured with miles.tools.check_learnability, 40 steps, chat
@@ -68,9 +69,11 @@ def test_lora_run_learns_refits_exactly_and_resumes(tiny):
     assert sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3 >= 0.3, rewards
     assert rows[0]["train/kl_loss"] == 0.0  # the reference is the base, and the adapters start at B = 0
     assert rows[-1]["train/kl_loss"] > 0.0  # the adapters moved the policy; the reference stayed the base
+    # adapter refits: each version loaded under its own name, the previous one unloaded and its directory deleted
+    assert os.listdir(os.path.join(run_dir, "lora_adapters")) == [f"miles-lora-v{ROLLOUTS}"]
     for r in rows:
         assert r["train/first_mb_ppo_kl_abs_max"] == 0.0
-        assert r["train/train_rollout_logprob_abs_diff"] <= 1e-5  # the engine samples from the merged weights
+        assert r["train/train_rollout_logprob_abs_diff"] <= 1e-5  # the engine samples with the adapter
 
     # the checkpoint holds the adapters and their optimizer state only: no state for any base weight
     keys = (
@@ -83,7 +86,7 @@ def test_lora_run_learns_refits_exactly_and_resumes(tiny):
     assert model_keys and all(k.endswith(("lora_A", "lora_B")) for k in model_keys), model_keys[:5]
     assert optim_keys and all(".lora_A." in k or ".lora_B." in k for k in optim_keys), optim_keys[:5]
 
-    # resumed: the adapters and their optimizer state come back, the refit sends the merged weights again
+    # resumed: the adapters and their optimizer state come back, the fresh engines get the base and the adapter
     assert main(_argv(model, data, run_dir, ROLLOUTS + 1, ["--load", ckpt])) == 0
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == list(range(ROLLOUTS + 1))

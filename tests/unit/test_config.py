@@ -126,7 +126,7 @@ def test_section_field_names_are_the_agreed_ones() -> None:
         "mis_level mis_lower mis_upper custom_tis_function_path use_rollout_logprobs calculate_per_token_loss "
         "loss_reduction loss_reduction_constant custom_loss_function_path",
         "critic": "critic_load critic_lr critic_lr_warmup_iters num_critic_only_steps value_clip",
-        "lora": "lora_rank lora_alpha lora_target_modules lora_dropout",
+        "lora": "lora_rank lora_alpha lora_target_modules lora_dropout lora_refit",
         "eval": "eval_prompt_data eval_interval n_samples_per_eval_prompt eval_max_response_len eval_temperature "
         "eval_top_p eval_top_k eval_input_key eval_label_key skip_eval_before_train eval_function_path",
         "log": "use_wandb use_tensorboard progress wandb_project wandb_group wandb_key wandb_mode run_dir "

@@ -102,6 +102,25 @@ def test_lora_reference_is_the_base():
     parse_config(BASE + ["--ref-load", "/r"])  # without LoRA a separate reference is fine
 
 
+def test_lora_refit_ships_the_adapter_unless_engines_are_external():
+    cfg = parse_config(BASE + ["--lora-rank", "8"])
+    assert (
+        cfg.lora.lora_refit == "adapter"
+    )  # auto: miles launches the engines, so it gives SGLang its LoRA flags
+    args = cfg.engine.sglang_args
+    assert (args["enable_lora"], args["max_lora_rank"], args["lora_target_modules"]) == (True, "8", "all")
+    merged = parse_config(BASE + ["--lora-rank", "8", "--lora-refit", "merged"])
+    assert merged.lora.lora_refit == "merged" and "enable_lora" not in merged.engine.sglang_args
+    external = ["--rollout-external-engine-addrs", "127.0.0.1:30000", "--lora-rank", "8"]
+    base = [a for a in BASE if a != "--colocate"]  # external engines are never colocated
+    cfg = parse_config(base + external)
+    assert cfg.lora.lora_refit == "merged" and "enable_lora" not in cfg.engine.sglang_args
+    assert parse_config(base + external + ["--lora-refit", "adapter"]).lora.lora_refit == "adapter"
+    assert "enable_lora" not in parse_config(BASE).engine.sglang_args  # no LoRA: nothing added
+    with pytest.raises(ConfigError, match="--lora-refit"):
+        parse_config(BASE + ["--lora-rank", "8", "--lora-refit", "both"])
+
+
 def test_trainer_algo_builds_the_records_and_resolves_custom_functions_once(tmp_path, monkeypatch):
     from miles.algo import MIS, OPSM, TIS, CustomMismatch, KLPenalty, LossReduction, TISAndMIS, compute_loss
     from miles.backends.fsdp_utils.rollout_batch import trainer_algo

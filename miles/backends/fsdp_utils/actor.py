@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from miles.backends.fsdp_utils.state import ModelKwargs
     from miles.config import Config
     from miles.config.sections import LoraConfig
+    from miles.refit.lora_adapter import AdapterRefitter
     from miles.refit.refitter import Refitter
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class FSDPTrainer(PolicyBackend):
         # rb.old_log_probs_from_training_forward); tests switch it off to compare against the separate pass
         self.reuse_training_forward = True
         self._refitter: Refitter | None = None  # built at the first refit
+        self._adapter_refit: AdapterRefitter | None = None  # --lora-refit adapter: built with the refitter
         start = self.state.resume()
         self.algo = rb.trainer_algo(cfg)  # the loss records and the user functions, resolved once
         return start
@@ -263,9 +265,28 @@ class FSDPTrainer(PolicyBackend):
 
             ps = self.ps
             self._refitter = make_refitter(self.config, ps.rank, ps.world_size, ps.is_cuda, self.param_dtype)
-        self._refitter.update(self._refit_source(), weight_version, engine_urls, resume_tags)
+            if self.lora and self.config.lora.lora_refit == "adapter":
+                from miles.refit.lora_adapter import AdapterRefitter
+
+                self._adapter_refit = AdapterRefitter(self._refitter, self.config.log.run_dir)
+        if self._adapter_refit is not None:
+            self._update_adapter(weight_version, engine_urls, resume_tags)
+        else:
+            self._refitter.update(self._refit_source(), weight_version, engine_urls, resume_tags)
         if was_offloaded:
             self.sleep()
+
+    def _update_adapter(self, version: str, engine_urls: list[str], resume_tags: Sequence[str]) -> None:
+        """--lora-refit adapter: the base once, then only the adapter (`miles.refit.lora_adapter`)."""
+        from miles.backends.fsdp_utils.lora import BaseView, adapter_config, gathered_adapters
+
+        assert self._adapter_refit is not None
+        lora, model = self.config.lora, self.model
+        config = adapter_config(
+            model, lora.lora_rank, lora.lora_alpha, lora.lora_dropout, self.config.model.hf_checkpoint
+        )
+        tensors = lambda: gathered_adapters(model, self.param_dtype)  # noqa: E731 - collective, run by the refit
+        self._adapter_refit.update(BaseView(model), tensors, config, version, engine_urls, resume_tags)
 
     def _refit_source(self) -> torch.nn.Module | MergedView:
         """What refits and HF exports read: the model, or with LoRA its merged view (base names, W + s*B@A)."""

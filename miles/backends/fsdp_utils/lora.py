@@ -12,7 +12,9 @@ The base weights are never modified:
 - refits (and --save-hf) read `MergedView(model)`, whose state dict yields, under the base names, lazily merged
   tensors ``W + scaling * B @ A`` computed OUT OF PLACE into a new tensor when the weight updater materialises
   them (bucket by bucket, in the same order on every rank: the all-gathers are collective). lora_A / lora_B are
-  not sent: engines need no LoRA support.
+  not sent: engines need no LoRA support (--lora-refit merged);
+- adapter-only refits (--lora-refit adapter, `miles.refit.lora_adapter`) read `BaseView(model)` once and
+  `gathered_adapters(model)` at every refit: the engines apply the adapter unmerged.
 """
 
 from __future__ import annotations
@@ -196,6 +198,33 @@ class MergedView:
                 continue
             out[name] = merged.get(name, t)
         return out
+
+
+class BaseView:
+    """The LoRA model's frozen base under its HF names (adapters left out, nothing merged): what an adapter-only
+    refit (--lora-refit adapter) sends once, to engines that do not hold the base yet."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        state = self.model.state_dict(keep_vars=True)
+        return {n: t for n, t in state.items() if not n.endswith(("lora_A", "lora_B"))}
+
+
+PEFT_PREFIX = "base_model.model."  # peft's tensor names: base_model.model.<module>.lora_A.weight
+
+
+def gathered_adapters(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every adapter as a full CPU tensor under peft's name, cast to `dtype` (None: as trained). Collective when
+    sharded (two all-gathers per layer, in module order on every rank)."""
+    out = {}
+    for name, layer in model.named_modules():
+        if isinstance(layer, LoRALinear):
+            for part in ("lora_A", "lora_B"):
+                t = _full(layer.get_parameter(part))
+                out[f"{PEFT_PREFIX}{name}.{part}.weight"] = t.to("cpu", dtype or t.dtype).contiguous()
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints

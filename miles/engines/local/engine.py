@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
-from miles.engines.local.control import Reply, WeightControl
+from miles.engines.local.control import RefitRefused, Reply, WeightControl
 from miles.engines.local.engine_loop import EngineLoop
-from miles.engines.local.model_runner import make_runner
+from miles.engines.local.lora import LoraAdapters
+from miles.engines.local.model_runner import PoolRunner, make_runner
 from miles.engines.local.output import GenerateAnswer
 from miles.engines.local.sampling import SamplingParams
 from miles.engines.local.weights import EngineNotReady, WeightStore
@@ -34,7 +35,15 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # /generate fields: used, accepted but irrelevant here (routing/metadata), or accepted only at their neutral value
-_GEN_USED = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "return_text_in_logprobs"}
+_GEN_USED = {
+    "text",
+    "input_ids",
+    "sampling_params",
+    "rid",
+    "return_logprob",
+    "return_text_in_logprobs",
+    "lora_path",
+}
 _GEN_IGNORED = {
     "log_metrics", "data_parallel_rank", "routed_dp_rank", "priority", "session_id", "routing_key",
     "conversation_id", "custom_labels", "no_logs", "extra_key", "modalities", "background", "received_time",
@@ -42,7 +51,7 @@ _GEN_IGNORED = {
 }  # fmt: skip
 _GEN_NEUTRAL: dict[str, JSON] = {
     "stream": False, "logprob_start_len": -1, "top_logprobs_num": 0, "token_ids_logprob": None,
-    "return_hidden_states": False, "return_routed_experts": False, "return_entropy": False, "lora_path": None,
+    "return_hidden_states": False, "return_routed_experts": False, "return_entropy": False,
     "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None,
     "custom_logit_processor": None, "session_params": None, "return_prompt_token_ids": False,
     "return_bytes": False,  # added by sglang-router
@@ -63,6 +72,23 @@ def _check_generate_fields(body: dict[str, JSON]) -> None:
             errors.append(f"{key}={value!r} is not supported by the embedded engine (only {neutral!r})")
     if errors:
         raise ValueError("/generate: " + "; ".join(errors) + f"; supported fields: {sorted(_GEN_USED)}")
+
+
+class LoraReply(TypedDict):
+    """SGLang's `LoRAUpdateOutput`: the answer of /load_lora_adapter and /unload_lora_adapter."""
+
+    success: bool
+    error_message: str | None
+    loaded_adapters: dict[str, str]  # name -> path
+
+
+def _lora_paths(given: JSON, n: int) -> list[str | None]:
+    """A /generate body's `lora_path` per prompt: one name (or null) for all, or a list of n."""
+    if given is None or isinstance(given, str):
+        return [given] * n
+    if isinstance(given, list) and len(given) == n and all(g is None or isinstance(g, str) for g in given):
+        return [g if isinstance(g, str) else None for g in given]
+    raise ValueError(f"lora_path must be a LoRA adapter name, null, or a list of {n} of them; got {given!r}")
 
 
 def _device(name: str) -> torch.device:
@@ -174,6 +200,9 @@ class LocalEngine(WeightControl):
         self._groups_lock = threading.Lock()
         self._window_plan = None
         self._window = None
+        self.adapters = LoraAdapters(self.model, self.dtype, self.device)  # /load_lora_adapter (lora.py)
+        if isinstance(self.runner, PoolRunner):
+            self.runner.adapters = self.adapters
         # `scheduler` is the loop thread around the pure scheduler (`self.scheduler.core`)
         self.scheduler = EngineLoop(
             runner=self.runner,
@@ -253,10 +282,12 @@ class LocalEngine(WeightControl):
         for ids, p in zip(token_ids, params):
             self._check_context(len(ids), p.max_new_tokens)
         with_text = bool(body.get("return_text_in_logprobs", False))
+        loras = _lora_paths(body.get("lora_path"), n)
+        self.adapters.check(loras)
         futures: list[Future[GenerateAnswer]] = []
         try:
-            for r, ids, p, lp in zip(rids, token_ids, params, rls):
-                futures.append(self.scheduler.submit(r, ids, p, bool(lp), with_text))
+            for r, ids, p, lp, lora in zip(rids, token_ids, params, rls, loras):
+                futures.append(self.scheduler.submit(r, ids, p, bool(lp), with_text, lora))
         except Exception:
             for r in rids[: len(futures)]:  # all or nothing: withdraw the part of the batch already queued
                 self.run("abort", rid=r)
@@ -300,6 +331,8 @@ class LocalEngine(WeightControl):
             "get_weights_by_name": self._op_get_weights_by_name,
             "weights_checker": self._op_weights_checker,
             "destroy_weights_update_group": self._op_destroy_weights_update_group,
+            "load_lora_adapter": self._op_load_lora_adapter,
+            "unload_lora_adapter": self._op_unload_lora_adapter,
         }
 
     def run(self, op: str, **kwargs: JSON) -> Future[object]:
@@ -320,6 +353,38 @@ class LocalEngine(WeightControl):
     def _op_continue(self) -> Reply:
         self.scheduler.set_paused(None)
         return {"success": True, "message": "generation continued"}
+
+    def _op_load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> LoraReply:
+        if not isinstance(self.runner, PoolRunner):
+            raise ValueError(
+                "LoRA adapters need the KV-pool runner; this model runs the full-forward fallback"
+            )
+        self.adapters.load(lora_name, lora_path)
+        return self._lora_reply()
+
+    def _op_unload_lora_adapter(self, lora_name: str) -> LoraReply:
+        users = self.scheduler.requests_using(lora_name)
+        if users:  # SGLang waits for them; the refit unloads only between rollouts, so none should run
+            raise RefitRefused(f"LoRA adapter {lora_name!r} is used by {users} running or waiting requests")
+        self.adapters.unload(lora_name)
+        return self._lora_reply()
+
+    def _lora_reply(self) -> LoraReply:
+        loaded = {name: a.path for name, a in self.adapters.loaded.items()}
+        return {"success": True, "error_message": None, "loaded_adapters": loaded}
+
+    def model_cards(self) -> dict[str, JSON]:
+        """Body of GET /v1/models (SGLang's): the base model, then every loaded adapter (its `parent`)."""
+        base: dict[str, JSON] = {
+            "id": self.model_path,
+            "object": "model",
+            "root": self.model_path,
+            "max_model_len": self.context_len,
+        }
+        cards: list[JSON] = [base]
+        for name, a in list(self.adapters.loaded.items()):  # a copy: loads run on the scheduler thread
+            cards.append({"id": name, "object": "model", "root": a.path, "parent": self.model_path})
+        return {"object": "list", "data": cards}
 
     def _set_version(self, weight_version: str | None) -> None:
         if weight_version is not None:

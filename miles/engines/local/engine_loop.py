@@ -87,6 +87,7 @@ class EngineLoop:
         params: SamplingParams,
         return_logprob: bool,
         return_text_in_logprobs: bool = False,
+        lora_path: str | None = None,
     ) -> Future[GenerateAnswer]:
         """Queue a request; its future resolves to the SGLang-style answer dict."""
         self._check_size(input_ids, params.max_new_tokens)
@@ -97,6 +98,7 @@ class EngineLoop:
             params,
             return_logprob,
             return_text_in_logprobs,
+            lora_path,
             rng=request_rng(self.random_seed, rid, params.sampling_seed),
             future=Future(),
         )
@@ -118,6 +120,11 @@ class EngineLoop:
             raise ValueError(
                 f"prompt ({n} tokens) + max_new_tokens ({max_new_tokens}) exceeds --max-total-tokens={cap}"
             )
+
+    def requests_using(self, lora_path: str) -> int:
+        """Requests in flight (queued, waiting or running) that run with LoRA adapter `lora_path`."""
+        with self._cond:
+            return sum(r.lora_path == lora_path for r in self._inflight.values())
 
     def call(self, fn: Callable[[], object]) -> Future[object]:
         """Run `fn()` on the scheduler thread between forward passes; the future gets its result."""

@@ -13,11 +13,11 @@ group of rows against the pool in place:
   prefix plus themselves.
 `NoCacheRunner` is the fallback for other architectures: a full forward over each row's whole sequence.
 Both are device-agnostic (the pool lives on the model's device); only the logits of sampling rows come back.
+LoRA adapters (`lora.py`) add their deltas, unmerged, to the projections of the rows that name one.
 
 On CPU in float32, given the engine's `WeightStore`, `PoolRunner` multiplies by oneDNN-packed copies of the
-layers' projections (see `fused.py`; those of at least `PACK_MIN_ELEMENTS` weights: below, oneDNN's per-call
-overhead of a few microseconds outweighs its gain): packed at the first forward after every change the store
-reports, dropped at the change itself (a release frees them at once).
+layers' projections (`fused.py`; those of at least `PACK_MIN_ELEMENTS` weights: below, oneDNN's per-call overhead
+outweighs its gain): packed at the first forward after every change the store reports, dropped at the change.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from miles.engines.local.kv_pool import KVPool
 from miles.engines.local.scheduler import Batch, BatchRow
 
 if TYPE_CHECKING:
+    from miles.engines.local.lora import LoraAdapters, LoraBatch
     from miles.engines.local.weights import WeightStore
 
 logger = logging.getLogger(__name__)
@@ -162,12 +163,12 @@ def _shared_prompts(rows: list[BatchRow]) -> tuple[list[BatchRow], list[tuple[Ba
     times, so this feeds each distinct prompt once (what SGLang's radix cache gets from its prefix tree)."""
     fed: list[BatchRow] = []
     same_as: list[tuple[BatchRow, BatchRow]] = []
-    first_of: dict[tuple[int, ...], BatchRow] = {}
+    first_of: dict[tuple[str | int | None, ...], BatchRow] = {}
     for r in rows:
         if r.start != 0:
             fed.append(r)
             continue
-        first = first_of.setdefault(tuple(r.token_ids), r)
+        first = first_of.setdefault((r.req.lora_path, *r.token_ids), r)  # same adapter too
         if first is r:
             fed.append(r)
         else:
@@ -209,6 +210,7 @@ class _Packed:
     # (source slot, destination slot, tokens) to copy after the layers: prompt rows fed as a copy of an identical
     # row's keys/values instead of their own tokens (see `_shared_prompts`)
     copies: list[tuple[int, int, int]]
+    lora: LoraBatch | None = None  # the LoRA adapters of rows that name one (miles.engines.local.lora)
 
 
 @dataclass
@@ -282,6 +284,7 @@ class PoolRunner:
             self._prepack = [p for p, n in sizes if n >= pack_min_elements]
             weights.on_change(self.drop_prepacked)
         self._prepacked = False
+        self.adapters: LoraAdapters | None = None  # set by an engine serving LoRA adapters
         self.decode_attention: cpu_attention.DecodeAttention | None = None
         if decode_kernel and emb.device.type == "cpu" and emb.dtype == torch.float32:
             self.decode_attention = cpu_attention.load_decode_attention(
@@ -377,7 +380,8 @@ class PoolRunner:
         picked = [last[id(r)] for r in batch.rows if r.sample]
         picked_t = None if picked == list(range(len(ids))) else torch.tensor(picked, device=dev)
         copies = [(first.slot, r.slot, len(r.token_ids)) for r, first in same_as]
-        return _Packed(ids_t, positions, kv_index, groups, picked_t, copies)
+        lora = None if self.adapters is None else self.adapters.for_rows(decode, buckets)
+        return _Packed(ids_t, positions, kv_index, groups, picked_t, copies, lora)
 
     def _layer(
         self,
@@ -390,7 +394,8 @@ class PoolRunner:
     ) -> torch.Tensor:
         """One decoder layer over the packed tokens; writes their keys/values into the pool."""
         n_tok, d, half, heads = hidden.shape[0], self.head_dim, self.head_dim // 2, self.num_heads
-        qkv = refs.qkv(refs.input_norm(hidden))  # [N, (H + 2 KVH) * D]
+        lora, x_in = packed.lora, refs.input_norm(hidden)
+        qkv = refs.qkv(x_in) if lora is None else lora.add(li, "qkv", x_in, refs.qkv(x_in))  # [N, (H+2KVH)*D]
         qk = qkv[:, : (heads + self.kv_heads) * d].view(n_tok, heads + self.kv_heads, d)
         v = qkv[:, (heads + self.kv_heads) * d :].view(n_tok, self.kv_heads, d)
         if refs.q_norm is not None:  # per-head RMSNorm of q and k: one normalisation, then each part's weight
@@ -409,9 +414,13 @@ class PoolRunner:
             offset += g.tokens
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         hidden = refs.o_proj(out, residual=hidden)
+        hidden = hidden if lora is None else lora.add(li, "o", out, hidden)
         x = refs.post_norm(hidden)
         if refs.gate is None or refs.up is None or refs.down is None:  # all or none
             return hidden + refs.mlp(x)
+        if lora is not None:  # the adapters' deltas enter before the SiLU and the product: unfused
+            y = F.silu(lora.add(li, "gate", x, refs.gate(x))) * lora.add(li, "up", x, refs.up(x))
+            return lora.add(li, "down", y, refs.down(y, residual=hidden))
         # down(silu(gate(x)) * up(x)), the Llama-family MLP; gate and up as two matmuls, not one over their
         # concatenation: each weight is half the size (on CPU, 512x1536 twice is ~15% faster than 512x3072); the
         # SiLU, the product and the residual add ride on the matmuls (fused when packed)
@@ -488,8 +497,7 @@ class NoCacheRunner:
 
     uses_kv_cache = False
 
-    def active_decode_kernel(self) -> None:
-        """The full forward has no decode attention of its own."""
+    def active_decode_kernel(self) -> None:  # the full forward has no decode attention of its own
         return None
 
     def __init__(self, model: nn.Module):

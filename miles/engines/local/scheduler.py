@@ -49,6 +49,7 @@ class Request:
     params: SamplingParams
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
+    lora_path: str | None = None  # the LoRA adapter the request runs with (None: the base model)
     # the sampler's per-request RNG (the engine loop seeds it); the scheduler never reads it
     rng: random.Random = field(default_factory=random.Random)
     # the engine loop's handle for the answer; the scheduler never reads it

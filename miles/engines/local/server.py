@@ -80,6 +80,8 @@ _ADMIN_POSTS: list[tuple[str, str, set[str]]] = [
     ("/destroy_weights_update_group", "destroy_weights_update_group", {"group_name"}),
     ("/get_weights_by_name", "get_weights_by_name", {"name", "truncate_size"}),
     ("/weights_checker", "weights_checker", {"action", "allow_quant_error", "skip_tensor_list", "selector"}),
+    ("/load_lora_adapter", "load_lora_adapter", {"lora_name", "lora_path", "pinned"}),
+    ("/unload_lora_adapter", "unload_lora_adapter", {"lora_name"}),
     # miles-only (no SGLang counterpart): the shared-memory weight window, see miles.engines.local.window
     ("/weight_window_layout", "weight_window_layout", set()),
     (
@@ -246,6 +248,10 @@ def create_app(
     @app.get("/get_model_info")
     async def get_model_info() -> JSONResponse:
         return JSONResponse(engine.model_info())
+
+    @app.get("/v1/models")
+    async def v1_models() -> JSONResponse:
+        return JSONResponse(engine.model_cards())
 
     @app.get("/server_info")
     @app.get("/get_server_info")
