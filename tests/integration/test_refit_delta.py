@@ -115,7 +115,9 @@ def test_delta_refit_sends_only_changes_and_leaves_engines_bit_equal(engines, tm
 
     model_dir, procs = engines
     out = str(tmp_path / "log.json")
-    run_distributed(_body, 2, model_dir, [p.url for p in procs], [p.proc.pid for p in procs], out, init_pg=False)
+    run_distributed(
+        _body, 2, model_dir, [p.url for p in procs], [p.proc.pid for p in procs], out, init_pg=False
+    )
     log = json.load(open(out))
     assert [e["version"] for e in log] == [f"v{i}" for i in range(1, 9)]
     full = log[0]["perf/refit_bytes_full"]
