@@ -240,6 +240,23 @@ def _transfer_mode(v: Values) -> None:
         )
 
 
+def _update_weight_delta(v: Values) -> None:
+    if v["update_weight_delta"] == "none":
+        return
+    if v["colocate"]:
+        v.fail(
+            "update_weight_delta",
+            "a delta refit is for the broadcast transport, but --colocate refits through tensor handles or a "
+            "shared weight window (nothing to save); use none",
+        )
+    elif v["update_weight_transfer_mode"] == "tensor":
+        v.fail(
+            "update_weight_delta",
+            "a delta refit is for the broadcast transport, not --update-weight-transfer-mode tensor; use "
+            "broadcast (or auto on GPU) or none",
+        )
+
+
 def _deadlines(v: Values) -> None:
     if v["refit_timeout"] >= v["train_timeout"]:
         v.fail(
@@ -407,6 +424,7 @@ RULES: list[Rule] = [
     _engine,
     _external_engines,
     _transfer_mode,
+    _update_weight_delta,
     _deadlines,
     _sampling,
     _optim,

@@ -279,6 +279,13 @@ class TrainConfig:
         "group: NCCL on GPU, gloo on CPU), auto (tensor when colocated or on CPU, else broadcast)",
         choices=("auto", "tensor", "broadcast"),
     )
+    update_weight_delta: str = opt(
+        "none",
+        "broadcast refits: changed sends only the tensors that changed since the version every engine "
+        "acknowledged (engines that declare support: the embedded engine; SGLang engines get full refits); "
+        "none sends everything",
+        choices=("none", "changed"),
+    )
     ref_update_interval: int | None = opt(
         None, "copy policy weights into the reference every N rollouts", ge=1
     )

@@ -104,7 +104,8 @@ class TrainWorker:
         refit: RefitAfterTrain | None = None,
     ) -> dict[str, float]:
         """Train the policy on this rank's samples; with `refit`, then refit the engines in the same call (its
-        seconds under `REFIT_SECONDS`; a failure there raises `RefitAfterTrainError`)."""
+        seconds under `REFIT_SECONDS`, its `perf/refit_*` beside them; a failure there raises
+        `RefitAfterTrainError`)."""
         backend = self._policy
         metrics = (
             backend.train(rollout_id, samples)
@@ -115,13 +116,15 @@ class TrainWorker:
             return metrics
         start = time.perf_counter()
         try:
-            backend.update_weights(refit.engine_urls, refit.weight_version, resume_tags=refit.resume_tags)
+            refit_metrics = backend.update_weights(
+                refit.engine_urls, refit.weight_version, resume_tags=refit.resume_tags
+            )
         except Exception as e:  # noqa: BLE001 - re-raised naming the phase; the cause stays attached
             raise RefitAfterTrainError(
                 f"training rank {self.rank}: phase 'refit' (weight version {refit.weight_version}, run at the end "
                 f"of the train call of rollout {rollout_id}, after training succeeded): {type(e).__name__}: {e}"
             ) from e
-        return {**metrics, REFIT_SECONDS: time.perf_counter() - start}
+        return {**metrics, **(refit_metrics or {}), REFIT_SECONDS: time.perf_counter() - start}
 
     def train_values(self, rollout_id: int, samples: list[Sample]) -> ValueTrainResult:
         """Train the value model on this rank's samples: its metrics and the values GAE used."""

@@ -4,7 +4,8 @@ rank over a side process group (`miles.utils.side_group`), NCCL on GPU and gloo 
 Per refit, inside one SGLang weight-update session per engine (``/begin_weight_update`` ...
 ``/end_weight_update``, see `miles.refit.session`), rank 0 announces each bucket's
 names/dtypes/shapes (``/update_weights_from_distributed``) and broadcasts its tensors in that order; then every
-engine must report the new ``weight_version`` (and with ``check_equal`` the trainer's checksums).
+engine must report the new ``weight_version`` (and with ``check_equal`` the trainer's checksums). With a delta
+mode (--update-weight-delta, `miles.refit.delta`) rank 0 leaves out the tensors every engine already holds.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from miles.refit.buckets import Bucket, RefitJob, stream_buckets
+from miles.refit.delta import DeltaTracker, probe_bases
 from miles.refit.engine_endpoints import begin_sessions, end_sessions, verify_refit
 from miles.refit.session import RefitSetup, WeightUpdater
 from miles.utils.engine_control_http import post_engine
@@ -65,6 +67,7 @@ class DistributedWeightUpdater(WeightUpdater):
         master_port: int | None = None,
         group_name: str = "miles_weights_update",
         backend: str | None = None,
+        delta: str = "none",
     ) -> None:
         if not setup.engine_urls:
             raise ValueError("DistributedWeightUpdater: engine_urls is empty")
@@ -77,6 +80,8 @@ class DistributedWeightUpdater(WeightUpdater):
         self._group: dist.ProcessGroup | None = None
         self.members: list[str] = []  # engines in the current group, in rank order
         self._lost: set[str] = set()  # members restarted since they joined (they no longer hold the group)
+        self.delta = DeltaTracker(delta)  # what each engine acknowledged (rank 0); --update-weight-delta
+        self.last_metrics: dict[str, float] = {}  # the last refit's perf/refit_* (rank 0)
         # one thread per engine request, plus one for joining the group while the requests wait for it
         self._pool = ThreadPoolExecutor(
             max_workers=len(self.engine_urls) + 1, thread_name_prefix="miles-refit"
@@ -96,8 +101,10 @@ class DistributedWeightUpdater(WeightUpdater):
         self.run_agreed(self.rank == 0, fn)
 
     def engines_restarted(self, urls: list[str]) -> None:
-        """``urls`` were restarted: they left the group with their old process (the next refit regroups)."""
+        """``urls`` were restarted: they left the group with their old process (the next refit regroups) and
+        hold none of the weights they acknowledged (the next refit sends them everything)."""
         self._lost.update(self.targets(urls))
+        self.delta.forget(urls)
 
     def connect(self, engines: list[str] | None = None) -> None:
         """Create the update group with ``engines`` (None: all). Collective over the training ranks."""
@@ -145,20 +152,38 @@ class DistributedWeightUpdater(WeightUpdater):
             self.disconnect()
             self.connect(targets)
         urls, headers, timeout, version = self.members, self.headers, self.timeout_s, job.weight_version
+        delta = self.delta
+        self._on_rank0(lambda: delta.begin(self._delta_bases(urls, version), version))
         self._on_rank0(lambda: begin_sessions(urls, headers, timeout, version))
         checksums: dict[str, str] | None = {} if self.check_equal and self.rank == 0 else None
 
         def send(bucket: Bucket, index: int, is_last: bool) -> None:
-            self._on_rank0(lambda: self._broadcast(bucket, index, is_last, version))
+            self._on_rank0(lambda: self._broadcast(delta.select(bucket), index, is_last, version))
 
         try:
-            n_buckets = stream_buckets(job, checksums, send)
-        finally:
-            self._on_rank0(lambda: end_sessions(urls, headers, timeout, version))
-        self._on_rank0(lambda: verify_refit(urls, version, headers, timeout, checksums))
+            try:
+                n_buckets = stream_buckets(job, checksums, send)
+            finally:
+                self._on_rank0(lambda: end_sessions(urls, headers, timeout, version))
+            self._on_rank0(lambda: verify_refit(urls, version, headers, timeout, checksums))
+        except BaseException:
+            delta.forget(urls)  # what they hold is unknown: the next refit sends them everything
+            raise
+        delta.acknowledge(version)
+        self.last_metrics = delta.stats.metrics()
         return n_buckets
 
+    def _delta_bases(self, urls: list[str], version: str) -> dict[str, str | None]:
+        """Per engine, the version it declares intact for a delta (no call when deltas are off)."""
+        if self.delta.mode == "none":
+            return dict.fromkeys(urls)
+        return probe_bases(urls, self.headers, self.timeout_s, version)
+
     def _broadcast(self, bucket: Bucket, index: int, is_last: bool, version: str) -> None:
+        """Announce and broadcast ``bucket``; an empty one (a delta left it all out) is skipped, unless it is
+        the last, whose request still sets the version and flushes the cache."""
+        if not bucket and not is_last:
+            return
         body = {
             "names": [n for n, _ in bucket],
             "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],

@@ -11,6 +11,7 @@ restarted ones, under fault tolerance) tells it which engines are new processes.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from miles.utils.engine_control_http import EngineMemoryControl, bearer
 if TYPE_CHECKING:
     from miles.config import Config
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class RefitSettings:
@@ -43,6 +46,7 @@ class RefitSettings:
     timeout_s: float  # deadline of each engine call of a refit (below the driver's wait: the engine is named)
     check_equal: bool  # --check-weight-update-equal: compare per-tensor checksums after each refit
     resume_timeout_s: float  # --rollout-request-timeout: the deadline of resuming engine memory
+    delta: str = "none"  # --update-weight-delta: none or changed (broadcast only, `miles.refit.delta`)
 
     @classmethod
     def from_config(cls, cfg: Config) -> RefitSettings:
@@ -55,6 +59,7 @@ class RefitSettings:
             timeout_s=cfg.train.refit_timeout,
             check_equal=cfg.engine.check_weight_update_equal,
             resume_timeout_s=float(cfg.rollout.rollout_request_timeout),
+            delta=cfg.train.update_weight_delta,
         )
 
 
@@ -100,6 +105,12 @@ class Refitter:
             transport.engines_restarted(urls)
         return transport.update(source, self.settings.bucket_bytes, version, dtype=self.dtype, engines=urls)
 
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        """The last refit's ``perf/refit_*`` (bytes and tensors sent) where the transport counts them (the
+        broadcast's rank 0); else empty."""
+        return dict(getattr(self.transport, "last_metrics", {}))
+
     def _engine_memory(self, urls: list[str]) -> EngineMemoryControl:
         return EngineMemoryControl(urls, self.settings.api_key, self.settings.resume_timeout_s)
 
@@ -116,6 +127,12 @@ class Refitter:
             check_equal=s.check_equal,
         )
         if self.transfer_mode == "tensor":
+            if s.delta != "none" and self.rank == 0:
+                logger.warning(
+                    "--update-weight-delta %s: the refit goes through tensor handles, every tensor "
+                    "is sent (a delta is for the broadcast transport)",
+                    s.delta,
+                )
             if s.colocate and not self.is_cuda and self._all_engines_have_windows(urls):
                 return WindowWeightUpdater(setup)
             return ColocatedWeightUpdater(setup)
@@ -123,7 +140,8 @@ class Refitter:
         address: list[str | None] = [os.environ["MASTER_ADDR"] if self.rank == 0 else None]
         dist.broadcast_object_list(address, src=0)
         assert address[0] is not None
-        updater = DistributedWeightUpdater(setup, address[0], backend="nccl" if self.is_cuda else "gloo")
+        backend = "nccl" if self.is_cuda else "gloo"
+        updater = DistributedWeightUpdater(setup, address[0], backend=backend, delta=s.delta)
         updater.connect()
         return updater
 

@@ -116,6 +116,7 @@ def test_section_field_names_are_the_agreed_ones() -> None:
         "router": "router_policy sglang_router_ip sglang_router_port router_args",
         "train": "train_backend global_batch_size micro_batch_size use_dynamic_batch_size max_tokens_per_gpu "
         "balance_data context_parallel_size fsdp_cpu_offload update_weight_buffer_size update_weight_transfer_mode "
+        "update_weight_delta "
         "ref_update_interval "
         "train_timeout refit_timeout",
         "optim": "optimizer lr min_lr lr_decay_style lr_decay_iters lr_warmup_iters lr_warmup_fraction "

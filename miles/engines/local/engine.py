@@ -411,6 +411,9 @@ class LocalEngine(WeightControl):
         kernel = self.runner.active_decode_kernel()  # how decode steps attend now: the CPU kernel or matmuls
         secs = stats["decode_seconds"]
         stats["decode_tokens_per_s"] = stats["decode_tokens"] / secs if secs > 0 else 0.0
+        # miles-only (no SGLang counterpart): this engine takes delta refits (miles.refit.delta), which leave out
+        # tensors it holds; the version it serves with every tensor loaded since its last resume, else null
+        intact = None if self.weights.released or self.weights.pending else self.weight_version
         return {
             "engine": "miles-local",
             "model_path": self.model_path,
@@ -430,6 +433,7 @@ class LocalEngine(WeightControl):
             "context_length": self.context_len,
             "chunked_prefill_size": self.config.chunked_prefill_size,
             "weight_version": self.weight_version,
+            "refit_delta_version": intact,
             "paused": self.scheduler.paused,
             "weights_released": self.weights.released,
             "kv_cache_released": self.kv_released,
