@@ -136,7 +136,8 @@ def _rollout_quantization(v: Values) -> None:
     checkpoint that declares it); a pass-through flag that says otherwise is refused."""
     args = v.values["sglang_args"]
     if v.values["rollout_fp8_scale_format"] is None:
-        deep_gemm = str(args.get("moe_runner_backend", "")) == "deep_gemm"
+        fp8 = v.values["rollout_weight_quantization"] == "fp8"
+        deep_gemm = fp8 and str(args.get("moe_runner_backend", "")) == "deep_gemm"
         v.set_derived("rollout_fp8_scale_format", "ue8m0" if deep_gemm else "float")
     if v.values["rollout_weight_quantization"] != "fp8" or "sglang_args" in v.bad:
         return
@@ -153,14 +154,15 @@ def _rollout_quantization(v: Values) -> None:
     except ValueError as e:
         v.fail("sglang_args", f"--sglang-json-model-override-args is not JSON: {e}")
         return
-    if not isinstance(overrides, dict) or "quantization_config" in overrides:
+    wanted = fp8_quantization_config(v.values["rollout_fp8_scale_format"])
+    if not isinstance(overrides, dict) or overrides.get("quantization_config", wanted) != wanted:
         v.fail(
             "rollout_weight_quantization",
             "sets the engines' quantization_config itself; drop quantization_config from "
             "--sglang-json-model-override-args",
         )
         return
-    overrides["quantization_config"] = fp8_quantization_config(v.values["rollout_fp8_scale_format"])
+    overrides["quantization_config"] = wanted  # (a resolved config read back holds it already)
     args["quantization"] = "fp8"
     args["json_model_override_args"] = json.dumps(overrides, separators=(",", ":"))
 

@@ -192,7 +192,7 @@ def _engine(v: Values) -> None:
 
 
 def _rollout_quantization(v: Values) -> None:
-    if v["rollout_weight_quantization"] is None and v.is_set("rollout_fp8_scale_format"):
+    if v["rollout_weight_quantization"] is None and v["rollout_fp8_scale_format"] != "float":
         v.fail("rollout_fp8_scale_format", "applies to FP8 rollout: add --rollout-weight-quantization fp8")
 
 

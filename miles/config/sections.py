@@ -234,7 +234,7 @@ class EngineConfig:
     )
     rollout_fp8_scale_format: str = resolved(
         "with --rollout-weight-quantization fp8: float (amax/448) or ue8m0 (rounded up to a power of two, for "
-        "DeepGEMM); default ue8m0 with --sglang-moe-runner-backend deep_gemm, else float",
+        "DeepGEMM); default ue8m0 with fp8 and --sglang-moe-runner-backend deep_gemm, else float",
         choices=("float", "ue8m0"),
     )
     sglang_mem_fraction_static: float | None = opt(

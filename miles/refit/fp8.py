@@ -28,7 +28,7 @@ BLOCK = 128
 SCALE_SUFFIX = "_scale_inv"
 SCALE_FORMATS = ("float", "ue8m0")
 FLAG = "--rollout-weight-quantization"
-_EPS = {"float": 1e-10, "ue8m0": 1e-4}  # amax floor of each scale format (an all-zero block's scale comes from it)
+_EPS = {"float": 1e-10, "ue8m0": 1e-4}  # amax floor per scale format (an all-zero block's scale)
 
 # the HF names of the linear layers whose weights are quantized (attention and MLP projections, fused or not);
 # embeddings, norms, lm_head, biases and routers stay as they are
@@ -53,7 +53,9 @@ def ceil_pow2(x: torch.Tensor) -> torch.Tensor:
     return (exponent.clamp(1, 254) << 23).view(torch.float32)
 
 
-def quantize_block_fp8(weight: torch.Tensor, scale_format: str = "float") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_block_fp8(
+    weight: torch.Tensor, scale_format: str = "float"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` (2-D, floating) as ``(e4m3 values of its shape, float32 scales (ceil(M/128), ceil(N/128)))``
     by the rules of the module docstring."""
     if scale_format not in SCALE_FORMATS:
@@ -89,7 +91,9 @@ def dequantize_block_fp8(
     m, n = q.shape
     mb, nb = -(-m // BLOCK), -(-n // BLOCK)
     if tuple(scale.shape) != (mb, nb):
-        raise ValueError(f"block scales {tuple(scale.shape)} do not fit a {m}x{n} weight: expected ({mb}, {nb})")
+        raise ValueError(
+            f"block scales {tuple(scale.shape)} do not fit a {m}x{n} weight: expected ({mb}, {nb})"
+        )
     full = scale.float().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:m, :n]
     return (q.float() * full).to(dtype)
 

@@ -57,7 +57,9 @@ class RefitSettings:
             check_equal=cfg.engine.check_weight_update_equal,
             resume_timeout_s=float(cfg.rollout.rollout_request_timeout),
             fp8_scale_format=(
-                cfg.engine.rollout_fp8_scale_format if cfg.engine.rollout_weight_quantization == "fp8" else None
+                cfg.engine.rollout_fp8_scale_format
+                if cfg.engine.rollout_weight_quantization == "fp8"
+                else None
             ),
         )
 

@@ -116,8 +116,13 @@ def test_only_linear_projection_weights_are_quantized():
     assert is_quantized("model.layers.0.self_attn.q_proj.weight", w2)
     assert is_quantized("model.layers.3.mlp.down_proj.weight", w2)
     assert is_quantized("model.layers.3.mlp.gate_up_proj.weight", w2)
-    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
-                 "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_norm.weight"):
+    for name in (
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.norm.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.self_attn.q_norm.weight",
+    ):
         assert not is_quantized(name, w2), name  # fmt: skip
     assert not is_quantized("model.layers.0.self_attn.q_proj.bias", w1)
     assert not is_quantized("model.layers.0.self_attn.q_proj.weight", w2.long())

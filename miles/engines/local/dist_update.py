@@ -100,7 +100,7 @@ def receive_tensors(
         raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}, {len(dtypes)}, {len(shapes)}")
     specs = [(n, parse_dtype(d), tuple(int(x) for x in s)) for n, d, s in zip(names, dtypes, shapes)]
     for n, _, s in specs:
-        if not n.endswith("_scale_inv"):  # block scales of an FP8 weight (miles.refit.fp8) have their own shape
+        if not n.endswith("_scale_inv"):  # an FP8 weight's block scales (miles.refit.fp8): their own shape
             weights.validate(n, torch.empty(s, dtype=torch.float32, device="meta"))
     fp8 = any(dtype == torch.float8_e4m3fn for _, dtype, _ in specs)
     received = []
