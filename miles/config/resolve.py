@@ -7,6 +7,7 @@ validated Config holds no None in a field declared `resolved` (`miles.config.sec
 
 from __future__ import annotations
 
+import json
 import time
 
 from miles.config.algo_names import default_policy_loss
@@ -128,6 +129,58 @@ def _lora_refit(v: Values) -> None:
         args.setdefault("lora_target_modules", "all")
 
 
+def fp8_quantization_config(scale_format: str) -> dict[str, object]:
+    """The ``quantization_config`` of a block-FP8 checkpoint whose weights a `miles.refit.fp8` refit sends
+    (what SGLang's Fp8Config reads from config.json; ``scale_fmt`` marks power-of-two scales)."""
+    config: dict[str, object] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
+    if scale_format == "ue8m0":
+        config["scale_fmt"] = "ue8m0"
+    return config
+
+
+def _rollout_quantization(v: Values) -> None:
+    """--rollout-fp8-scale-format defaults to ue8m0 under DeepGEMM's MoE runner; with
+    --rollout-weight-quantization fp8, launched SGLang engines get ``--quantization fp8`` and the FP8
+    ``quantization_config`` by ``--json-model-override-args`` (SGLang builds block-FP8 layers only for a
+    checkpoint that declares it); a pass-through flag that says otherwise is refused."""
+    args = v.values["sglang_args"]
+    if v.values["rollout_fp8_scale_format"] is None:
+        fp8 = v.values["rollout_weight_quantization"] == "fp8"
+        deep_gemm = fp8 and str(args.get("moe_runner_backend", "")) == "deep_gemm"
+        v.set_derived("rollout_fp8_scale_format", "ue8m0" if deep_gemm else "float")
+    if v.values["rollout_weight_quantization"] != "fp8" or "sglang_args" in v.bad:
+        return
+    quantization = str(args.get("quantization", "fp8"))
+    if quantization != "fp8":
+        v.fail(
+            "rollout_weight_quantization",
+            f"SGLang engines must load FP8 weights, but --sglang-quantization={quantization!r}: drop it or use fp8",
+        )
+        return
+    override = args.get("json_model_override_args") or "{}"
+    try:
+        overrides = json.loads(str(override))
+    except ValueError as e:
+        v.fail("sglang_args", f"--sglang-json-model-override-args is not JSON: {e}")
+        return
+    wanted = fp8_quantization_config(v.values["rollout_fp8_scale_format"])
+    if not isinstance(overrides, dict) or overrides.get("quantization_config", wanted) != wanted:
+        v.fail(
+            "rollout_weight_quantization",
+            "sets the engines' quantization_config itself; drop quantization_config from "
+            "--sglang-json-model-override-args",
+        )
+        return
+    overrides["quantization_config"] = wanted  # (a resolved config read back holds it already)
+    args["quantization"] = "fp8"
+    args["json_model_override_args"] = json.dumps(overrides, separators=(",", ":"))
+
+
 def _refit_timeout(v: Values) -> None:
     """--refit-timeout defaults below --train-timeout (derived from it): lowering one never trips the other."""
     if v.values["refit_timeout"] is None and "refit_timeout" not in v.bad:
@@ -145,5 +198,6 @@ RESOLVERS: list[Rule] = [
     _run_dir,
     _sglang_args,
     _lora_refit,
+    _rollout_quantization,
     _refit_timeout,
 ]

@@ -191,6 +191,11 @@ def _engine(v: Values) -> None:
         )
 
 
+def _rollout_quantization(v: Values) -> None:
+    if v["rollout_weight_quantization"] is None and v["rollout_fp8_scale_format"] != "float":
+        v.fail("rollout_fp8_scale_format", "applies to FP8 rollout: add --rollout-weight-quantization fp8")
+
+
 def _external_engines(v: Values) -> None:
     """--rollout-external-engine-addrs: given with --rollout-external; they take no local placement. (Each
     address's form is checked by `miles.preflight.server_flags`.)"""
@@ -422,6 +427,7 @@ RULES: list[Rule] = [
     _critic,
     _lora,
     _engine,
+    _rollout_quantization,
     _external_engines,
     _transfer_mode,
     _update_weight_delta,

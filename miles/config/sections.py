@@ -226,6 +226,17 @@ class EngineConfig:
     check_weight_update_equal: bool = opt(
         False, "after every refit, compare per-tensor checksums of trainer and engines (/weights_checker)"
     )
+    rollout_weight_quantization: str | None = opt(
+        None,
+        "quantize the linear layers' weights at each refit for the engines: fp8 (e4m3, 128x128 block scales, "
+        "SGLang's weight_scale_inv layout); None: send them as trained",
+        choices=("fp8",),
+    )
+    rollout_fp8_scale_format: str = resolved(
+        "with --rollout-weight-quantization fp8: float (amax/448) or ue8m0 (rounded up to a power of two, for "
+        "DeepGEMM); default ue8m0 with fp8 and --sglang-moe-runner-backend deep_gemm, else float",
+        choices=("float", "ue8m0"),
+    )
     sglang_mem_fraction_static: float | None = opt(
         None, "SGLang: fraction of GPU memory for weights + KV cache", gt=0, lt=1
     )

@@ -11,8 +11,10 @@ The trainer calls one thing: `miles.refit.refitter.make_refitter(config, rank, w
 - transports: `tensor_handles` (CUDA IPC / shared memory, colocated), `window` (a shared-memory weight window
   per embedded engine, colocated on CPU), `broadcast` (a side process group, disaggregated);
 - `engine_endpoints`: the trainer's side of the engine's refit endpoints (session, versions, checksums);
-- `window_layout`: the window layout the embedded engine (`miles.engines.local`) shares with the trainer.
+- `window_layout`: the window layout the embedded engine (`miles.engines.local`) shares with the trainer;
+- `fp8`: block FP8 of the linear weights (--rollout-weight-quantization fp8), applied to every gathered bucket
+  (`buckets.stream_buckets`); the embedded engine dequantizes with it.
 
-This package imports nothing from `miles.backends` or `miles.engines` (the engine imports `window_layout`). The
+This package imports nothing from `miles.backends` or `miles.engines` (the engine imports `window_layout` and `fp8`). The
 package itself imports nothing, so the engine loads only the layout.
 """

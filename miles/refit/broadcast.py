@@ -26,6 +26,12 @@ from miles.utils.net import free_port
 from miles.utils.side_group import init_side_group
 
 
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """What goes on the wire for ``t``: its bytes for FP8, else itself (contiguous)."""
+    t = t.contiguous()
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def _wait_fail_fast(done: Callable[[], bool], answers: list[Future], timeout_s: float, what: str) -> None:
     """Wait until ``done()``, failing at once when an engine's answer in ``answers`` is an error (a refusing
     engine never joins the collective, which would otherwise wait for the whole group timeout)."""
@@ -195,8 +201,8 @@ class DistributedWeightUpdater(WeightUpdater):
         pending = self._post_to(
             self.members, "update_weights_from_distributed", [body] * len(self.members), f"bucket {index}"
         )
-        works = [
-            dist.broadcast(t.contiguous(), group=self._group, group_src=0, async_op=True) for _, t in bucket
+        works = [  # FP8 travels as its bytes (gloo has no FP8 type; NCCL moves the same bytes)
+            dist.broadcast(_wire(t), group=self._group, group_src=0, async_op=True) for _, t in bucket
         ]
         _wait_fail_fast(
             lambda: all(w.is_completed() for w in works),

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from miles.refit.fp8 import quantize_bucket
 from miles.utils.progress import track
 from miles.utils.weight_checksum import tensor_checksum
 
@@ -201,18 +202,21 @@ def gather_bucket(bucket: list[TensorEntry], dtype: torch.dtype | None) -> Bucke
 @dataclass(frozen=True)
 class RefitJob:
     """One refit: every weight of ``model``, cast to ``dtype`` (None: as it is), in buckets of at most
-    ``bucket_bytes``, to be served as ``weight_version``."""
+    ``bucket_bytes``, to be served as ``weight_version``; with ``fp8_scale_format`` the linear weights are sent
+    as block FP8 (each followed by its scales)."""
 
     model: RefitSource
     bucket_bytes: int
     weight_version: str
     dtype: torch.dtype | None = None
+    fp8_scale_format: str | None = None  # block FP8 of the linear weights (`miles.refit.fp8`); None: none
 
 
 def stream_buckets(
     job: RefitJob, checksums: dict[str, str] | None, send: Callable[[Bucket, int, bool], None]
 ) -> int:
-    """Gather every bucket (collective: every rank calls this), add its tensors' checksums to ``checksums`` when
+    """Gather every bucket (collective: every rank calls this), quantize it when the job says so, add its
+    tensors' checksums to ``checksums`` when
     given, and hand it to ``send(bucket, index, is_last)``; only one bucket of full tensors is alive at a time.
     Returns the number of buckets."""
     plan = plan_buckets(hf_tensors(job.model, job.dtype), job.bucket_bytes)
@@ -220,6 +224,8 @@ def stream_buckets(
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     progress = track(buckets, len(plan), f"refit {job.weight_version}", unit="bucket", enabled=rank0)
     for index, bucket in enumerate(progress):
+        if job.fp8_scale_format is not None:
+            bucket = quantize_bucket(bucket, job.fp8_scale_format)
         if checksums is not None:
             checksums.update((name, tensor_checksum(t)) for name, t in bucket)
         send(bucket, index, index == len(plan) - 1)

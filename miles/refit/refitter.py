@@ -47,6 +47,7 @@ class RefitSettings:
     check_equal: bool  # --check-weight-update-equal: compare per-tensor checksums after each refit
     resume_timeout_s: float  # --rollout-request-timeout: the deadline of resuming engine memory
     delta: str = "none"  # --update-weight-delta: none or changed (broadcast only, `miles.refit.delta`)
+    fp8_scale_format: str | None = None  # --rollout-weight-quantization fp8: --rollout-fp8-scale-format
 
     @classmethod
     def from_config(cls, cfg: Config) -> RefitSettings:
@@ -60,6 +61,11 @@ class RefitSettings:
             check_equal=cfg.engine.check_weight_update_equal,
             resume_timeout_s=float(cfg.rollout.rollout_request_timeout),
             delta=cfg.train.update_weight_delta,
+            fp8_scale_format=(
+                cfg.engine.rollout_fp8_scale_format
+                if cfg.engine.rollout_weight_quantization == "fp8"
+                else None
+            ),
         )
 
 
@@ -125,6 +131,7 @@ class Refitter:
             api_key=s.api_key,
             timeout_s=s.timeout_s,
             check_equal=s.check_equal,
+            fp8_scale_format=s.fp8_scale_format,
         )
         if self.transfer_mode == "tensor":
             if s.delta != "none" and self.rank == 0:
@@ -133,7 +140,9 @@ class Refitter:
                     "is sent (a delta is for the broadcast transport)",
                     s.delta,
                 )
-            if s.colocate and not self.is_cuda and self._all_engines_have_windows(urls):
+            # a window shares the trainer's own values: FP8 rollout goes through tensor handles instead
+            window = s.colocate and not self.is_cuda and s.fp8_scale_format is None
+            if window and self._all_engines_have_windows(urls):
                 return WindowWeightUpdater(setup)
             return ColocatedWeightUpdater(setup)
         # rank 0 hosts the update group; MASTER_ADDR is its node's address (what the engines can reach)

@@ -29,8 +29,8 @@ from miles.utils.engine_control_http import bearer
 class RefitSetup:
     """What every refit transport is built from: the engines (in order), the training ranks per engine (the
     engine TP size), this process's ``rank`` and ``world_size`` in ``group`` (None: the default group), the
-    engines' API key, the deadline of each engine call, and whether to compare per-tensor checksums after each
-    refit (``check_equal``)."""
+    engines' API key, the deadline of each engine call, whether to compare per-tensor checksums after each
+    refit (``check_equal``), and the scale format of block-FP8 linear weights (None: sent as they are)."""
 
     engine_urls: list[str]
     ranks_per_engine: int
@@ -40,6 +40,7 @@ class RefitSetup:
     api_key: str | None = None
     timeout_s: float = 600.0
     check_equal: bool = False
+    fp8_scale_format: str | None = None  # --rollout-weight-quantization fp8: block FP8 with these scales
 
     def __post_init__(self) -> None:
         if self.ranks_per_engine < 1:
@@ -58,6 +59,7 @@ class WeightUpdater(ABC):
         self.ranks_per_engine = setup.ranks_per_engine
         self.rank, self.world_size = setup.rank, setup.world_size
         self.timeout_s, self.check_equal = setup.timeout_s, setup.check_equal
+        self.fp8_scale_format = setup.fp8_scale_format
         self.headers = bearer(setup.api_key)
         group = setup.group
         self.global_ranks = [
@@ -77,7 +79,8 @@ class WeightUpdater(ABC):
     ) -> int:
         """Push all weights of ``model`` (cast to ``dtype``, in buckets of at most ``bucket_bytes``) to
         ``engines`` (None: all) as ``weight_version``, then verify them; returns the number of buckets."""
-        return self.push(RefitJob(model, bucket_bytes, weight_version, dtype), self.targets(engines))
+        job = RefitJob(model, bucket_bytes, weight_version, dtype, self.fp8_scale_format)
+        return self.push(job, self.targets(engines))
 
     @abstractmethod
     def push(self, job: RefitJob, targets: list[str]) -> int:

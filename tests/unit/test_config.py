@@ -111,7 +111,7 @@ def test_section_field_names_are_the_agreed_ones() -> None:
         "dynamic_sampling_filter_path over_sampling_batch_size partial_rollout mask_offpolicy_in_partial_rollout "
         "generate_max_turns generate_execute_tool_function_path generate_tool_timeout",
         "engine": "engine_host engine_api_key engine_max_running_requests check_weight_update_equal "
-        "sglang_mem_fraction_static "
+        "rollout_weight_quantization rollout_fp8_scale_format sglang_mem_fraction_static "
         "sglang_decode_log_interval sglang_chunked_prefill_size sglang_attention_backend sglang_args",
         "router": "router_policy sglang_router_ip sglang_router_port router_args",
         "train": "train_backend global_batch_size micro_batch_size use_dynamic_batch_size max_tokens_per_gpu "

@@ -343,11 +343,11 @@ class WeightControl:
             raise ValueError(f"weights_checker action {action!r} not supported here; allowed: 'checksum'")
         self.weights.check_ready()
         skip = skip_tensor_list or []
-        checksums = {
-            name: tensor_checksum(self.weights.get(name))
-            for name in self.weights.names
-            if not any(pattern in name for pattern in skip)
-        }
+        checksums: dict[str, str] = {}
+        for name in self.weights.names:  # a weight loaded from FP8: the checksums of what arrived
+            if not any(pattern in name for pattern in skip):
+                sent = self.weights.fp8_checksums.get(name)
+                checksums.update(sent if sent else {name: tensor_checksum(self.weights.get(name))})
         overall = overall_checksum(checksums)
         rank: RankChecksums = {
             "checksums": checksums,

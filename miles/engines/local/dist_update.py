@@ -24,6 +24,7 @@ _DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,  # broadcast as its bytes (gloo has no FP8): see receive_tensors
 }
 
 
@@ -99,11 +100,19 @@ def receive_tensors(
         raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}, {len(dtypes)}, {len(shapes)}")
     specs = [(n, parse_dtype(d), tuple(int(x) for x in s)) for n, d, s in zip(names, dtypes, shapes)]
     for n, _, s in specs:
-        weights.validate(n, torch.empty(s, dtype=torch.float32, device="meta"))
+        if not n.endswith("_scale_inv"):  # an FP8 weight's block scales (miles.refit.fp8): their own shape
+            weights.validate(n, torch.empty(s, dtype=torch.float32, device="meta"))
+    fp8 = any(dtype == torch.float8_e4m3fn for _, dtype, _ in specs)
+    received = []
     for n, dtype, shape in specs:
         buf = torch.empty(shape, dtype=dtype, device=weights.device)
-        dist.broadcast(buf, src=0, group=group)
-        weights.load_one(n, buf)
+        dist.broadcast(buf.view(torch.uint8) if dtype == torch.float8_e4m3fn else buf, src=0, group=group)
+        if fp8:
+            received.append((n, buf))  # an FP8 weight needs its scales: the bucket loads as a whole
+        else:
+            weights.load_one(n, buf)
+    if received:
+        weights.load(received)
     return len(specs)
 
 

@@ -14,6 +14,9 @@ from typing import SupportsInt
 import torch
 from torch import nn
 
+from miles.refit.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_named
+from miles.utils.weight_checksum import tensor_checksum
+
 
 class EngineNotReady(RuntimeError):
     """Generation was asked for while weights or KV cache are released, or weights are not fully reloaded."""
@@ -36,6 +39,8 @@ class WeightStore:
         self.released = False
         self.pending: set[str] = set()
         self._listeners: list[Callable[[], None]] = []  # told after every change of parameter data
+        # canonical name -> {sent name: checksum} of the FP8 tensors it was last loaded from (weight, scales)
+        self.fp8_checksums: dict[str, dict[str, str]] = {}
 
     def on_change(self, listener: Callable[[], None]) -> None:
         """Call `listener()` after every load, point_at, release and resume (e.g. to drop copies of the weights)."""
@@ -102,15 +107,25 @@ class WeightStore:
 
     @torch.no_grad()
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy tensors into the parameters (cast to the model dtype). All are validated before any is copied."""
+        """Copy tensors into the parameters (cast to the model dtype). All are validated before any is copied.
+        Block-FP8 weights (e4m3 with their ``_scale_inv``, `miles.refit.fp8`) are dequantized first; the
+        checksums of the FP8 tensors as received are kept for `weights_checker` (`fp8_checksums`)."""
         if self.released:
             raise ValueError(
                 "cannot load weights while they are released; call /resume_memory_occupation first"
             )
-        items = [(self.validate(n, t), t) for n, t in named_tensors]
+        named = list(named_tensors)
+        received: list[tuple[str, torch.Tensor]] = []
+        if any(t.dtype == FP8_DTYPE or n.endswith(SCALE_SUFFIX) for n, t in named):
+            named, received = dequantize_named(named)
+        items = [(self.validate(n, t), t) for n, t in named]
         for canon, t in items:
             self._storage(canon).copy_(t)  # casts, and copies across devices directly
             self.pending.discard(canon)
+            self.fp8_checksums.pop(canon, None)
+        for name, t in received:
+            canon = self.resolve(name.removesuffix(SCALE_SUFFIX))
+            self.fp8_checksums.setdefault(canon, {})[name] = tensor_checksum(t)
         self._changed()
         return len(items)
 
@@ -141,6 +156,7 @@ class WeightStore:
         for name, view in views.items():
             self._params[name].data = view
         self.pending.clear()
+        self.fp8_checksums.clear()
         self._changed()
         return len(views)
 
