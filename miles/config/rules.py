@@ -182,15 +182,6 @@ def _lora(v: Values) -> None:
             )
 
 
-def _engine(v: Values) -> None:
-    if v["check_weight_update_equal"] and v["rollout_num_gpus_per_engine"] > 1:
-        v.fail(
-            "check_weight_update_equal",
-            f"compares whole tensors, but engines with --rollout-num-gpus-per-engine="
-            f"{v['rollout_num_gpus_per_engine']} hold tensor-parallel shards; use 1 GPU per engine or drop it",
-        )
-
-
 def _external_engines(v: Values) -> None:
     """--rollout-external-engine-addrs: given with --rollout-external; they take no local placement. (Each
     address's form is checked by `miles.preflight.server_flags`.)"""
@@ -404,7 +395,6 @@ RULES: list[Rule] = [
     _algo,
     _critic,
     _lora,
-    _engine,
     _external_engines,
     _transfer_mode,
     _deadlines,

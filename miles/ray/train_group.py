@@ -115,13 +115,13 @@ class TrainWorker:
             return metrics
         start = time.perf_counter()
         try:
-            backend.update_weights(refit.engine_urls, refit.weight_version, resume_tags=refit.resume_tags)
+            refit_metrics = backend.update_weights(refit.engine_urls, refit.weight_version, resume_tags=refit.resume_tags)
         except Exception as e:  # noqa: BLE001 - re-raised naming the phase; the cause stays attached
             raise RefitAfterTrainError(
                 f"training rank {self.rank}: phase 'refit' (weight version {refit.weight_version}, run at the end "
                 f"of the train call of rollout {rollout_id}, after training succeeded): {type(e).__name__}: {e}"
             ) from e
-        return {**metrics, REFIT_SECONDS: time.perf_counter() - start}
+        return {**metrics, **(refit_metrics or {}), REFIT_SECONDS: time.perf_counter() - start}
 
     def train_values(self, rollout_id: int, samples: list[Sample]) -> ValueTrainResult:
         """Train the value model on this rank's samples: its metrics and the values GAE used."""
@@ -142,8 +142,8 @@ class TrainWorker:
     def wake_up(self) -> None:
         self._backend.wake_up()
 
-    def update_weights(self, engine_urls: list[str], weight_version: str) -> None:
-        self._policy.update_weights(engine_urls, weight_version)
+    def update_weights(self, engine_urls: list[str], weight_version: str) -> dict[str, float]:
+        return self._policy.update_weights(engine_urls, weight_version)
 
 
 class RayTrainGroup:
@@ -283,8 +283,9 @@ class RayTrainGroup:
     def wake_up(self) -> None:
         self._all("onload training state", "wake_up")
 
-    def update_weights(self, engine_urls: list[str], weight_version: str) -> None:
-        self._all(f"weight refit {weight_version}", "update_weights", engine_urls, weight_version)
+    def update_weights(self, engine_urls: list[str], weight_version: str) -> dict[str, float]:
+        """Refit on every rank; rank 0's refit metrics (`perf/refit_checksum_*`)."""
+        return self._all(f"weight refit {weight_version}", "update_weights", engine_urls, weight_version)[0] or {}
 
     def shutdown(self, grace_s: float = 10.0) -> None:
         """End every worker: first a normal exit (its interpreter shuts down, so finalizers run: the refit's

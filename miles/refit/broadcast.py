@@ -146,7 +146,7 @@ class DistributedWeightUpdater(WeightUpdater):
             self.connect(targets)
         urls, headers, timeout, version = self.members, self.headers, self.timeout_s, job.weight_version
         self._on_rank0(lambda: begin_sessions(urls, headers, timeout, version))
-        checksums: dict[str, str] | None = {} if self.check_equal and self.rank == 0 else None
+        checksums = self.new_checksums(job, self.rank == 0)
 
         def send(bucket: Bucket, index: int, is_last: bool) -> None:
             self._on_rank0(lambda: self._broadcast(bucket, index, is_last, version))

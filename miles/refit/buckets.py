@@ -13,14 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from miles.utils.progress import track
-from miles.utils.weight_checksum import tensor_checksum
+
+if TYPE_CHECKING:
+    from miles.refit.checksums import RefitChecksums
 
 
 class RefitSource(Protocol):
@@ -210,10 +212,10 @@ class RefitJob:
 
 
 def stream_buckets(
-    job: RefitJob, checksums: dict[str, str] | None, send: Callable[[Bucket, int, bool], None]
+    job: RefitJob, checksums: RefitChecksums | None, send: Callable[[Bucket, int, bool], None]
 ) -> int:
-    """Gather every bucket (collective: every rank calls this), add its tensors' checksums to ``checksums`` when
-    given, and hand it to ``send(bucket, index, is_last)``; only one bucket of full tensors is alive at a time.
+    """Gather every bucket (collective: every rank calls this), hash its tensors into ``checksums`` when given
+    (no second gather), and hand it to ``send(bucket, index, is_last)``; only one bucket of full tensors is alive at a time.
     Returns the number of buckets."""
     plan = plan_buckets(hf_tensors(job.model, job.dtype), job.bucket_bytes)
     buckets = (gather_bucket(entries, job.dtype) for entries in plan)
@@ -221,7 +223,7 @@ def stream_buckets(
     progress = track(buckets, len(plan), f"refit {job.weight_version}", unit="bucket", enabled=rank0)
     for index, bucket in enumerate(progress):
         if checksums is not None:
-            checksums.update((name, tensor_checksum(t)) for name, t in bucket)
+            checksums.add_bucket(bucket)
         send(bucket, index, index == len(plan) - 1)
         del bucket  # freed before the next gather
     return len(plan)

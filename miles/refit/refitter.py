@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from miles.refit.broadcast import DistributedWeightUpdater
 from miles.refit.buckets import RefitSource
-from miles.refit.engine_endpoints import engines_have_windows
+from miles.refit.engine_endpoints import engine_hash_kind, engines_have_windows
 from miles.refit.session import RefitSetup, WeightUpdater
 from miles.refit.tensor_handles import ColocatedWeightUpdater
 from miles.refit.window import WindowWeightUpdater
@@ -41,7 +41,7 @@ class RefitSettings:
     bucket_bytes: int  # --update-weight-buffer-size
     api_key: str | None  # --engine-api-key
     timeout_s: float  # deadline of each engine call of a refit (below the driver's wait: the engine is named)
-    check_equal: bool  # --check-weight-update-equal: compare per-tensor checksums after each refit
+    check_equal: bool  # --check-weight-update-equal (default on): compare per-TP-rank checksums after each refit
     resume_timeout_s: float  # --rollout-request-timeout: the deadline of resuming engine memory
 
     @classmethod
@@ -100,6 +100,19 @@ class Refitter:
             transport.engines_restarted(urls)
         return transport.update(source, self.settings.bucket_bytes, version, dtype=self.dtype, engines=urls)
 
+    def metrics(self) -> dict[str, float]:
+        """The last update's checksum cost on this rank (the rank that compared: rank 0), else {}:
+        ``perf/refit_checksum_s`` = hashing what was sent (``..._trainer_s``) + waiting for the engines'
+        checksums (``..._engine_s``)."""
+        checks = self.transport.checks if self.transport is not None else None
+        if checks is None:
+            return {}
+        return {
+            "perf/refit_checksum_s": checks.seconds + checks.engine_seconds,
+            "perf/refit_checksum_trainer_s": checks.seconds,
+            "perf/refit_checksum_engine_s": checks.engine_seconds,
+        }
+
     def _engine_memory(self, urls: list[str]) -> EngineMemoryControl:
         return EngineMemoryControl(urls, self.settings.api_key, self.settings.resume_timeout_s)
 
@@ -114,6 +127,7 @@ class Refitter:
             api_key=s.api_key,
             timeout_s=s.timeout_s,
             check_equal=s.check_equal,
+            checksum_kind=self._engines_hash_kind(urls) if s.check_equal else "sha256",
         )
         if self.transfer_mode == "tensor":
             if s.colocate and not self.is_cuda and self._all_engines_have_windows(urls):
@@ -126,6 +140,20 @@ class Refitter:
         updater = DistributedWeightUpdater(setup, address[0], backend="nccl" if self.is_cuda else "gloo")
         updater.connect()
         return updater
+
+    def _engines_hash_kind(self, urls: list[str]) -> str:
+        """The engines' checksum kind (by the device the first one runs on; default: where this trainer runs):
+        rank 0 asks, all ranks get the answer (a collective)."""
+        answer: list[str | None] = [None]
+        if self.rank == 0:
+            default = "cuda" if self.is_cuda else "sha256"
+            headers = bearer(self.settings.api_key)
+            try:
+                answer = [engine_hash_kind(urls[0], headers, self.settings.timeout_s, default)]
+            except Exception:  # noqa: BLE001 - every rank waits for the answer; the refit names a broken engine
+                answer = [default]
+        dist.broadcast_object_list(answer, src=0)
+        return str(answer[0])
 
     def _all_engines_have_windows(self, urls: list[str]) -> bool:
         """Rank 0 asks every engine for its window layout; all ranks get the answer (a collective)."""

@@ -251,7 +251,7 @@ class FSDPTrainer(PolicyBackend):
     # ------------------------------------------------------------------------------------------------ refit
     def update_weights(
         self, engine_urls: list[str], weight_version: str, resume_tags: Sequence[str] = ()
-    ) -> None:
+    ) -> dict[str, float]:
         """Refit ``engine_urls`` (all engines, or the restarted ones) through `miles.refit`, the model awake
         meanwhile. ``resume_tags``: rank 0 resumes them on every engine before the weights move, all ranks
         raising its error (see `PolicyBackend.update_weights`)."""
@@ -266,6 +266,7 @@ class FSDPTrainer(PolicyBackend):
         self._refitter.update(self._refit_source(), weight_version, engine_urls, resume_tags)
         if was_offloaded:
             self.sleep()
+        return self._refitter.metrics()
 
     def _refit_source(self) -> torch.nn.Module | MergedView:
         """What refits and HF exports read: the model, or with LoRA its merged view (base names, W + s*B@A)."""

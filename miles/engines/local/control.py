@@ -9,8 +9,8 @@ The rules and the refusal wording are SGLang's (see docs/sglang-contract.md for 
   `flush_cache` likewise (400 otherwise, so a release can wait for idle by retrying it);
   released tags are remembered, and `resume_memory_occupation` of a tag that was not released is an error (SGLang's
   scheduler dies there with a KeyError; the stand-in answers 400 instead of dying);
-- `weights_checker` with action `checksum` answers SGLang's payload: per tensor the first 8 bytes of the SHA-256
-  of its raw bytes, as 16 hex digits (sglang/srt/utils/weight_checker.py).
+- `weights_checker` with action `checksum` answers SGLang's payload: per tensor 16 hex digits of the hash SGLang
+  uses for the device it is on (SHA-256 on CPU, the tile hash on CUDA; `miles.utils.weight_checksum`), one rank.
 
 `LocalEngine` mixes this in; every `_op_*` runs on the scheduler thread (through `LocalEngine.run` and its
 table `LocalEngine.admin_ops`), except `join_update_group`, which waits for remote peers and so runs on a thread of its own with a short deadline.
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, TypedDict
 import torch
 
 from miles.utils.types import JSON
-from miles.utils.weight_checksum import overall_checksum, tensor_checksum
+from miles.utils.weight_checksum import device_hash_kind, overall_checksum, tensor_checksum
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -78,7 +78,7 @@ class RankChecksums(TypedDict):
 
     checksums: dict[str, str]  # parameter name -> 16 hex digits
     per_gpu_checksum: str
-    parallelism_info: list[dict[str, str | int]]
+    parallelism_info: dict[str, str | int]
 
 
 class ChecksumReply(Reply):
@@ -344,7 +344,7 @@ class WeightControl:
         self.weights.check_ready()
         skip = skip_tensor_list or []
         checksums = {
-            name: tensor_checksum(self.weights.get(name))
+            name: tensor_checksum(t := self.weights.get(name), device_hash_kind(t.device))
             for name in self.weights.names
             if not any(pattern in name for pattern in skip)
         }
@@ -352,10 +352,8 @@ class WeightControl:
         rank: RankChecksums = {
             "checksums": checksums,
             "per_gpu_checksum": overall,
-            "parallelism_info": [
-                {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
-                 "pp_size": 1, "rank": 0, "size": 1}
-            ],
+            "parallelism_info": {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1,
+                                 "pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1},
         }  # fmt: skip
         engine = hashlib.sha256(overall.encode()).hexdigest()
         return {"success": True, "message": "Success.", "ranks": [rank], "per_engine_checksum": engine}
