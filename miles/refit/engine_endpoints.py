@@ -64,7 +64,9 @@ def verify_versions(urls: list[str], version: str, headers: dict[str, str], time
 
 def engine_checksums(url: str, headers: dict[str, str], timeout_s: float, version: str) -> list[dict[str, str]]:
     """The per-tensor checksums each TP rank of an engine reports (``/weights_checker``, action checksum), by TP
-    rank: SGLang answers one entry per rank (and per draft model: only the ``target`` role counts)."""
+    rank. SGLang answers one entry per scheduler (GPU), its ``parallelism_info`` a list with one item per model
+    role it serves; the ``target`` item's ``tp_rank`` places it (a draft model's names carry its role as a
+    prefix, so they never match the trainer's)."""
     answer = post_engine(
         url, "weights_checker", {"action": "checksum"}, headers, timeout_s, f"checksums after refit {version}"
     )
@@ -76,10 +78,11 @@ def engine_checksums(url: str, headers: dict[str, str], timeout_s: float, versio
         sums = entry.get("checksums") if isinstance(entry, dict) else None
         if not isinstance(sums, dict):
             raise RuntimeError(f"engine {url}, weights_checker: a rank reports no 'checksums' object in {answer}")
-        info = entry.get("parallelism_info") or {}
-        if info.get("role", "target") != "target":
-            continue
-        by_rank[int(info.get("tp_rank", 0))] = {name: str(value) for name, value in sums.items()}
+        infos = entry.get("parallelism_info") or []
+        infos = infos if isinstance(infos, list) else [infos]
+        target = [i for i in infos if isinstance(i, dict) and i.get("role", "target") == "target"]
+        if target:
+            by_rank[int(target[0].get("tp_rank", 0))] = {name: str(value) for name, value in sums.items()}
     if sorted(by_rank) != list(range(len(by_rank))):
         raise RuntimeError(f"engine {url}, weights_checker: TP ranks {sorted(by_rank)} are not 0..n-1")
     return [by_rank[r] for r in range(len(by_rank))]

@@ -159,13 +159,16 @@ def _sglang_rank(state: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str
 
 
 def _checker_answer(state: dict[str, torch.Tensor], tp: int, kind: str) -> dict:
-    """SGLang's /weights_checker body: one entry per rank (in no particular order) plus a draft model's."""
+    """SGLang's /weights_checker body: one entry per rank (in no particular order), each also serving a draft
+    model (its names prefixed with its role), plus a scheduler serving only a draft model."""
     entries = []
     for rank in reversed(range(tp)):
         sums = {n: tensor_checksum(t, kind) for n, t in _sglang_rank(state, tp, rank).items()}
-        info = {"role": "target", "tp_rank": rank, "tp_size": tp}
-        entries.append({"checksums": sums, "per_gpu_checksum": "x", "parallelism_info": info})
-    entries.append({"checksums": {"x": "0"}, "per_gpu_checksum": "y", "parallelism_info": {"role": "draft", "tp_rank": 0}})
+        sums["draft.model.norm.weight"] = "0" * 16
+        infos = [{"role": "target", "tp_rank": rank, "tp_size": tp}, {"role": "draft", "tp_rank": rank}]
+        entries.append({"checksums": sums, "per_gpu_checksum": "x", "parallelism_info": infos})
+    draft = [{"role": "draft", "tp_rank": 0}]
+    entries.append({"checksums": {"x": "0"}, "per_gpu_checksum": "y", "parallelism_info": draft})
     return {"success": True, "message": "Success.", "ranks": entries}
 
 

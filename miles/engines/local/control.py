@@ -78,7 +78,7 @@ class RankChecksums(TypedDict):
 
     checksums: dict[str, str]  # parameter name -> 16 hex digits
     per_gpu_checksum: str
-    parallelism_info: dict[str, str | int]
+    parallelism_info: list[dict[str, str | int]]  # one per model role (SGLang: target, draft...)
 
 
 class ChecksumReply(Reply):
@@ -352,8 +352,10 @@ class WeightControl:
         rank: RankChecksums = {
             "checksums": checksums,
             "per_gpu_checksum": overall,
-            "parallelism_info": {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1,
-                                 "pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1},
+            "parallelism_info": [
+                {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
+                 "pp_size": 1, "rank": 0, "size": 1}
+            ],
         }  # fmt: skip
         engine = hashlib.sha256(overall.encode()).hexdigest()
         return {"success": True, "message": "Success.", "ranks": [rank], "per_engine_checksum": engine}
