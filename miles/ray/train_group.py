@@ -115,7 +115,9 @@ class TrainWorker:
             return metrics
         start = time.perf_counter()
         try:
-            refit_metrics = backend.update_weights(refit.engine_urls, refit.weight_version, resume_tags=refit.resume_tags)
+            refit_metrics = backend.update_weights(
+                refit.engine_urls, refit.weight_version, resume_tags=refit.resume_tags
+            )
         except Exception as e:  # noqa: BLE001 - re-raised naming the phase; the cause stays attached
             raise RefitAfterTrainError(
                 f"training rank {self.rank}: phase 'refit' (weight version {refit.weight_version}, run at the end "
@@ -285,7 +287,10 @@ class RayTrainGroup:
 
     def update_weights(self, engine_urls: list[str], weight_version: str) -> dict[str, float]:
         """Refit on every rank; rank 0's refit metrics (`perf/refit_checksum_*`)."""
-        return self._all(f"weight refit {weight_version}", "update_weights", engine_urls, weight_version)[0] or {}
+        return (
+            self._all(f"weight refit {weight_version}", "update_weights", engine_urls, weight_version)[0]
+            or {}
+        )
 
     def shutdown(self, grace_s: float = 10.0) -> None:
         """End every worker: first a normal exit (its interpreter shuts down, so finalizers run: the refit's

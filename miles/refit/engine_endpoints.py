@@ -62,7 +62,9 @@ def verify_versions(urls: list[str], version: str, headers: dict[str, str], time
         raise RuntimeError(f"after refit to weight version {version!r}: " + "; ".join(wrong))
 
 
-def engine_checksums(url: str, headers: dict[str, str], timeout_s: float, version: str) -> list[dict[str, str]]:
+def engine_checksums(
+    url: str, headers: dict[str, str], timeout_s: float, version: str
+) -> list[dict[str, str]]:
     """The per-tensor checksums each TP rank of an engine reports (``/weights_checker``, action checksum), by TP
     rank. SGLang answers one entry per scheduler (GPU), its ``parallelism_info`` a list with one item per model
     role it serves; the ``target`` item's ``tp_rank`` places it (a draft model's names carry its role as a
@@ -75,14 +77,18 @@ def engine_checksums(url: str, headers: dict[str, str], timeout_s: float, versio
         raise RuntimeError(f"engine {url}, weights_checker: no per-rank checksums in {answer}")
     by_rank: dict[int, dict[str, str]] = {}
     for entry in ranks:
-        sums = entry.get("checksums") if isinstance(entry, dict) else None
-        if not isinstance(sums, dict):
-            raise RuntimeError(f"engine {url}, weights_checker: a rank reports no 'checksums' object in {answer}")
+        if not isinstance(entry, dict) or not isinstance(sums := entry.get("checksums"), dict):
+            raise RuntimeError(
+                f"engine {url}, weights_checker: a rank reports no 'checksums' object in {answer}"
+            )
         infos = entry.get("parallelism_info") or []
-        infos = infos if isinstance(infos, list) else [infos]
-        target = [i for i in infos if isinstance(i, dict) and i.get("role", "target") == "target"]
+        target = [
+            i
+            for i in (infos if isinstance(infos, list) else [infos])
+            if isinstance(i, dict) and i.get("role", "target") == "target"
+        ]
         if target:
-            by_rank[int(target[0].get("tp_rank", 0))] = {name: str(value) for name, value in sums.items()}
+            by_rank[int(str(target[0].get("tp_rank", 0)))] = {n: str(v) for n, v in sums.items()}
     if sorted(by_rank) != list(range(len(by_rank))):
         raise RuntimeError(f"engine {url}, weights_checker: TP ranks {sorted(by_rank)} are not 0..n-1")
     return [by_rank[r] for r in range(len(by_rank))]
@@ -119,7 +125,9 @@ def compare_checksums(
     return compared
 
 
-def check_engine(url: str, version: str, headers: dict[str, str], timeout_s: float, checks: RefitChecksums) -> None:
+def check_engine(
+    url: str, version: str, headers: dict[str, str], timeout_s: float, checks: RefitChecksums
+) -> None:
     """One engine's checksums against the trainer's (`compare_checksums`); the time waited for the engine's
     answer is added to ``checks.engine_seconds``, and the names it reported become ``checks.reported``."""
     start = time.perf_counter()

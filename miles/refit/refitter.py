@@ -41,7 +41,7 @@ class RefitSettings:
     bucket_bytes: int  # --update-weight-buffer-size
     api_key: str | None  # --engine-api-key
     timeout_s: float  # deadline of each engine call of a refit (below the driver's wait: the engine is named)
-    check_equal: bool  # --check-weight-update-equal (default on): compare per-TP-rank checksums after each refit
+    check_equal: bool  # --check-weight-update-equal (default on): per-TP-rank checksums after each refit
     resume_timeout_s: float  # --rollout-request-timeout: the deadline of resuming engine memory
 
     @classmethod

@@ -94,7 +94,9 @@ class WeightUpdater(ABC):
         if not (self.check_equal and here):
             return None
         config = getattr(job.model, "config", None)
-        spec = ShardSpec(self.ranks_per_engine, self.checksum_kind, getattr(config, "num_key_value_heads", None))
+        spec = ShardSpec(
+            self.ranks_per_engine, self.checksum_kind, getattr(config, "num_key_value_heads", None)
+        )
         wanted = self.checks.reported if self.checks is not None and self.checks.reported else None
         self.checks = RefitChecksums(spec, wanted)
         return self.checks

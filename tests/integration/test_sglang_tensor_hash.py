@@ -16,9 +16,13 @@ from miles.utils.weight_checksum import cuda_tensor_hash, tensor_checksum
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("MILES_SGLANG_VENV", ROOT / ".venv-sglang"))
-SHIM = ROOT / "tests" / "sglang_conformance" / "shim"  # stand-ins for modules SGLang imports but a CPU venv lacks
+# stand-ins for modules SGLang imports but a CPU venv lacks
+SHIM = ROOT / "tests" / "sglang_conformance" / "shim"
 
-pytestmark = [pytest.mark.slow, pytest.mark.side_venv(VENV, ".miles-sglang-ok", "bash scripts/sglang-venv.sh")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.side_venv(VENV, ".miles-sglang-ok", "bash scripts/sglang-venv.sh"),
+]
 
 SCRIPT = """
 import json, sys, torch

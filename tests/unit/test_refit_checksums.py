@@ -61,7 +61,9 @@ def loop_hash(t: torch.Tensor) -> int:
         torch.tensor([7], dtype=torch.uint8),  # one byte: padded to a word
         torch.arange(5, dtype=torch.uint8),
         torch.randn(37, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16),  # odd half-words
-        torch.randn(8192 * 2 + 9, generator=torch.Generator().manual_seed(1)),  # three tiles, the last partial
+        torch.randn(
+            8192 * 2 + 9, generator=torch.Generator().manual_seed(1)
+        ),  # three tiles, the last partial
         torch.randint(-(2**62), 2**62, (4100,), generator=torch.Generator().manual_seed(2)),  # int64: 2 tiles
         torch.rand(33) > 0.5,
         torch.randn(6, 8)[:, ::2],  # not contiguous: hashed as its contiguous bytes
@@ -73,7 +75,10 @@ def test_cuda_hash_matches_the_plain_loop_definition(tensor: torch.Tensor) -> No
 
 def test_checksum_kinds() -> None:
     t = torch.tensor([1.0, -2.0], dtype=torch.bfloat16)
-    assert tensor_checksum(t, "sha256") == hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).digest()[:8].hex()
+    assert (
+        tensor_checksum(t, "sha256")
+        == hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).digest()[:8].hex()
+    )
     assert tensor_checksum(t, "cuda") == f"{loop_hash(t):016x}" != tensor_checksum(t, "sha256")
     assert tensor_checksum(t, "cuda") != tensor_checksum(t.float(), "cuda")  # raw bytes: the dtype matters
     assert (device_hash_kind("cuda:1"), device_hash_kind(torch.device("cpu"))) == ("cuda", "sha256")
@@ -115,7 +120,9 @@ def _sglang_rank(state: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str
     """What TP rank ``rank`` of SGLang holds, written out head by head and column by column."""
     p = "model.layers.0."
     heads_here = HEADS // tp
-    q_rows = [h * HEAD_DIM + i for h in range(rank * heads_here, (rank + 1) * heads_here) for i in range(HEAD_DIM)]
+    q_rows = [
+        h * HEAD_DIM + i for h in range(rank * heads_here, (rank + 1) * heads_here) for i in range(HEAD_DIM)
+    ]
     if KV_HEADS >= tp:
         kv_heads = list(range(rank * KV_HEADS // tp, (rank + 1) * KV_HEADS // tp))
     else:  # each KV head replicated over tp // KV_HEADS ranks
@@ -141,7 +148,11 @@ def _sglang_rank(state: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str
         "model.embed_tokens.weight": vocab_shard(state["model.embed_tokens.weight"]),
         p + "input_layernorm.weight": state[p + "input_layernorm.weight"],
         p + "self_attn.qkv_proj.weight": torch.cat(
-            [attn("q_proj", "weight")[q_rows], attn("k_proj", "weight")[kv_rows], attn("v_proj", "weight")[kv_rows]]
+            [
+                attn("q_proj", "weight")[q_rows],
+                attn("k_proj", "weight")[kv_rows],
+                attn("v_proj", "weight")[kv_rows],
+            ]
         ),
         p + "self_attn.qkv_proj.bias": torch.cat(
             [attn("q_proj", "bias")[q_rows], attn("k_proj", "bias")[kv_rows], attn("v_proj", "bias")[kv_rows]]
@@ -182,7 +193,9 @@ def _trainer_checks(state: dict[str, torch.Tensor], tp: int, kind: str) -> Refit
 
 @pytest.mark.parametrize("kind", ["sha256", "cuda"])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_per_rank_checksums_match_sglangs_shards_and_name_a_corrupted_one(monkeypatch, tp: int, kind: str) -> None:
+def test_per_rank_checksums_match_sglangs_shards_and_name_a_corrupted_one(
+    monkeypatch, tp: int, kind: str
+) -> None:
     state = _hf_state()
     answers: list[dict] = []
     monkeypatch.setattr(engine_endpoints, "post_engine", lambda *a, **k: answers.pop(0))
@@ -194,7 +207,10 @@ def test_per_rank_checksums_match_sglangs_shards_and_name_a_corrupted_one(monkey
     assert "model.layers.0.mlp.router.weight" not in checks.expected[0]
     assert checks.reported and checks.engine_seconds >= 0 and checks.seconds > 0
 
-    corrupted = {**state, "model.layers.0.mlp.down_proj.weight": state["model.layers.0.mlp.down_proj.weight"].clone()}
+    corrupted = {
+        **state,
+        "model.layers.0.mlp.down_proj.weight": state["model.layers.0.mlp.down_proj.weight"].clone(),
+    }
     corrupted["model.layers.0.mlp.down_proj.weight"][0, -1] += 1.0  # a column of the last rank's shard
     answers.append(_checker_answer(corrupted, tp, kind))
     with pytest.raises(RuntimeError) as err:
@@ -227,7 +243,9 @@ def test_tp1_hashes_whole_tensors_fused_and_padded_embeddings_and_only_wanted_na
     checks = _trainer_checks(state, 1, "sha256")
     sums = checks.expected[0]
     # the embedded engine's HF names, and SGLang's fused names and padded vocab
-    assert sums["model.layers.0.mlp.router.weight"] == {tensor_checksum(state["model.layers.0.mlp.router.weight"])}
+    assert sums["model.layers.0.mlp.router.weight"] == {
+        tensor_checksum(state["model.layers.0.mlp.router.weight"])
+    }
     for name, t in _sglang_rank(state, 1, 0).items():
         if name != "model.rotary_emb.inv_freq" and "router" not in name:
             assert tensor_checksum(t) in sums[name], name
