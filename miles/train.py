@@ -46,7 +46,7 @@ def run_loop(cfg: Config, system: System) -> None:
             else:
                 maybe_save(cfg, system, rollout_id)
                 with timer.phase("refit"):
-                    system.choreography.refit(weight_version=version)
+                    metrics.update(system.choreography.refit(weight_version=version) or {})
         finish_step(cfg, system, rollout_id, metrics)
 
 

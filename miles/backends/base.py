@@ -80,11 +80,12 @@ class PolicyBackend(TrainRole):
     @abc.abstractmethod
     def update_weights(
         self, engine_urls: list[str], weight_version: str, resume_tags: Sequence[str] = ()
-    ) -> dict[str, float] | None:
+    ) -> dict[str, float]:
         """Refit the rollout engines with the current weights, in buckets. `resume_tags`: memory the engines
         released for training, to resume (once, on every engine) before the weights move: the refit at the end
-        of a train call (`miles.ray.colocate.RefitAfterTrain`). Returns the refit's `perf/refit_*` metrics
-        (bytes and tensors sent) where counted."""
+        of a train call (`miles.ray.colocate.RefitAfterTrain`). Returns the refit's metrics on the rank that
+        measured them (`perf/refit_checksum_*`, and `perf/refit_bytes`/`perf/refit_tensors_*` where
+        the transport counts them; see `miles.refit.refitter.Refitter.metrics`), else {}."""
 
 
 class ValueBackend(TrainRole):

@@ -182,15 +182,6 @@ def _lora(v: Values) -> None:
             )
 
 
-def _engine(v: Values) -> None:
-    if v["check_weight_update_equal"] and v["rollout_num_gpus_per_engine"] > 1:
-        v.fail(
-            "check_weight_update_equal",
-            f"compares whole tensors, but engines with --rollout-num-gpus-per-engine="
-            f"{v['rollout_num_gpus_per_engine']} hold tensor-parallel shards; use 1 GPU per engine or drop it",
-        )
-
-
 def _rollout_quantization(v: Values) -> None:
     if v["rollout_weight_quantization"] is None and v["rollout_fp8_scale_format"] != "float":
         v.fail("rollout_fp8_scale_format", "applies to FP8 rollout: add --rollout-weight-quantization fp8")
@@ -426,7 +417,6 @@ RULES: list[Rule] = [
     _algo,
     _critic,
     _lora,
-    _engine,
     _rollout_quantization,
     _external_engines,
     _transfer_mode,

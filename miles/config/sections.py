@@ -224,7 +224,9 @@ class EngineConfig:
     )
     engine_max_running_requests: int = opt(64, "max concurrent requests per engine", ge=1)
     check_weight_update_equal: bool = opt(
-        False, "after every refit, compare per-tensor checksums of trainer and engines (/weights_checker)"
+        True,
+        "after every refit, compare each engine TP rank's per-tensor checksums (/weights_checker) with the "
+        "trainer's, hashed while sending; a mismatch stops the run naming the engine, tensor and version",
     )
     rollout_weight_quantization: str | None = opt(
         None,

@@ -57,7 +57,7 @@ class EngineMemory(Protocol):
 class Trainer(Protocol):
     """The training side of the choreography (RayTrainGroup, or a plain object in tests)."""
 
-    def update_weights(self, engine_urls: list[str], weight_version: str) -> None: ...
+    def update_weights(self, engine_urls: list[str], weight_version: str) -> dict[str, float] | None: ...
 
     def sleep(self) -> None: ...
 
@@ -123,18 +123,19 @@ class MemoryChoreography:
         self.released.clear()
         return RefitAfterTrain(list(self.engine_urls), weight_version, tags)
 
-    def refit(self, weight_version: str) -> None:
-        """Push the trainer's weights to the engines and leave the engines ready to generate."""
+    def refit(self, weight_version: str) -> dict[str, float]:
+        """Push the trainer's weights to the engines and leave the engines ready to generate; the refit's
+        metrics (`perf/refit_checksum_*`)."""
         if self.colocate and not self.trainer_offload:
             self._resume([t for t in MEMORY_TAGS if t in self.released])
-            self.trainer.update_weights(self.engine_urls, weight_version)
-            return
+            return self.trainer.update_weights(self.engine_urls, weight_version) or {}
         if self.colocate and "weights" in self.released:
             self._resume(["weights"])
-        self.trainer.update_weights(self.engine_urls, weight_version)
+        metrics = self.trainer.update_weights(self.engine_urls, weight_version) or {}
         if self.colocate:
             self.trainer.sleep()
             self._resume([t for t in MEMORY_TAGS if t in self.released])
+        return metrics
 
     def _resume(self, tags: list[str]) -> None:
         if tags:
@@ -155,5 +156,5 @@ class TrainerOnly:
     def refit_with_train(self, weight_version: str) -> None:
         return None
 
-    def refit(self, weight_version: str) -> None:
-        pass
+    def refit(self, weight_version: str) -> dict[str, float]:
+        return {}

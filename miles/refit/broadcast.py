@@ -161,7 +161,7 @@ class DistributedWeightUpdater(WeightUpdater):
         delta = self.delta
         self._on_rank0(lambda: delta.begin(self._delta_bases(urls, version), version))
         self._on_rank0(lambda: begin_sessions(urls, headers, timeout, version))
-        checksums: dict[str, str] | None = {} if self.check_equal and self.rank == 0 else None
+        checksums = self.new_checksums(job, self.rank == 0)
 
         def send(bucket: Bucket, index: int, is_last: bool) -> None:
             self._on_rank0(lambda: self._broadcast(delta.select(bucket), index, is_last, version))

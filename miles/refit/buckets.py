@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from miles.refit.fp8 import quantize_bucket
 from miles.utils.progress import track
-from miles.utils.weight_checksum import tensor_checksum
+
+if TYPE_CHECKING:
+    from miles.refit.checksums import RefitChecksums
 
 
 class RefitSource(Protocol):
@@ -213,11 +215,11 @@ class RefitJob:
 
 
 def stream_buckets(
-    job: RefitJob, checksums: dict[str, str] | None, send: Callable[[Bucket, int, bool], None]
+    job: RefitJob, checksums: RefitChecksums | None, send: Callable[[Bucket, int, bool], None]
 ) -> int:
-    """Gather every bucket (collective: every rank calls this), quantize it when the job says so, add its
-    tensors' checksums to ``checksums`` when
-    given, and hand it to ``send(bucket, index, is_last)``; only one bucket of full tensors is alive at a time.
+    """Gather every bucket (collective: every rank calls this), quantize it when the job says so, hash its
+    tensors into ``checksums`` when given (no second gather), and hand it to ``send(bucket, index, is_last)``;
+    only one bucket of full tensors is alive at a time.
     Returns the number of buckets."""
     plan = plan_buckets(hf_tensors(job.model, job.dtype), job.bucket_bytes)
     buckets = (gather_bucket(entries, job.dtype) for entries in plan)
@@ -227,7 +229,7 @@ def stream_buckets(
         if job.fp8_scale_format is not None:
             bucket = quantize_bucket(bucket, job.fp8_scale_format)
         if checksums is not None:
-            checksums.update((name, tensor_checksum(t)) for name, t in bucket)
+            checksums.add_bucket(bucket)
         send(bucket, index, index == len(plan) - 1)
         del bucket  # freed before the next gather
     return len(plan)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from miles.refit.broadcast import DistributedWeightUpdater
 from miles.refit.buckets import RefitSource
-from miles.refit.engine_endpoints import engines_have_windows
+from miles.refit.engine_endpoints import engine_hash_kind, engines_have_windows
 from miles.refit.session import RefitSetup, WeightUpdater
 from miles.refit.tensor_handles import ColocatedWeightUpdater
 from miles.refit.window import WindowWeightUpdater
@@ -44,7 +44,7 @@ class RefitSettings:
     bucket_bytes: int  # --update-weight-buffer-size
     api_key: str | None  # --engine-api-key
     timeout_s: float  # deadline of each engine call of a refit (below the driver's wait: the engine is named)
-    check_equal: bool  # --check-weight-update-equal: compare per-tensor checksums after each refit
+    check_equal: bool  # --check-weight-update-equal (default on): per-TP-rank checksums after each refit
     resume_timeout_s: float  # --rollout-request-timeout: the deadline of resuming engine memory
     delta: str = "none"  # --update-weight-delta: none or changed (broadcast only, `miles.refit.delta`)
     fp8_scale_format: str | None = None  # --rollout-weight-quantization fp8: --rollout-fp8-scale-format
@@ -111,11 +111,20 @@ class Refitter:
             transport.engines_restarted(urls)
         return transport.update(source, self.settings.bucket_bytes, version, dtype=self.dtype, engines=urls)
 
-    @property
-    def last_metrics(self) -> dict[str, float]:
-        """The last refit's ``perf/refit_*`` (bytes and tensors sent) where the transport counts them (the
-        broadcast's rank 0); else empty."""
-        return dict(getattr(self.transport, "last_metrics", {}))
+    def metrics(self) -> dict[str, float]:
+        """The last refit's ``perf/refit_*`` on this rank, else {}: bytes and tensors sent where the transport
+        counts them (the broadcast's rank 0, `miles.refit.delta`), and the checksum cost where it compared
+        (rank 0): ``perf/refit_checksum_s`` = hashing what was sent (``..._trainer_s``) + waiting for the
+        engines' checksums (``..._engine_s``)."""
+        if self.transport is None:
+            return {}
+        out = dict(getattr(self.transport, "last_metrics", {}))
+        checks = self.transport.checks
+        if checks is not None:
+            out["perf/refit_checksum_s"] = checks.seconds + checks.engine_seconds
+            out["perf/refit_checksum_trainer_s"] = checks.seconds
+            out["perf/refit_checksum_engine_s"] = checks.engine_seconds
+        return out
 
     def _engine_memory(self, urls: list[str]) -> EngineMemoryControl:
         return EngineMemoryControl(urls, self.settings.api_key, self.settings.resume_timeout_s)
@@ -132,6 +141,7 @@ class Refitter:
             timeout_s=s.timeout_s,
             check_equal=s.check_equal,
             fp8_scale_format=s.fp8_scale_format,
+            checksum_kind=self._engines_hash_kind(urls) if s.check_equal else "sha256",
         )
         if self.transfer_mode == "tensor":
             if s.delta != "none" and self.rank == 0:
@@ -153,6 +163,20 @@ class Refitter:
         updater = DistributedWeightUpdater(setup, address[0], backend=backend, delta=s.delta)
         updater.connect()
         return updater
+
+    def _engines_hash_kind(self, urls: list[str]) -> str:
+        """The engines' checksum kind (by the device the first one runs on; default: where this trainer runs):
+        rank 0 asks, all ranks get the answer (a collective)."""
+        answer: list[str | None] = [None]
+        if self.rank == 0:
+            default = "cuda" if self.is_cuda else "sha256"
+            headers = bearer(self.settings.api_key)
+            try:
+                answer = [engine_hash_kind(urls[0], headers, self.settings.timeout_s, default)]
+            except Exception:  # noqa: BLE001 - every rank waits for the answer; the refit names a broken engine
+                answer = [default]
+        dist.broadcast_object_list(answer, src=0)
+        return str(answer[0])
 
     def _all_engines_have_windows(self, urls: list[str]) -> bool:
         """Rank 0 asks every engine for its window layout; all ranks get the answer (a collective)."""

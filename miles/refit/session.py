@@ -7,7 +7,8 @@ A transport (`miles.refit.tensor_handles`, `miles.refit.window`, `miles.refit.br
 engine before the first bucket and ``/end_weight_update`` after the last, also when a bucket failed; no bucket
 (and so no collective) starts before every engine opened its session. After the session each engine must report
 the new ``weight_version`` (``/model_info``), and with ``check_equal`` its per-tensor checksums
-(``/weights_checker``) must equal the trainer's (`miles.refit.engine_endpoints`). Every step that one rank does
+(``/weights_checker``) must equal the trainer's, hashed while sending, per TP rank's shard
+(`miles.refit.checksums`, `miles.refit.engine_endpoints`). Every step that one rank does
 for all (an HTTP call) goes through `run_agreed`: all ranks learn every rank's error and raise together, so none
 is left waiting in a collective.
 """
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from miles.refit.buckets import RefitJob, RefitSource
+from miles.refit.checksums import RefitChecksums, ShardSpec
 from miles.utils.engine_control_http import bearer
 
 
@@ -41,6 +43,7 @@ class RefitSetup:
     timeout_s: float = 600.0
     check_equal: bool = False
     fp8_scale_format: str | None = None  # --rollout-weight-quantization fp8: block FP8 with these scales
+    checksum_kind: str = "sha256"  # the engines' hash (`miles.utils.weight_checksum.device_hash_kind`)
 
     def __post_init__(self) -> None:
         if self.ranks_per_engine < 1:
@@ -60,6 +63,8 @@ class WeightUpdater(ABC):
         self.rank, self.world_size = setup.rank, setup.world_size
         self.timeout_s, self.check_equal = setup.timeout_s, setup.check_equal
         self.fp8_scale_format = setup.fp8_scale_format
+        self.checksum_kind = setup.checksum_kind
+        self.checks: RefitChecksums | None = None  # the last refit's checksums (on the ranks that compare)
         self.headers = bearer(setup.api_key)
         group = setup.group
         self.global_ranks = [
@@ -85,6 +90,19 @@ class WeightUpdater(ABC):
     @abstractmethod
     def push(self, job: RefitJob, targets: list[str]) -> int:
         """Push ``job`` to ``targets`` (some of the engines, in their order); returns the number of buckets."""
+
+    def new_checksums(self, job: RefitJob, here: bool) -> RefitChecksums | None:
+        """With ``check_equal``, where ``here`` (the rank that compares): the accumulator of this refit's
+        trainer-side checksums, hashing only the names the engines reported last time (all at first)."""
+        if not (self.check_equal and here):
+            return None
+        config = getattr(job.model, "config", None)
+        spec = ShardSpec(
+            self.ranks_per_engine, self.checksum_kind, getattr(config, "num_key_value_heads", None)
+        )
+        wanted = self.checks.reported if self.checks is not None and self.checks.reported else None
+        self.checks = RefitChecksums(spec, wanted)
+        return self.checks
 
     def engines_restarted(self, urls: list[str]) -> None:
         """Engines that were restarted (new processes); by default nothing to redo (checked to be ours)."""

@@ -52,7 +52,7 @@ class ColocatedWeightUpdater(WeightUpdater):
         self.run_agreed(
             self.is_leader, lambda: url and begin_sessions([url], self.headers, self.timeout_s, version)
         )
-        checksums: dict[str, str] | None = {} if self.check_equal and self.is_leader else None
+        checksums = self.new_checksums(job, self.is_leader)
 
         def send(bucket: Bucket, index: int, is_last: bool) -> None:
             self.run_agreed(targeted is not None, lambda: self._send_bucket(bucket, index, is_last, version))

@@ -46,12 +46,12 @@ import torch
 import torch.distributed as dist
 
 from miles.refit.buckets import RefitJob, RefitSource, TensorEntry, hf_tensors, plan_buckets, row_copies
-from miles.refit.engine_endpoints import LAYOUT_ENDPOINT, compare_checksums, engine_checksums
+from miles.refit.checksums import RefitChecksums
+from miles.refit.engine_endpoints import LAYOUT_ENDPOINT, check_engine
 from miles.refit.session import RefitSetup
 from miles.refit.tensor_handles import ColocatedWeightUpdater
 from miles.refit.window_layout import WINDOW_PREFIX, MappedWindow, WindowLayout
 from miles.utils.engine_control_http import post_engine
-from miles.utils.weight_checksum import tensor_checksum
 
 
 def _shm_dir() -> str:
@@ -268,7 +268,7 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
         error = None
         try:
             if url:
-                self._load(url, job.weight_version, self._checksums(url, entries))
+                self._load(url, job.weight_version, self._checksums(url, job, entries))
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
         self._agree(error)
@@ -280,14 +280,15 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
         if self.flags is None or self.flags.agree(error is not None, self.timeout_s):
             self.raise_together(error)
 
-    def _checksums(self, url: str, entries: list[TensorEntry]) -> dict[str, str] | None:
+    def _checksums(self, url: str, job: RefitJob, entries: list[TensorEntry]) -> RefitChecksums | None:
         """With ``check_equal``: the checksum of every tensor as the engine is to read it (in our window)."""
-        if not self.check_equal:
-            return None
-        views = self.windows[url].views
-        return {e.name: tensor_checksum(views[e.name]) for e in entries}
+        checks = self.new_checksums(job, True)
+        if checks is not None:
+            views = self.windows[url].views
+            checks.add_bucket((e.name, views[e.name]) for e in entries)
+        return checks
 
-    def _load(self, url: str, weight_version: str, checksums: dict[str, str] | None) -> None:
+    def _load(self, url: str, weight_version: str, checksums: RefitChecksums | None) -> None:
         """One call loads the window (its own weight-update session on the engine); the answer names the version
         the engine now serves, which must be ours; with ``check_equal`` the checksums are compared too."""
         window = self.windows[url]
@@ -305,9 +306,4 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
                 f"engine {url} serves weight version {answer.get('weight_version')!r} after refit {weight_version}"
             )
         if checksums is not None:
-            compare_checksums(
-                url,
-                checksums,
-                engine_checksums(url, self.headers, self.timeout_s, weight_version),
-                weight_version,
-            )
+            check_engine(url, weight_version, self.headers, self.timeout_s, checksums)

@@ -105,17 +105,16 @@ def test_yaml_scalar_quirks(tmp_path: Path) -> None:
     assert cfg.optim.lr == 1e-6 and cfg.train.global_batch_size == 2 and cfg.log.wandb_mode == "offline"
 
 
-def test_check_weight_update_equal_needs_whole_tensors() -> None:
-    """Per-tensor checksums compare whole tensors; TP>1 engines hold shards (refused before Ray starts)."""
-    import pytest
-
-    from miles.config import ConfigError, parse_config
+def test_check_weight_update_equal_is_on_by_default_for_any_engine_tp() -> None:
+    """Checksums are compared per TP rank's shard, so engines of several GPUs take them too (on by default);
+    --no-check-weight-update-equal turns them off."""
+    from miles.config import parse_config
 
     base = ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--num-rollout", "1", "--rollout-batch-size", "2",
-            "--global-batch-size", "2", "--actor-num-gpus-per-node", "2", "--colocate", "--check-weight-update-equal"]  # fmt: skip
+            "--global-batch-size", "2", "--actor-num-gpus-per-node", "2", "--colocate"]  # fmt: skip
     assert parse_config(base).engine.check_weight_update_equal
-    with pytest.raises(ConfigError, match="check-weight-update-equal.*tensor-parallel shards"):
-        parse_config([*base, "--rollout-num-gpus-per-engine", "2"])
+    assert parse_config([*base, "--rollout-num-gpus-per-engine", "2"]).engine.check_weight_update_equal
+    assert not parse_config([*base, "--no-check-weight-update-equal"]).engine.check_weight_update_equal
 
 
 def test_refit_deadline_must_expire_before_the_drivers_wait() -> None:

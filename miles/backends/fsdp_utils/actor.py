@@ -275,7 +275,7 @@ class FSDPTrainer(PolicyBackend):
             self._refitter.update(self._refit_source(), weight_version, engine_urls, resume_tags)
         if was_offloaded:
             self.sleep()
-        return self._refitter.last_metrics
+        return self._refitter.metrics()
 
     def _update_adapter(self, version: str, engine_urls: list[str], resume_tags: Sequence[str]) -> None:
         """--lora-refit adapter: the base once, then only the adapter (`miles.refit.lora_adapter`)."""

@@ -9,8 +9,8 @@ The rules and the refusal wording are SGLang's (see docs/sglang-contract.md for 
   `flush_cache` likewise (400 otherwise, so a release can wait for idle by retrying it);
   released tags are remembered, and `resume_memory_occupation` of a tag that was not released is an error (SGLang's
   scheduler dies there with a KeyError; the stand-in answers 400 instead of dying);
-- `weights_checker` with action `checksum` answers SGLang's payload: per tensor the first 8 bytes of the SHA-256
-  of its raw bytes, as 16 hex digits (sglang/srt/utils/weight_checker.py).
+- `weights_checker` with action `checksum` answers SGLang's payload: per tensor 16 hex digits of the hash SGLang
+  uses for the device it is on (SHA-256 on CPU, the tile hash on CUDA; `miles.utils.weight_checksum`), one rank.
 
 `LocalEngine` mixes this in; every `_op_*` runs on the scheduler thread (through `LocalEngine.run` and its
 table `LocalEngine.admin_ops`), except `join_update_group`, which waits for remote peers and so runs on a thread of its own with a short deadline.
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, TypedDict
 import torch
 
 from miles.utils.types import JSON
-from miles.utils.weight_checksum import overall_checksum, tensor_checksum
+from miles.utils.weight_checksum import device_hash_kind, overall_checksum, tensor_checksum
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -78,7 +78,7 @@ class RankChecksums(TypedDict):
 
     checksums: dict[str, str]  # parameter name -> 16 hex digits
     per_gpu_checksum: str
-    parallelism_info: list[dict[str, str | int]]
+    parallelism_info: list[dict[str, str | int]]  # one per model role (SGLang: target, draft...)
 
 
 class ChecksumReply(Reply):
@@ -345,9 +345,14 @@ class WeightControl:
         skip = skip_tensor_list or []
         checksums: dict[str, str] = {}
         for name in self.weights.names:  # a weight loaded from FP8: the checksums of what arrived
-            if not any(pattern in name for pattern in skip):
-                sent = self.weights.fp8_checksums.get(name)
-                checksums.update(sent if sent else {name: tensor_checksum(self.weights.get(name))})
+            if any(pattern in name for pattern in skip):
+                continue
+            sent = self.weights.fp8_checksums.get(name)
+            if sent:
+                checksums.update(sent)
+            else:
+                t = self.weights.get(name)
+                checksums[name] = tensor_checksum(t, device_hash_kind(t.device))
         overall = overall_checksum(checksums)
         rank: RankChecksums = {
             "checksums": checksums,

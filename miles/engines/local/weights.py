@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from miles.refit.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_named
-from miles.utils.weight_checksum import tensor_checksum
+from miles.utils.weight_checksum import device_hash_kind, tensor_checksum
 
 
 class EngineNotReady(RuntimeError):
@@ -125,7 +125,7 @@ class WeightStore:
             self.fp8_checksums.pop(canon, None)
         for name, t in received:
             canon = self.resolve(name.removesuffix(SCALE_SUFFIX))
-            self.fp8_checksums.setdefault(canon, {})[name] = tensor_checksum(t)
+            self.fp8_checksums.setdefault(canon, {})[name] = tensor_checksum(t, device_hash_kind(t.device))
         self._changed()
         return len(items)
 

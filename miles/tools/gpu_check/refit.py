@@ -42,12 +42,12 @@ def launch_engine(s: Settings, model_dir: str) -> EngineProcess:
 def _trainer_checksums(model: torch.nn.Module, s: Settings) -> tuple[dict[str, str], int]:
     """Checksums of the tensors a refit sends (HF names, the engine dtype) and their total bytes."""
     from miles.refit.buckets import iter_weight_buckets
-    from miles.utils.weight_checksum import tensor_checksum
+    from miles.utils.weight_checksum import device_hash_kind, tensor_checksum
 
     sums, nbytes = {}, 0
     for bucket in iter_weight_buckets(model, s.bucket_bytes, s.dtype):
         for name, t in bucket:
-            sums[name] = tensor_checksum(t)
+            sums[name] = tensor_checksum(t, device_hash_kind(s.device))  # the engine's hash on its device
             nbytes += t.numel() * t.element_size()
     return sums, nbytes
 
@@ -55,7 +55,7 @@ def _trainer_checksums(model: torch.nn.Module, s: Settings) -> tuple[dict[str, s
 def _engine_checksums(url: str) -> dict[str, str]:
     from miles.refit.engine_endpoints import engine_checksums
 
-    return engine_checksums(url, {}, 600.0, VERSION)
+    return engine_checksums(url, {}, 600.0, VERSION)[0]  # the embedded engine: one rank
 
 
 def _handle_uuid(s: Settings) -> str | None:
