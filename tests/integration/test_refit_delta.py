@@ -54,7 +54,7 @@ def _body(rank: int, world: int, model_dir: str, urls: list[str], pids: list[int
         if rank == 0:
             trainer = {n: tensor_checksum(t.float()) for n, t in state.items()}
             for url in targets or urls:
-                engine = engine_checksums(url, {}, 60, version)
+                (engine,) = engine_checksums(url, {}, 60, version)  # one TP rank per embedded engine
                 differ = [n for n in names if engine.get(n) != trainer[n]]  # tied tensors once
                 assert not differ, (url, version, differ[:5])
             log.append({"version": version, **updater.last_metrics})
