@@ -22,10 +22,11 @@ import yaml
 from sglang.srt.arg_groups.arg_utils import record_fields
 from sglang.srt.server_args import ServerArgs, prepare_server_args
 
-from miles.config import ConfigError, parse_config
+from miles.config import ConfigError
 from miles.engines.sglang_args import MILES_OWNED
 from miles.engines.sglang_engine import EngineProcess, engine_launch_kwargs
 from miles.engines.sglang_launch import launch_argv
+from miles.preflight import parse_config  # with the server-flag checks (SGLang's own parser), as the driver
 
 KEY = "-" + "k" * 42  # an admin key starting with '-' (secrets.token_urlsafe draws one about once in 64)
 PORT = 31234
