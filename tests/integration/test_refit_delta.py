@@ -10,7 +10,6 @@ import os
 import signal
 
 import httpx
-import pytest
 import torch
 
 from tests.integration._util import run_distributed
@@ -96,24 +95,10 @@ def _body(rank: int, world: int, model_dir: str, urls: list[str], pids: list[int
             restarted.shutdown()
 
 
-@pytest.fixture
-def engines(tmp_path):
-    from miles.engines.sglang_engine import EngineProcess
-    from miles.tools.tiny_model import build_tiny_model
-
-    model_dir = str(build_tiny_model(tmp_path / "model", seed=0))
-    procs = [EngineProcess(model_dir, kind="local", startup_timeout=120).launch() for _ in range(2)]
-    try:
-        yield model_dir, procs
-    finally:
-        for p in procs:
-            p.shutdown()
-
-
-def test_delta_refit_sends_only_changes_and_leaves_engines_bit_equal(engines, tmp_path):
+def test_delta_refit_sends_only_changes_and_leaves_engines_bit_equal(two_tiny_engines, tmp_path):
     import json
 
-    model_dir, procs = engines
+    model_dir, procs = two_tiny_engines
     out = str(tmp_path / "log.json")
     run_distributed(
         _body, 2, model_dir, [p.url for p in procs], [p.proc.pid for p in procs], out, init_pg=False

@@ -66,21 +66,7 @@ def _body(rank: int, world: int, model_dir: str, urls: list[str], mode: str) -> 
     assert any(n.endswith("q_proj.weight_scale_inv") for n in sums["ranks"][0]["checksums"])
 
 
-@pytest.fixture
-def engines(tmp_path):
-    from miles.engines.sglang_engine import EngineProcess
-    from miles.tools.tiny_model import build_tiny_model
-
-    model_dir = str(build_tiny_model(tmp_path / "model", seed=0))
-    procs = [EngineProcess(model_dir, kind="local", startup_timeout=120).launch() for _ in range(2)]
-    try:
-        yield model_dir, procs
-    finally:
-        for p in procs:
-            p.shutdown()
-
-
 @pytest.mark.parametrize("mode", ["tensor", "broadcast"])
-def test_fp8_refit_dequantizes_in_the_engine_and_checksums_agree(engines, mode):
-    model_dir, procs = engines
+def test_fp8_refit_dequantizes_in_the_engine_and_checksums_agree(two_tiny_engines, mode):
+    model_dir, procs = two_tiny_engines
     run_distributed(_body, 2, model_dir, [p.url for p in procs], mode, init_pg=False)

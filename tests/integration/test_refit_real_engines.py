@@ -4,7 +4,6 @@ tensor equals the trainer's tensor bit for bit (fp32), and the engines report th
 from __future__ import annotations
 
 import httpx
-import pytest
 import torch
 
 from miles.utils.types import Sample, SampleStatus
@@ -50,22 +49,8 @@ def _trainer_body(rank: int, world: int, model_dir: str, urls: list[str], out: s
         torch.save({k: v.clone() for k, v in state.items()}, out)
 
 
-@pytest.fixture
-def engines(tmp_path):
-    from miles.engines.sglang_engine import EngineProcess
-    from miles.tools.tiny_model import build_tiny_model
-
-    model_dir = str(build_tiny_model(tmp_path / "model", seed=0))
-    procs = [EngineProcess(model_dir, kind="local", startup_timeout=120).launch() for _ in range(2)]
-    try:
-        yield model_dir, procs
-    finally:
-        for p in procs:
-            p.shutdown()
-
-
-def test_refit_makes_engine_weights_equal_trainer_weights(tmp_path, engines):
-    model_dir, procs = engines
+def test_refit_makes_engine_weights_equal_trainer_weights(tmp_path, two_tiny_engines):
+    model_dir, procs = two_tiny_engines
     out = str(tmp_path / "trainer.pt")
     run_distributed(_trainer_body, 2, model_dir, [p.url for p in procs], out, init_pg=False)
     from transformers import AutoModelForCausalLM

@@ -114,23 +114,9 @@ def _body(rank: int, world: int, model_dir: str, urls: list[str], pids: list[int
             restarted.shutdown()
 
 
-@pytest.fixture
-def engines(tmp_path):
-    from miles.engines.sglang_engine import EngineProcess
-    from miles.tools.tiny_model import build_tiny_model
-
-    model_dir = str(build_tiny_model(tmp_path / "model", seed=0))
-    procs = [EngineProcess(model_dir, kind="local", startup_timeout=120).launch() for _ in range(2)]
-    try:
-        yield model_dir, procs
-    finally:
-        for p in procs:
-            p.shutdown()
-
-
 @pytest.mark.parametrize("mode", ["tensor", "broadcast"])
-def test_refit_transfer_modes_bit_equal_across_steps_and_a_restart(engines, mode):
-    model_dir, procs = engines
+def test_refit_transfer_modes_bit_equal_across_steps_and_a_restart(two_tiny_engines, mode):
+    model_dir, procs = two_tiny_engines
     run_distributed(
         _body, 2, model_dir, [p.url for p in procs], [p.proc.pid for p in procs], mode, init_pg=False
     )
@@ -177,9 +163,9 @@ def _failure_body(rank: int, world: int, model_dir: str, urls: list[str]) -> Non
     dist.barrier()
 
 
-def test_window_refit_failure_raises_on_every_rank_and_the_next_refit_works(engines):
+def test_window_refit_failure_raises_on_every_rank_and_the_next_refit_works(two_tiny_engines):
     """Rank 1's engine call fails in the second of three window refits: every rank raises naming rank 1 (the
     agreement after the loads, through the host's flags on x86), and the third refit, rounds still in step, leaves
     both engines equal to the trainer bit for bit."""
-    model_dir, procs = engines
+    model_dir, procs = two_tiny_engines
     run_distributed(_failure_body, 2, model_dir, [p.url for p in procs], init_pg=False)
