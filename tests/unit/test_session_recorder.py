@@ -21,7 +21,9 @@ def _turn(session: Session, messages: list[dict], text: str, tools=TOOLS, eos: b
     out = char_ids(tok, text) + ([tok.eos_token_id] if eos else [])
     lps = [-0.1 * (i + 1) for i in range(len(out))]
     parsed = parse_tool_calls(turn_text(tok, out), bool(tools))
-    node = session.record(prepared, msgs, parsed.message(), TurnRecord(prepared.input_ids, out, lps, "3", "stop"))
+    node = session.record(
+        prepared, msgs, parsed.message(), TurnRecord(prepared.input_ids, out, lps, "3", "stop")
+    )
     return prepared, node, out, parsed
 
 
@@ -33,7 +35,11 @@ def _episode_start(session: Session):
         "content": parsed.content,
         "refusal": None,
         "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": '{"expression": "12 + 30"}'}}
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "calc", "arguments": '{"expression": "12 + 30"}'},
+            }
         ],
     }
     return user, node, out, echoed
@@ -59,7 +65,10 @@ def test_multi_turn_append_keeps_sampled_tokens_and_masks_tool_tokens() -> None:
     assert prepared.parent is first
     assert prepared.input_ids[: len(first.tokens)] == first.tokens  # the held prefix, token for token
     added = prepared.input_ids[len(first.tokens) :]
-    assert tok.decode(added) == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tok.decode(added)
+        == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     p = first.prompt_len
     assert second.tokens == prepared.input_ids + out2
     assert second.tokens[p : p + len(out1)] == out1
@@ -93,7 +102,11 @@ def test_edited_history_branches_and_each_leaf_is_a_sample() -> None:
     prepared, third, _, _ = _turn(s, retry, "12")
     assert prepared.parent is first
     # the agent compacts its history (a rewritten assistant turn): a new lineage, all of it prompt
-    compacted = [*user, {"role": "assistant", "content": "I computed 42."}, {"role": "user", "content": "sure?"}]
+    compacted = [
+        *user,
+        {"role": "assistant", "content": "I computed 42."},
+        {"role": "user", "content": "sure?"},
+    ]
     prepared4, fourth, out4, _ = _turn(s, compacted, "yes")
     assert prepared4.parent is None and fourth.prompt_len == len(prepared4.input_ids)
     assert fourth.loss_mask == [1] * len(out4)
@@ -114,6 +127,15 @@ def test_n_siblings_and_the_agent_continues_the_chosen_one() -> None:
     for text in ("42", "43"):
         out = char_ids(tok, text) + [tok.eos_token_id]
         turn = parse_tool_calls(text, False)
-        nodes.append(s.record(prepared, user, turn.message(), TurnRecord(prepared.input_ids, out, [0.0] * len(out), None, "stop")))
-    history = normalize_messages([*user, {"role": "assistant", "content": "43"}, {"role": "user", "content": "sure?"}])
+        nodes.append(
+            s.record(
+                prepared,
+                user,
+                turn.message(),
+                TurnRecord(prepared.input_ids, out, [0.0] * len(out), None, "stop"),
+            )
+        )
+    history = normalize_messages(
+        [*user, {"role": "assistant", "content": "43"}, {"role": "user", "content": "sure?"}]
+    )
     assert s.prepare(history, None).parent is nodes[1]

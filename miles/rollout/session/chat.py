@@ -37,7 +37,9 @@ def _text_of(content: object, where: str) -> str:
                 raise ValueError(f"{where}: only text content parts are supported, got {part!r}")
             parts.append(str(part.get("text", "")))
         return "".join(parts)
-    raise ValueError(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
+    raise ValueError(
+        f"{where}: content must be a string or a list of text parts, got {type(content).__name__}"
+    )
 
 
 def _arguments(raw: object, where: str) -> object:
@@ -182,7 +184,12 @@ def completion_body(cid: str, model: str, choices: list[Choice], prompt_tokens: 
         if c.turn.tool_calls:
             message["tool_calls"] = _tool_calls_json(c)
         out.append(
-            {"index": i, "message": message, "finish_reason": c.finish_reason, "logprobs": _logprobs_json(c.logprobs)}
+            {
+                "index": i,
+                "message": message,
+                "finish_reason": c.finish_reason,
+                "logprobs": _logprobs_json(c.logprobs),
+            }
         )
     return {
         "id": cid,
@@ -201,7 +208,12 @@ def completion_body(cid: str, model: str, choices: list[Choice], prompt_tokens: 
 def chunk_bodies(body: dict) -> list[dict]:
     """A finished `chat.completion` as its stream of `chat.completion.chunk` objects: per choice a role chunk,
     a content chunk, one chunk per tool call, and a finish chunk; then a usage chunk (empty choices)."""
-    base = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"]}
+    base = {
+        "id": body["id"],
+        "object": "chat.completion.chunk",
+        "created": body["created"],
+        "model": body["model"],
+    }
     chunks = []
     for c in body["choices"]:
         msg, i = c["message"], c["index"]

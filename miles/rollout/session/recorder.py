@@ -80,7 +80,7 @@ class Session:
     tokenizer: Any
     nodes: list[Node] = field(default_factory=list)
     requests: int = 0
-    lineages: int = 0
+    lineages: int = 0  # requests that started a new lineage (a root of the tree; its n choices are siblings)
 
     def render(self, messages: list[Message], tools: list[dict] | None, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -112,13 +112,16 @@ class Session:
             if full.startswith(before):
                 return self._extend(parent, before, full)
         ids = self._encode(full)
+        self.lineages += 1
         return Prepared(None, ids, len(ids), [], [])
 
     def _extend(self, parent: Node, before: str, full: str) -> Prepared:
         tok = self.tokenizer
         eos_text, eos_id = tok.eos_token or "", tok.eos_token_id
         closing: list[int] = [] if parent.ends_with_eos or eos_id is None else [int(eos_id)]
-        after_eos = before[before.rfind(eos_text) + len(eos_text) :] if eos_text and eos_text in before else ""
+        after_eos = (
+            before[before.rfind(eos_text) + len(eos_text) :] if eos_text and eos_text in before else ""
+        )
         new = self._encode(after_eos + full[len(before) :])
         added = closing + new
         return Prepared(
@@ -138,9 +141,7 @@ class Session:
     ) -> Node:
         """Add the node of one sampled choice (a child of the request's parent, or a new root)."""
         parent = prepared.parent
-        if parent is None:
-            self.lineages += 1
-        else:
+        if parent is not None:
             parent.children += 1
         out, lps = turn.output_ids, turn.log_probs
         if len(lps) != len(out):
