@@ -53,6 +53,11 @@ def _refuse(cfg: Config) -> str | None:
     dbg = cfg.debug
     if dbg.save_debug_rollout_data or dbg.load_debug_rollout_data or dbg.debug_rollout_only:
         return "replay debugging (--*-debug-rollout-data, --debug-rollout-only) runs with miles.train"
+    if cfg.rollout.use_session_server:
+        return (
+            "--use-session-server is built for miles.train only (sessions do not continue across the one-step-off "
+            "loop's refit yet); use miles.train"
+        )
     if cfg.cluster.use_fault_tolerance:
         return (
             "--use-fault-tolerance is built for miles.train only (the one-step-off loop does not refit restarted "

@@ -341,6 +341,7 @@ _SEAM_PATHS = (
     "eval_function_path",
     "dynamic_sampling_filter_path",
     "generate_execute_tool_function_path",
+    "agent_function_path",
 )
 
 
@@ -386,6 +387,31 @@ def _rollout_seams(v: Values) -> None:
             v.fail("eval_top_k", "must be -1 (disabled) or >= 1")
 
 
+# flags the first slice of the session server does not combine with (issue 26): refused, never ignored
+_SESSION_SERVER_CONFLICTS = {
+    "custom_generate_function_path": "the session server is the generate function",
+    "generate_execute_tool_function_path": "the agent runs its own tools",
+    "partial_rollout": "an agent episode cannot be continued in the next rollout yet",
+    "use_fault_tolerance": "sessions do not move to another engine yet",
+}
+
+
+def _session_server(v: Values) -> None:
+    """--use-session-server needs --agent-function-path (and the reverse); see _SESSION_SERVER_CONFLICTS."""
+    with suppress(Skip):
+        on, agent = v["use_session_server"], v["agent_function_path"]
+        if agent and not on:
+            v.fail("agent_function_path", "runs against the session server; add --use-session-server")
+        if not on:
+            return
+        if not agent:
+            v.fail("use_session_server", "needs --agent-function-path (async def run(base_url, sample, ctx))")
+        for name, why in _SESSION_SERVER_CONFLICTS.items():
+            with suppress(Skip):
+                if v[name]:
+                    v.fail(name, f"is not supported with --use-session-server: {why}")
+
+
 def _debug(v: Values) -> None:
     """Replay debugging: train from saved rollouts (no engines) or generate only (no trainer), not both."""
     with suppress(Skip):
@@ -428,4 +454,5 @@ RULES: list[Rule] = [
     _multi_node_engine_host,
     _function_paths,
     _rollout_seams,
+    _session_server,
 ]

@@ -209,6 +209,13 @@ class RolloutConfig:
         None, "multi-turn: the tool, 'module:function': fn(arguments, sample) -> str"
     )
     generate_tool_timeout: float = opt(30.0, "multi-turn: seconds one tool call may take", gt=0)
+    use_session_server: bool = opt(
+        False, "serve an OpenAI-compatible session server and run --agent-function-path per sample against it"
+    )
+    agent_function_path: str | None = opt(
+        None, "session server: the agent, 'module:function': async fn(base_url, sample, ctx) -> reward | None"
+    )
+    agent_timeout: float = opt(600.0, "session server: seconds one agent episode may take", gt=0)
 
 
 @section

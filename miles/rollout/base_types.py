@@ -77,6 +77,15 @@ class MultiTurnSettings:
 
 
 @dataclass(frozen=True)
+class AgentSettings:
+    """What the session-server generate function needs (`--use-session-server`, `--agent-*` flags)."""
+
+    run: Callable[..., Awaitable[object]]  # `async def run(base_url, sample, ctx) -> reward | None`
+    name: str  # the --agent-function-path value, for error messages
+    timeout: float  # --agent-timeout: seconds one episode may take
+
+
+@dataclass(frozen=True)
 class GenerateContext:
     """What a generate function gets besides the generate client, the sample and the sampling settings."""
 
@@ -84,6 +93,7 @@ class GenerateContext:
     request_id_prefix: str  # e.g. "rollout12" or "eval-aime-12": request ids are `<prefix>-<sample index>...`
     evaluation: bool = False
     multi_turn: MultiTurnSettings | None = None
+    agent: AgentSettings | None = None
 
     @property
     def phase(self) -> str:

@@ -40,6 +40,7 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -181,6 +182,8 @@ class GenerateClient:
         self._sending: set[asyncio.Task] = set()
         self.requests_sent = 0  # POST /generate requests (a batch counts once)
         self.lora_path: str | None = None  # --lora-refit adapter: every request's adapter (set by the runner)
+        # awaited when the client closes: services started on it (the session server) stop with it
+        self.on_close: list[Callable[[], Awaitable[None]]] = []
 
     async def __aenter__(self) -> GenerateClient:
         limits = httpx.Limits(
@@ -200,6 +203,8 @@ class GenerateClient:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        while self.on_close:
+            await self.on_close.pop()()
         if self._http is not None:
             await self._http.aclose()
         self._http = None

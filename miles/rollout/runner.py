@@ -268,7 +268,10 @@ class RolloutRunner:
             settings=self.settings,
             generate=self.seams.generate,
             generate_ctx=GenerateContext(
-                tokenizer=self.tokenizer, request_id_prefix="rollout", multi_turn=self.seams.multi_turn
+                tokenizer=self.tokenizer,
+                request_id_prefix="rollout",
+                multi_turn=self.seams.multi_turn,
+                agent=self.seams.agent,
             ),
             group_filter=self.seams.group_filter,
             scorer=self.scorer,

@@ -12,13 +12,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from miles.rollout.base_types import EvalFn, GenerateFn, GroupFilterFn, MultiTurnSettings, RolloutFn, ToolFn
+from miles.rollout.base_types import (
+    AgentSettings,
+    EvalFn,
+    GenerateFn,
+    GroupFilterFn,
+    MultiTurnSettings,
+    RolloutFn,
+    ToolFn,
+)
 from miles.utils.misc import load_function
 
 if TYPE_CHECKING:
     from miles.config.sections import EvalConfig, RolloutConfig
 
 DEFAULT_GENERATE = "miles.rollout.generate.generate_single_turn"
+SESSION_GENERATE = "miles.rollout.session.agent.generate_with_agent"  # with --use-session-server
 
 
 def _accepts(fn: Callable[..., object], n: int) -> bool:
@@ -67,12 +76,30 @@ class Seams:
     evaluate: EvalFn
     eval_name: str
     multi_turn: MultiTurnSettings | None
+    agent: AgentSettings | None = None
+
+
+def load_agent(rollout_cfg: RolloutConfig) -> AgentSettings | None:
+    """The agent of --agent-function-path with --use-session-server (None without), checked like the seams."""
+    r = rollout_cfg
+    if not r.use_session_server:
+        return None
+    if not r.agent_function_path:
+        raise ValueError(
+            "--use-session-server needs --agent-function-path (async def run(base_url, sample, ctx))"
+        )
+    run = load_checked(
+        r.agent_function_path, "--agent-function-path", "async def run(base_url, sample, ctx) -> reward | None",
+        3, True,
+    )  # fmt: skip
+    return AgentSettings(run=run, name=r.agent_function_path, timeout=r.agent_timeout)
 
 
 def load_seams(rollout_cfg: RolloutConfig, eval_cfg: EvalConfig) -> Seams:
     """Load and check every rollout function named by the `rollout` and `eval` config sections."""
     r = rollout_cfg
-    gen_path = r.custom_generate_function_path or DEFAULT_GENERATE
+    agent = load_agent(r)
+    gen_path = SESSION_GENERATE if agent else (r.custom_generate_function_path or DEFAULT_GENERATE)
     generate = load_checked(
         gen_path, "--custom-generate-function-path", "async def generate(client, sample, sampling, ctx) -> Sample",
         4, True,
@@ -113,4 +140,5 @@ def load_seams(rollout_cfg: RolloutConfig, eval_cfg: EvalConfig) -> Seams:
         evaluate=evaluate,
         eval_name=eval_cfg.eval_function_path,
         multi_turn=multi_turn,
+        agent=agent,
     )

@@ -62,3 +62,32 @@ def test_valid_combinations_parse() -> None:
     )
     assert cfg.rollout.over_sampling_batch_size == 8 and cfg.rollout.reward_key == "score"
     assert cfg.eval.eval_top_p == 0.9 and cfg.eval.eval_top_k == 5
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ("--use-session-server", "--use-session-server=True: needs --agent-function-path"),
+        ("--agent-function-path my.agent:run", "runs against the session server; add --use-session-server"),
+        ("--use-session-server --agent-function-path agent", "--agent-function-path='agent': expected 'module.path:function'"),
+        ("--use-session-server --agent-function-path a.b:run --partial-rollout", "--partial-rollout=True: is not supported with --use-session-server"),
+        ("--use-session-server --agent-function-path a.b:run --use-fault-tolerance", "--use-fault-tolerance=True: is not supported with --use-session-server"),
+        ("--use-session-server --agent-function-path a.b:run --custom-generate-function-path a.b:gen", "is not supported with --use-session-server: the session server is the generate function"),
+    ],
+)  # fmt: skip
+def test_session_server_rules(extra: str, expected: str) -> None:
+    assert any(expected in v for v in violations(extra)), violations(extra)
+
+
+def test_session_server_seams_load_the_agent_and_refuse_a_sync_one() -> None:
+    from miles.rollout.seams import SESSION_GENERATE, load_seams
+
+    cfg = parse_config(
+        (BASE + " --use-session-server --agent-function-path examples.openai_agent.agent:run").split()
+    )
+    seams = load_seams(cfg.rollout, cfg.eval)
+    assert seams.generate_name == SESSION_GENERATE and seams.agent is not None
+    assert seams.agent.timeout == 600.0 and seams.agent.name == "examples.openai_agent.agent:run"
+    bad = parse_config((BASE + " --use-session-server --agent-function-path json:dumps").split())
+    with pytest.raises(ValueError, match="--agent-function-path='json:dumps'"):
+        load_seams(bad.rollout, bad.eval)

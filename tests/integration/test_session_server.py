@@ -1,0 +1,234 @@
+"""The session server over HTTP with the official `openai` SDK, in front of the fake engine (tests/fake_engine.py).
+
+The SDK parses every answer with its own models, so a field of the wrong shape or type fails here. The engine
+'samples' one token per character (a split the tokenizer's merges would not produce), so a recorder that
+re-tokenized text would not match the engine's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from miles.rollout.base_types import AgentSettings, GenerateContext, SamplingSettings
+from miles.rollout.generate_client import GenerateClient
+from miles.rollout.session.agent import generate_with_agent
+from miles.rollout.session.server import SessionServer
+from miles.utils.types import Sample, SampleStatus
+from tests.fake_engine import FakeEngine, Reply
+from tests.session_helpers import char_ids, qwen_style_tokenizer
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "evaluate an arithmetic expression",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
+]
+CALL = '<tool_call>\n{"name": "calc", "arguments": {"expression": "12 + 30"}}\n</tool_call>'
+SAMPLING = SamplingSettings(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=400)
+
+
+class Script:
+    """The fake engine's policy: a tool call first, the answer once a tool response is in the prompt; the
+    answer's last digit is the choice index (from the request id), so n > 1 choices differ."""
+
+    def __init__(self) -> None:
+        self.tok = qwen_style_tokenizer()
+        self.sampled: list[list[int]] = []
+        self.inputs: list[list[int]] = []
+
+    def __call__(self, input_ids: list[int], params: dict, rid: str) -> Reply:
+        text = self.tok.decode(input_ids)
+        if "<tool_response>" in text:
+            out = f"The answer is 4{int(rid[-1]) + 2}."
+        elif "# Tools" in text:
+            out = CALL
+        else:
+            out = f"Hello {rid[-1]}"
+        ids = char_ids(self.tok, out) + [self.tok.eos_token_id]
+        self.sampled.append(ids)
+        self.inputs.append(list(input_ids))
+        return Reply(ids)
+
+
+async def _serving(script: Script, body):  # noqa: ANN202 - a test helper
+    engine = FakeEngine(script)
+    async with GenerateClient(engine.url, [engine.url], None, 30.0, 8, transport=engine.transport) as client:
+        server = SessionServer(client, script.tok, SAMPLING)
+        await server.start()
+        try:
+            return await body(server)
+        finally:
+            await server.stop()
+
+
+def _run(body):  # noqa: ANN001, ANN202
+    script = Script()
+    return script, asyncio.run(_serving(script, body))
+
+
+def test_tool_episode_over_the_sdk_records_the_engine_tokens() -> None:
+    async def body(server: SessionServer):  # noqa: ANN202
+        rec = server.open("ep1")
+        async with openai.AsyncOpenAI(base_url=server.base_url("ep1"), api_key=server.api_key) as oai:
+            models = await oai.models.list()
+            assert [m.id for m in models.data] == ["miles-policy"]
+            messages: list = [{"role": "user", "content": "What is 12 + 30?"}]
+            first = await oai.chat.completions.create(
+                model="m", messages=messages, tools=TOOLS, logprobs=True
+            )
+            choice = first.choices[0]
+            assert choice.finish_reason == "tool_calls"
+            call = choice.message.tool_calls[0]
+            assert call.type == "function" and call.function.name == "calc"
+            assert json.loads(call.function.arguments) == {"expression": "12 + 30"}
+            assert first.usage.completion_tokens == len(choice.logprobs.content)
+            messages.append(choice.message.model_dump())  # what agents do: the SDK's own message back
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": "42"})
+            second = await oai.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+            assert second.choices[0].message.content == "The answer is 42."
+            assert second.choices[0].finish_reason == "stop"
+        return rec
+
+    script, rec = _run(body)
+    [leaf] = rec.leaves()
+    assert len(leaf.turns) == 2 and rec.lineages == 1
+    assert [t.output_ids for t in leaf.turns] == script.sampled  # token for token what the engine sampled
+    assert script.inputs[1][: len(leaf.turns[0].prompt_ids)] == script.inputs[0]
+    assert script.inputs[1][len(script.inputs[0]) :][: len(script.sampled[0])] == script.sampled[0]
+    response = leaf.tokens[leaf.prompt_len :]
+    trained = [t for t, m in zip(response, leaf.loss_mask) if m == 1]
+    assert trained == script.sampled[0] + script.sampled[1]
+    tok = script.tok  # the sampled split is not what re-tokenizing gives
+    assert tok.encode(tok.decode(script.sampled[0]), add_special_tokens=False) != script.sampled[0]
+
+
+def test_n_choices_logprobs_and_streaming_without_tools() -> None:
+    async def body(server: SessionServer):  # noqa: ANN202
+        rec = server.open("ep2")
+        async with openai.AsyncOpenAI(base_url=server.base_url("ep2"), api_key=server.api_key) as oai:
+            msgs = [{"role": "user", "content": "hi"}]
+            many = await oai.chat.completions.create(
+                model="m", messages=msgs, n=3, logprobs=True, max_tokens=50
+            )
+            assert [c.message.content for c in many.choices] == ["Hello 0", "Hello 1", "Hello 2"]
+            assert [c.index for c in many.choices] == [0, 1, 2]
+            assert all(c.logprobs.content[0].logprob < 0 for c in many.choices)
+            stream = await oai.chat.completions.create(
+                model="m", messages=[*msgs, {"role": "assistant", "content": "Hello 1"}, {"role": "user", "content": "x"}],
+                stream=True, stream_options={"include_usage": True},
+            )  # fmt: skip
+            text, finish, usage = "", None, None
+            async for chunk in stream:
+                usage = chunk.usage or usage
+                for c in chunk.choices:
+                    text += c.delta.content or ""
+                    finish = c.finish_reason or finish
+            assert (text, finish) == ("Hello 0", "stop") and usage.completion_tokens == 8
+        return rec
+
+    _, rec = _run(body)
+    assert len(rec.nodes) == 4 and rec.lineages == 1
+    assert rec.nodes[3].parent == 1  # the streamed request extended the choice the agent kept
+    assert len(rec.leaves()) == 3
+
+
+def test_key_required_and_unsupported_requests_refused() -> None:
+    async def body(server: SessionServer):  # noqa: ANN202
+        server.open("ep3")
+        url = server.base_url("ep3")
+        async with httpx.AsyncClient() as http:
+            assert (await http.get(f"{url}/models")).status_code == 401
+        async with openai.AsyncOpenAI(base_url=url, api_key="wrong") as oai:
+            with pytest.raises(openai.AuthenticationError):
+                await oai.models.list()
+        async with openai.AsyncOpenAI(base_url=url, api_key=server.api_key) as oai:
+            with pytest.raises(openai.BadRequestError, match="tool_choice"):
+                await oai.chat.completions.create(
+                    model="m",
+                    messages=[{"role": "user", "content": "hi"}],
+                    tools=TOOLS,
+                    tool_choice="required",
+                )
+        async with openai.AsyncOpenAI(base_url=server.base_url("nope"), api_key=server.api_key) as oai:
+            with pytest.raises(openai.NotFoundError):
+                await oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        return server.host
+
+    assert _run(body)[1] == "127.0.0.1"
+
+
+async def _agent_ok(base_url: str, sample: Sample, ctx) -> float:  # noqa: ANN001
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=ctx.api_key) as oai:
+        out = await oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    return 1.0 if out.choices[0].message.content.startswith("Hello") else 0.0
+
+
+async def _agent_raises(base_url: str, sample: Sample, ctx) -> float:  # noqa: ANN001
+    await _agent_ok(base_url, sample, ctx)
+    raise RuntimeError("the agent's bug")
+
+
+async def _agent_hangs(base_url: str, sample: Sample, ctx) -> float:  # noqa: ANN001
+    await asyncio.sleep(3600)
+    return 1.0
+
+
+def test_agent_failures_cost_their_sample_only() -> None:
+    script = Script()
+    tok = script.tok
+    prompt = tok.encode("hi", add_special_tokens=False)
+
+    async def main() -> list[Sample]:
+        engine = FakeEngine(script)
+        async with GenerateClient(
+            engine.url, [engine.url], None, 30.0, 8, transport=engine.transport
+        ) as client:
+            outs = []
+            for i, fn in enumerate((_agent_ok, _agent_raises, _agent_hangs)):
+                ctx = GenerateContext(tok, "rollout7", agent=AgentSettings(fn, fn.__name__, timeout=1.0))
+                outs.append(generate_with_agent(client, Sample(index=i, tokens=list(prompt)), SAMPLING, ctx))
+            samples = await asyncio.gather(*outs)
+            assert client.on_close  # the session server stops with the client
+        return samples
+
+    ok, raised, hung = asyncio.run(main())
+    assert ok.status == SampleStatus.COMPLETED and ok.reward == 1.0 and ok.check_consistent() is None
+    assert ok.loss_mask == [1] * ok.response_length and ok.response == "Hello 0"
+    assert ok.metadata["session"]["leaves"] == 1
+    assert raised.status == SampleStatus.FAILED and raised.reward == 0.0
+    assert "the agent's bug" in raised.metadata["agent_error"] and raised.response_length > 0
+    assert hung.status == SampleStatus.FAILED and hung.reward == 0.0 and hung.response_length == 0
+    assert "--agent-timeout" in hung.metadata["agent_error"]
+
+
+def test_the_openai_agent_example_runs_a_tool_episode() -> None:
+    from examples.openai_agent.agent import run
+
+    script = Script()
+    tok = script.tok
+    prompt = [{"role": "user", "content": "What is 12 + 30?"}]
+    ids = tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
+
+    async def main() -> Sample:
+        engine = FakeEngine(script)
+        async with GenerateClient(
+            engine.url, [engine.url], None, 30.0, 8, transport=engine.transport
+        ) as client:
+            ctx = GenerateContext(tok, "rollout0", agent=AgentSettings(run, "example", timeout=30.0))
+            sample = Sample(index=0, prompt=prompt, tokens=list(ids), label="42")
+            return await generate_with_agent(client, sample, SAMPLING, ctx)
+
+    sample = asyncio.run(main())
+    assert sample.reward == 1.0 and sample.metadata["session"]["turns"] == 2
+    trained = [t for t, m in zip(sample.response_ids, sample.loss_mask) if m]
+    assert trained == script.sampled[0] + script.sampled[1]
+    assert sample.rollout_log_probs is not None and sample.check_consistent() is None

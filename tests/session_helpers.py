@@ -1,0 +1,57 @@
+"""Shared by the session-server tests: a byte-level BPE tokenizer with a Qwen3-style tool-calling chat template,
+and helpers that spell a text as one token per character (a split the tokenizer's merges would not produce)."""
+
+from __future__ import annotations
+
+import string
+from functools import lru_cache
+from typing import Any
+
+from miles.tools.tiny_model import build_tokenizer
+
+# A compact template in the shape of Qwen3's: tools listed in the system turn, an assistant's tool calls as
+# <tool_call>{json}</tool_call>, tool answers as a user turn in <tool_response>.
+QWEN_STYLE_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n"
+    "{% endif %}# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' and loop.first %}"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}{% if m.content or not loop.first %}\n{% endif %}<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>'
+    "{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>")
+_CORPUS = [
+    string.printable,
+    'The answer is 12. {"name": "calc", "arguments": {"expression": "12 + 30"}} tool_response 42 result',
+    "What is 12 + 30? Use the calculator. You are a helpful assistant. Tools system user assistant",
+]
+
+
+@lru_cache(maxsize=1)
+def qwen_style_tokenizer() -> Any:
+    tok = build_tokenizer(vocab_size=260, extra_texts=_CORPUS, extra_special_tokens=TOOL_CALL_TOKENS)
+    tok.chat_template = QWEN_STYLE_TEMPLATE
+    return tok
+
+
+def char_ids(tok: Any, text: str) -> list[int]:
+    """`text` as one token per character (special tokens whole): what a model may sample, though re-tokenizing
+    the text merges it differently."""
+    ids: list[int] = []
+    rest = text
+    while rest:
+        special = next((s for s in (*TOOL_CALL_TOKENS, tok.eos_token) if rest.startswith(s)), None)
+        if special:
+            ids.append(tok.convert_tokens_to_ids(special))
+            rest = rest[len(special) :]
+            continue
+        ids.extend(tok.encode(rest[0], add_special_tokens=False))
+        rest = rest[1:]
+    return ids
