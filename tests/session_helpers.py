@@ -27,16 +27,29 @@ QWEN_STYLE_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>")
-_CORPUS = [
+CORPUS = [
     string.printable,
     'The answer is 12. {"name": "calc", "arguments": {"expression": "12 + 30"}} tool_response 42 result',
     "What is 12 + 30? Use the calculator. You are a helpful assistant. Tools system user assistant",
 ]
 
 
+# the calculator tool both session-server tests offer the agent (OpenAI's `tools` shape)
+CALC_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "evaluate an arithmetic expression",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
+]
+
+
 @lru_cache(maxsize=1)
 def qwen_style_tokenizer() -> Any:
-    tok = build_tokenizer(vocab_size=260, extra_texts=_CORPUS, extra_special_tokens=TOOL_CALL_TOKENS)
+    tok = build_tokenizer(vocab_size=260, extra_texts=CORPUS, extra_special_tokens=TOOL_CALL_TOKENS)
     tok.chat_template = QWEN_STYLE_TEMPLATE
     return tok
 

@@ -19,20 +19,10 @@ from miles.rollout.generate_client import GenerateClient, GenerateOutput
 from miles.rollout.session.recorder import to_sample
 from miles.rollout.session.server import SessionServer
 from miles.utils.types import Sample
-from tests.session_helpers import _CORPUS, QWEN_STYLE_TEMPLATE, TOOL_CALL_TOKENS
+from tests.session_helpers import CALC_TOOLS, CORPUS, QWEN_STYLE_TEMPLATE, TOOL_CALL_TOKENS
 
 pytestmark = pytest.mark.slow
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calc",
-            "description": "evaluate an arithmetic expression",
-            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
-        },
-    }
-]
 SAMPLING = SamplingSettings(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=400)
 TURN_TOKENS = 12
 
@@ -45,7 +35,7 @@ def model_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("session_real") / "model"
     return str(
         build_tiny_model(
-            out, seed=0, vocab_size=260, extra_texts=_CORPUS, extra_special_tokens=TOOL_CALL_TOKENS
+            out, seed=0, vocab_size=260, extra_texts=CORPUS, extra_special_tokens=TOOL_CALL_TOKENS
         )
     )
 
@@ -86,7 +76,7 @@ async def _episode(url: str, tokenizer) -> tuple[list, object]:  # noqa: ANN001
                 ]
                 for extra in follow_ups:
                     answer = await oai.chat.completions.create(
-                        model="m", messages=messages, tools=TOOLS, logprobs=True, max_tokens=TURN_TOKENS
+                        model="m", messages=messages, tools=CALC_TOOLS, logprobs=True, max_tokens=TURN_TOKENS
                     )
                     choice = answer.choices[0]
                     assert answer.usage.completion_tokens == len(choice.logprobs.content) > 0

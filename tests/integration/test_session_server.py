@@ -20,18 +20,8 @@ from miles.rollout.session.agent import generate_with_agent
 from miles.rollout.session.server import SessionServer
 from miles.utils.types import Sample, SampleStatus
 from tests.fake_engine import FakeEngine, Reply
-from tests.session_helpers import char_ids, qwen_style_tokenizer
+from tests.session_helpers import CALC_TOOLS, char_ids, qwen_style_tokenizer
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calc",
-            "description": "evaluate an arithmetic expression",
-            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
-        },
-    }
-]
 CALL = '<tool_call>\n{"name": "calc", "arguments": {"expression": "12 + 30"}}\n</tool_call>'
 SAMPLING = SamplingSettings(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=400)
 
@@ -83,7 +73,7 @@ def test_tool_episode_over_the_sdk_records_the_engine_tokens() -> None:
             assert [m.id for m in models.data] == ["miles-policy"]
             messages: list = [{"role": "user", "content": "What is 12 + 30?"}]
             first = await oai.chat.completions.create(
-                model="m", messages=messages, tools=TOOLS, logprobs=True
+                model="m", messages=messages, tools=CALC_TOOLS, logprobs=True
             )
             choice = first.choices[0]
             assert choice.finish_reason == "tool_calls"
@@ -93,7 +83,7 @@ def test_tool_episode_over_the_sdk_records_the_engine_tokens() -> None:
             assert first.usage.completion_tokens == len(choice.logprobs.content)
             messages.append(choice.message.model_dump())  # what agents do: the SDK's own message back
             messages.append({"role": "tool", "tool_call_id": call.id, "content": "42"})
-            second = await oai.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+            second = await oai.chat.completions.create(model="m", messages=messages, tools=CALC_TOOLS)
             assert second.choices[0].message.content == "The answer is 42."
             assert second.choices[0].finish_reason == "stop"
         return rec
@@ -155,7 +145,7 @@ def test_key_required_and_unsupported_requests_refused() -> None:
                 await oai.chat.completions.create(
                     model="m",
                     messages=[{"role": "user", "content": "hi"}],
-                    tools=TOOLS,
+                    tools=CALC_TOOLS,
                     tool_choice="required",
                 )
         async with openai.AsyncOpenAI(base_url=server.base_url("nope"), api_key=server.api_key) as oai:
