@@ -291,6 +291,45 @@ class EngineMemoryControl:
         )
 
 
+# SGLang 0.5.23's `PauseGenerationReqInput.mode` (default "abort"): abort returns every running and queued request
+# with its partial output (finish reason abort); retract sends running requests back to the queue, freeing their
+# KV cache, to be recomputed after /continue_generation; in_place freezes them, KV cache kept.
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def _require_ok(answer: Answer) -> None:
+    """SGLang answers /pause_generation and /continue_generation with {"message", "status": "ok"}, not `success`."""
+    body = answer.json_object()
+    if body.get("status") != "ok":
+        raise answer._error(f"status is not 'ok': {body}")
+
+
+def pause_generation(
+    urls: list[str], mode: str, headers: Mapping[str, str], timeout_s: float, what: str = "pause generation"
+) -> None:
+    """POST /pause_generation {"mode": mode} to every engine in `urls` (at once, `on_every_engine`'s errors). New
+    requests wait until `continue_generation`; weight updates are allowed meanwhile in every mode (under
+    in_place, with flush_cache=false while requests are held: SGLang fails a flushing update then)."""
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode {mode!r} not supported; allowed: {', '.join(PAUSE_MODES)}")
+    body = {"mode": mode}
+    on_every_engine(
+        urls,
+        lambda url: _require_ok(request("POST", url, "pause_generation", what, timeout_s, headers, body)),
+    )
+
+
+def continue_generation(
+    urls: list[str], headers: Mapping[str, str], timeout_s: float, what: str = "continue generation"
+) -> None:
+    """POST /continue_generation to every engine in `urls`: paused requests go on (retracted ones are
+    recomputed first, with the weights served now), waiting ones are admitted."""
+    on_every_engine(
+        urls,
+        lambda url: _require_ok(request("POST", url, "continue_generation", what, timeout_s, headers, {})),
+    )
+
+
 def post_engine(
     url: str, endpoint: str, body: dict, headers: Mapping[str, str], timeout_s: float, what: str
 ) -> dict[str, JSON]:

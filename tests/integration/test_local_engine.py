@@ -314,14 +314,14 @@ def test_abort_request(engine):
 def test_pause_abort_mode_then_continue(engine):
     results: dict[str, dict] = {}
     t = _start_long(engine, "long-pause", results)
-    assert engine.post("/pause_generation", {"mode": "abort"})["success"]
+    assert engine.post("/pause_generation", {"mode": "abort"})["status"] == "ok"
     t.join(20)
     assert results["long-pause"]["meta_info"]["finish_reason"]["type"] == "abort"
     late = threading.Thread(target=lambda: results.update(late=greedy(engine, PROMPTS[0], n=3)))
     late.start()
     late.join(1.0)
     assert late.is_alive() and "late" not in results  # held while paused
-    assert engine.post("/continue_generation", {})["success"]
+    assert engine.post("/continue_generation", {})["status"] == "ok"
     late.join(20)
     assert results["late"]["meta_info"]["finish_reason"]["type"] == "length"
 
@@ -329,13 +329,13 @@ def test_pause_abort_mode_then_continue(engine):
 def test_pause_in_place_holds_running_requests(engine):
     results: dict[str, dict] = {}
     t = _start_long(engine, "long-hold", results)
-    assert engine.post("/pause_generation", {"mode": "in_place"})["success"]
+    assert engine.post("/pause_generation", {"mode": "in_place"})["status"] == "ok"
     s1 = engine.get("/get_server_info")["internal_states"][0]
     time.sleep(0.5)
     s2 = engine.get("/get_server_info")["internal_states"][0]
     assert s1["decode_tokens"] == s2["decode_tokens"], (s1, s2)
     assert s2["num_running"] == 1, s2
-    assert engine.post("/continue_generation", {})["success"]
+    assert engine.post("/continue_generation", {})["status"] == "ok"
     time.sleep(0.2)
     assert engine.post("/abort_request", {"abort_all": True})["success"]
     t.join(20)
@@ -351,7 +351,7 @@ def test_release_while_a_request_runs_is_refused_and_a_control_release_waits_for
 
     results: dict[str, dict] = {}
     t = _start_long(engine, "long-release", results)
-    assert engine.post("/pause_generation", {"mode": "in_place"})["success"]  # held running
+    assert engine.post("/pause_generation", {"mode": "in_place"})["status"] == "ok"  # held running
     with pytest.raises(
         EngineHTTPError, match="release_memory_occupation should be called only when server is idle"
     ) as e:

@@ -160,6 +160,26 @@ def test_refit_outside_session_refused(engine):
     assert extra.status_code == 400 and "no weight-update session is open" in extra.json()["message"]
 
 
+def test_pause_and_continue_request_shapes(engine):
+    """/pause_generation takes SGLang's `mode` (abort, retract, in_place) and answers its {message, status} body,
+    as does /continue_generation (with `torch_empty_cache` too); generation goes on after."""
+    from miles.utils import engine_control_http as eh
+
+    for mode in eh.PAUSE_MODES:
+        paused = _post(engine, "/pause_generation", {"mode": mode})
+        assert paused.status_code == 200, (mode, paused.text)
+        assert paused.json() == {"message": "Generation paused successfully.", "status": "ok"}
+        resumed = _post(engine, "/continue_generation", {"torch_empty_cache": False})
+        assert resumed.status_code == 200, (mode, resumed.text)
+        assert resumed.json() == {"message": "Generation continued successfully.", "status": "ok"}
+    eh.pause_generation([engine.url], "retract", _admin(), 60)  # the client's helpers against the same server
+    eh.continue_generation([engine.url], _admin(), 60)
+    if engine.kind == "local":  # SGLang's scheduler asserts the mode (a bad one could kill the shared server)
+        assert _post(engine, "/pause_generation", {"mode": "freeze"}).status_code == 400
+    body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    assert _post(engine, "/generate", body).status_code == 200
+
+
 def test_context_errors_match(sglang, local):
     too_long = {"input_ids": [5] * 600, "sampling_params": {"max_new_tokens": 1}}
     too_many = {"input_ids": [5] * 10, "sampling_params": {"max_new_tokens": 600}}

@@ -200,3 +200,30 @@ def test_wait_until_idle_ends_at_its_deadline_naming_the_engine_and_its_last_ans
     with pytest.raises(eh.EngineUnreachable):
         eh.wait_until_idle("http://e0:1", {}, 3.0, "idle", clock=lambda: now[0], sleep=sleep)
     assert len(sleeps) == 3
+
+
+def test_pause_and_continue_send_sglang_bodies_and_check_its_status(monkeypatch):
+    seen: list[tuple[str, str, object]] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        seen.append((str(req.url), req.url.path, json.loads(req.content)))
+        if req.url.host == "e2":  # an answer without status "ok" (a success-style body) is a failure
+            return httpx.Response(200, json={"success": True})
+        return httpx.Response(200, json={"message": "Generation paused successfully.", "status": "ok"})
+
+    monkeypatch.setattr(eh, "_CLIENT", _client(handler))
+    for mode in eh.PAUSE_MODES:
+        eh.pause_generation(["http://e1"], mode, {}, 5.0)
+    eh.continue_generation(["http://e1"], {}, 5.0)
+    assert [(p, b) for _, p, b in seen] == [
+        ("/pause_generation", {"mode": "abort"}),
+        ("/pause_generation", {"mode": "retract"}),
+        ("/pause_generation", {"mode": "in_place"}),
+        ("/continue_generation", {}),
+    ]
+    with pytest.raises(eh.EngineCallError, match="http://e2.*status is not 'ok'"):
+        eh.pause_generation(["http://e1", "http://e2"], "retract", {}, 5.0)
+    with pytest.raises(
+        ValueError, match="pause mode 'freeze' not supported; allowed: abort, retract, in_place"
+    ):
+        eh.pause_generation(["http://e1"], "freeze", {}, 5.0)

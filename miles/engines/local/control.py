@@ -5,6 +5,8 @@ The rules and the refusal wording are SGLang's (see docs/sglang-contract.md for 
 - refit (`update_weights_from_tensor`, `update_weights_from_distributed`) only inside a session opened by
   `begin_weight_update` and closed by `end_weight_update`; a second `begin` while one is open is refused
   (sglang/srt/managers/scheduler_components/weight_updater.py);
+- a weight update with `flush_cache` (the default) while requests run (an `in_place` pause) loads the weights but
+  answers success=false, as SGLang's `flush_cache_after_weight_update` does;
 - `release_memory_occupation` only when no request runs or waits (queued requests are allowed while paused), and
   `flush_cache` likewise (400 otherwise, so a release can wait for idle by retrying it);
   released tags are remembered, and `resume_memory_occupation` of a tag that was not released is an error (SGLang's
@@ -176,6 +178,7 @@ class WeightControl:
             self.scheduler.abort(abort_all=True, message="aborted for weight update")
         n = self.weights.load(named)
         self._set_version(weight_version)
+        self._flush_after_update(flush_cache)
         return {"success": True, "message": f"Success. Updated {n} tensors."}
 
     def _op_update_weights_from_distributed(
@@ -209,6 +212,7 @@ class WeightControl:
             self.scheduler.abort(abort_all=True, message="aborted for weight update")
         n = receive_tensors(group, names, dtypes, shapes, self.weights)
         self._set_version(weight_version)
+        self._flush_after_update(flush_cache)
         return {"success": True, "message": f"Succeeded to update parameter online ({n} tensors)."}
 
     def _window_layout(self) -> WindowLayout:
@@ -251,6 +255,7 @@ class WeightControl:
             self._window = MappedWindow(path, layout)  # first refit, a new window, or a restarted engine
         n = self.weights.point_at(self._window.views)
         self._set_version(weight_version)
+        self._flush_after_update(flush_cache)
         served = self.weight_version
         return {"success": True, "message": f"Success. Updated {n} tensors.", "weight_version": served}
 
@@ -277,6 +282,7 @@ class WeightControl:
         self.weights.load(named.items())
         self.model_path = model_path
         self._set_version(weight_version)
+        self._flush_after_update(flush_cache)
         return {
             "success": True,
             "message": f"loaded {len(named)} tensors from {model_path}",
@@ -290,6 +296,16 @@ class WeightControl:
         if load["num_running"] or (load["num_waiting"] and not self.scheduler.paused):
             return f"#queue-req: {load['num_waiting']}, #running-req: {load['num_running']}"
         return None
+
+    def _flush_after_update(self, flush_cache: bool) -> None:
+        """SGLang flushes the cache after a weight update when asked (the default) and, when requests still run
+        (an in_place pause) or wait (not paused), fails the update call although the weights were loaded and the
+        version set: a refit under an in_place pause must send flush_cache=false."""
+        if flush_cache and self._pending_requests() is not None:
+            raise RefitRefused(
+                "Weights were updated, but the cache was not flushed because requests are still running or "
+                "queued. Retract or finish them, then call /flush_cache."
+            )
 
     def _op_flush_cache(self) -> Reply:
         # SGLang flushes only when idle and answers 400 otherwise: a release waits on this (EngineMemoryControl).

@@ -116,6 +116,13 @@ def _token_ids(ids: JSON, vocab_size: int) -> list[int]:
     return [t for t in ids if isinstance(t, int)]
 
 
+class PauseReply(TypedDict):
+    """SGLang's body of /pause_generation and /continue_generation (no `success` field)."""
+
+    message: str
+    status: str
+
+
 class ModelInfo(TypedDict):
     """Body of GET /get_model_info (SGLang's fields)."""
 
@@ -346,13 +353,15 @@ class LocalEngine(WeightControl):
         n = self.scheduler.abort(rid=rid or None, abort_all=abort_all)
         return {"success": True, "message": f"aborted {n} request(s)"}
 
-    def _op_pause(self, mode: str = "abort") -> Reply:
+    def _op_pause(self, mode: str = "abort") -> PauseReply:
         self.scheduler.set_paused(mode)
-        return {"success": True, "message": f"generation paused (mode={mode})"}
+        return {"message": "Generation paused successfully.", "status": "ok"}  # SGLang's body
 
-    def _op_continue(self) -> Reply:
+    def _op_continue(self, torch_empty_cache: bool = True) -> PauseReply:
+        if torch_empty_cache and self.device.type == "cuda":
+            torch.cuda.empty_cache()
         self.scheduler.set_paused(None)
-        return {"success": True, "message": "generation continued"}
+        return {"message": "Generation continued successfully.", "status": "ok"}
 
     def _op_load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> LoraReply:
         if not isinstance(self.runner, PoolRunner):
@@ -387,7 +396,8 @@ class LocalEngine(WeightControl):
         return {"object": "list", "data": cards}
 
     def _set_version(self, weight_version: str | None) -> None:
-        if weight_version is not None:
+        if weight_version is not None and str(weight_version) != self.weight_version:
+            self.scheduler.record_version_change(self.weight_version)
             self.weight_version = str(weight_version)
 
     # ------------------------------------------------------------------ info

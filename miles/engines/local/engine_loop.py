@@ -20,6 +20,7 @@ from miles.engines.local.output import GenerateAnswer, OutputProcessor
 from miles.engines.local.sampling import SamplingParams, request_rng, sample_batch
 from miles.engines.local.scheduler import Batch, Request, Scheduler
 from miles.engines.local.weights import EngineNotReady
+from miles.utils.engine_control_http import PAUSE_MODES
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -64,8 +65,11 @@ class EngineLoop:
         self._commands: deque[tuple[Callable[[], object], Future[object]]] = deque()
         self._cond = threading.Condition()
         self._stop = False
-        self.paused: str | None = None  # None, "abort" or "in_place"
-        self.stats = {"decode_steps": 0, "decode_tokens": 0, "decode_seconds": 0.0, "prefill_tokens": 0}
+        self.paused: str | None = None  # None or the mode of the pause: one of PAUSE_MODES
+        self.stats = {
+            "decode_steps": 0, "decode_tokens": 0, "decode_seconds": 0.0, "prefill_tokens": 0,
+            "retracted_requests": 0,  # requests a retract-mode pause sent back to the queue (their KV freed)
+        }  # fmt: skip
         self._thread = threading.Thread(target=self._loop, name="miles-local-scheduler", daemon=True)
 
     # ---------------------------------------------------------------- API used from other threads
@@ -159,13 +163,28 @@ class EngineLoop:
         self._deliver()
         return n
 
-    def set_paused(self, mode: str | None) -> None:
-        """Pause ("abort": in-flight requests are aborted; "in_place": they are held) or resume (None)."""
-        if mode not in (None, "abort", "in_place"):
-            raise ValueError(f"pause mode {mode!r} not supported; allowed: 'abort', 'in_place'")
+    def set_paused(self, mode: str | None) -> int:
+        """Pause in one of SGLang's `PAUSE_MODES`, or resume (None); call on the scheduler thread. Until resumed,
+        no forward runs and new requests wait. "abort": every request, running or queued, finishes now with
+        its partial output (finish reason abort); "retract": running requests free their KV cache and go back
+        to the queue, to be recomputed after the resume; "in_place": running requests stay, KV cache kept.
+        Returns the requests aborted or retracted."""
+        if mode is not None and mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} not supported; allowed: {', '.join(PAUSE_MODES)}")
+        n = 0
         if mode == "abort":
-            self.abort(abort_all=True, message="aborted by pause_generation")
+            n = self.abort(abort_all=True, message="aborted by pause_generation")
+        elif mode == "retract":
+            self._take_inbox()
+            n = self.core.retract_all()
+            self.stats["retracted_requests"] += n
         self.paused = mode
+        return n
+
+    def record_version_change(self, old_version: str) -> None:
+        """The served weights changed from `old_version`: in-flight outputs so far are attributed to it."""
+        self._take_inbox()
+        self.core.record_version_change(old_version)
 
     def _take_inbox(self) -> None:
         with self._cond:

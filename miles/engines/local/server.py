@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 _ADMIN_POSTS: list[tuple[str, str, set[str]]] = [
     ("/abort_request", "abort", {"rid", "abort_all"}),
     ("/pause_generation", "pause", {"mode"}),
-    ("/continue_generation", "continue", set()),
+    ("/continue_generation", "continue", {"torch_empty_cache"}),
     ("/flush_cache", "flush_cache", set()),
     (
         "/update_weights_from_tensor",
