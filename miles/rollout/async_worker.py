@@ -25,7 +25,8 @@ import copy
 import dataclasses
 import threading
 from collections import Counter, deque
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 from miles.rollout.async_buffer import (
     ADMIT_VERSION,
@@ -137,7 +138,7 @@ class AsyncGenerationWorker:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def _call(self, coro, timeout: float) -> None:  # type: ignore[no-untyped-def]
+    def _call(self, coro: Coroutine[Any, Any, None], timeout: float) -> None:
         assert self._loop is not None, "the generation worker is not running"
         asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
@@ -260,7 +261,10 @@ class AsyncGenerationWorker:
     async def _post_all(self, endpoint: str, body: dict) -> None:
         phase = f"fully async refit ({endpoint})"
         await asyncio.gather(
-            *(self.client.post(f"{url}/{endpoint}", body, phase, retry=False) for url in self.client.engine_urls)
+            *(
+                self.client.post(f"{url}/{endpoint}", body, phase, retry=False)
+                for url in self.client.engine_urls
+            )
         )
 
 

@@ -323,6 +323,7 @@ class RolloutRunner:
         """Check a rollout function's output, number the batch, set the trained rewards, compute the
         `rollout/*` metrics and write the detail dump (also the fully async worker's batches)."""
         samples = self._check_output(out)
+        assert isinstance(out, RolloutOutput)  # _check_output raised otherwise
         self.scorer.set_train_rewards(samples)
         metrics = rollout_metrics(samples, self.settings.reward_key, 0)
         metrics["rollout/dropped_prompts"] = float(self.data_source.dataset.num_filtered)  # too long, at load

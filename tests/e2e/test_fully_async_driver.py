@@ -81,5 +81,10 @@ def test_bound_zero_interval_one_equals_the_synchronous_driver(tmp_path):
     assert [s["rollout_log_probs"] for s in full] == [s["rollout_log_probs"] for s in sync]
     assert all(s["metadata"]["weight_staleness"] == 0 for s in full)
     for a, b in zip(_rows(tmp_path / "sync"), _rows(tmp_path / "async0"), strict=True):
-        for key in ("rollout/raw_reward", "train/loss", "train/grad_norm", "train/train_rollout_logprob_abs_diff"):
+        for key in (
+            "rollout/raw_reward",
+            "train/loss",
+            "train/grad_norm",
+            "train/train_rollout_logprob_abs_diff",
+        ):
             assert a[key] == b[key], (key, a[key], b[key])

@@ -106,10 +106,16 @@ BASE = ["--hf-checkpoint", "/m", "--prompt-data", "/d.jsonl", "--num-rollout", "
         (["--fully-async", "--use-fault-tolerance"], "--use-fault-tolerance"),
         (["--fully-async", "--save", "/c"], "--save"),
         (["--fully-async", "--partial-rollout"], "--partial-rollout"),
-        (["--fully-async", "--max-weight-staleness", "0", "--update-weights-interval", "2"], "--max-weight-staleness"),
+        (
+            ["--fully-async", "--max-weight-staleness", "0", "--update-weights-interval", "2"],
+            "--max-weight-staleness",
+        ),
         (["--fully-async", "--pause-generation-mode", "pause"], "--pause-generation-mode"),
         (["--fully-async", "--async-unused-samples-handler", "keep"], "--async-unused-samples-handler"),
-        (["--fully-async", "--async-data-buffer-capacity-factor", "0.5"], "--async-data-buffer-capacity-factor"),
+        (
+            ["--fully-async", "--async-data-buffer-capacity-factor", "0.5"],
+            "--async-data-buffer-capacity-factor",
+        ),
     ],
 )
 def test_fully_async_flags_are_validated(extra, flag):
@@ -126,7 +132,9 @@ def test_fully_async_flags_are_validated(extra, flag):
 def test_fully_async_accepts_each_pause_mode(mode):
     from miles.config.parser import parse_config
 
-    cfg = parse_config([*BASE, "--fully-async", "--pause-generation-mode", mode, "--max-weight-staleness", "0"])
+    cfg = parse_config(
+        [*BASE, "--fully-async", "--pause-generation-mode", mode, "--max-weight-staleness", "0"]
+    )
     assert cfg.rollout.pause_generation_mode == mode and cfg.rollout.update_weights_interval == 1
 
 
