@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from contextlib import suppress
 
+from miles.config.schema import FIELDS
 from miles.config.values import Skip, Values
 
 DEFAULT_ROLLOUT_FUNCTION = "miles.rollout.default_rollout.generate_rollout"
@@ -34,7 +35,7 @@ def fully_async(v: Values) -> None:
         if not v["fully_async"]:
             for name in _ASYNC_ONLY:
                 with suppress(Skip):
-                    if v.is_set(name):
+                    if v.is_set(name) and v[name] != FIELDS[name].default:
                         v.fail(name, "takes effect only with --fully-async (issue 25)")
             return
         for name, why in _CONFLICTS.items():
