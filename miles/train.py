@@ -253,8 +253,14 @@ def write_report(run_dir: str | None) -> None:
         print(f"report: {path}", flush=True)
 
 
+def _refuse(cfg: Config) -> str | None:
+    if cfg.rollout.fully_async:
+        return "--fully-async runs with miles.train_async (issue 25): python -m miles.train_async"
+    return None
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m miles.train") -> int:
-    return run_driver(argv, run_loop, prog=prog)
+    return run_driver(argv, run_loop, prog=prog, refuse=_refuse)
 
 
 def cli() -> None:

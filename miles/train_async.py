@@ -1,8 +1,13 @@
-"""The one-step-off asynchronous driver: generation of rollout k+1 overlaps training on rollout k.
+"""The asynchronous drivers: one-step-off (generation of rollout k+1 overlaps training on rollout k) and, with
+`--fully-async`, a persistent generation worker that never stops for training (docs/async.md).
 
 Only for disaggregated placement (engines and trainers on different workers): the engines keep generating with
 the previous weights while the trainer steps, so every rollout is at most one policy version old. The refit waits
 for the in-flight generation to finish, so weights never change in the middle of a rollout.
+
+Fully async: the rollout manager's worker keeps samples in flight and buffers finished groups; each step takes a
+batch as soon as one is buffered, trains, and every --update-weights-interval steps pauses the engines
+(--pause-generation-mode), refits them under the paused requests and lets generation continue.
 """
 
 from __future__ import annotations
@@ -10,7 +15,15 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
-from miles.train import eval_before_train, finish_step, maybe_save, num_rollouts, run_driver, train_rollout
+from miles.train import (
+    _due,
+    eval_before_train,
+    finish_step,
+    maybe_save,
+    num_rollouts,
+    run_driver,
+    train_rollout,
+)
 from miles.utils.perf import sample_counts
 
 if TYPE_CHECKING:
@@ -49,6 +62,40 @@ def run_async_loop(cfg: Config, system: System) -> None:
         finish_step(cfg, system, rollout_id, metrics)
 
 
+def run_fully_async_loop(cfg: Config, system: System) -> None:
+    from miles.ray.utils import ray_get
+
+    if system.mode != "train":  # _refuse turns away the replay-debugging modes
+        raise RuntimeError("miles.train_async needs engines and a train group (no replay debugging)")
+    r, timer = cfg.rollout, system.timer
+    rollout, timeout = system.engines.rollout, system.engines.timeout
+    num = num_rollouts(cfg)
+    eval_before_train(cfg, system)
+    ray_get(rollout.start_async.remote(system.start_rollout_id), timeout, "start the generation worker")
+    try:
+        for rollout_id in range(system.start_rollout_id, num):
+            with timer.phase("rollout"):  # the time spent waiting for a full batch in the buffer
+                samples, metrics = ray_get(
+                    rollout.take_batch.remote(rollout_id), system.rollout_deadline, f"rollout {rollout_id}"
+                )
+            metrics.update(sample_counts(samples))
+            with timer.phase("train"):
+                metrics.update(train_rollout(cfg, system, rollout_id, samples))
+            maybe_save(cfg, system, rollout_id)
+            if _due(r.update_weights_interval, rollout_id, num):
+                with timer.phase("refit"):  # under paused requests: generation goes on after
+                    ray_get(rollout.pause_generation.remote(r.pause_generation_mode), timeout, "pause")
+                    metrics.update(system.choreography.refit(weight_version=str(rollout_id + 1)) or {})
+                    ray_get(rollout.continue_generation.remote(rollout_id + 1), timeout, "continue")
+            finish_step(cfg, system, rollout_id, metrics)
+    finally:
+        ray_get(rollout.stop_async.remote(), timeout, "stop the generation worker")
+
+
+def _loop(cfg: Config, system: System) -> None:
+    (run_fully_async_loop if cfg.rollout.fully_async else run_async_loop)(cfg, system)
+
+
 def _refuse(cfg: Config) -> str | None:
     dbg = cfg.debug
     if dbg.save_debug_rollout_data or dbg.load_debug_rollout_data or dbg.debug_rollout_only:
@@ -72,7 +119,7 @@ def _refuse(cfg: Config) -> str | None:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m miles.train_async") -> int:
-    return run_driver(argv, run_async_loop, prog=prog, refuse=_refuse)
+    return run_driver(argv, _loop, prog=prog, refuse=_refuse)
 
 
 def cli() -> None:

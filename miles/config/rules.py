@@ -10,6 +10,7 @@ import ipaddress
 import re
 from contextlib import suppress
 
+from miles.config.async_rules import fully_async
 from miles.config.schema import FIELDS
 from miles.config.values import Rule, Skip, Values
 from miles.utils.parallel_dims import ParallelDims
@@ -455,4 +456,5 @@ RULES: list[Rule] = [
     _function_paths,
     _rollout_seams,
     _session_server,
+    fully_async,
 ]

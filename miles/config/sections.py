@@ -216,6 +216,35 @@ class RolloutConfig:
         None, "session server: the agent, 'module:function': async fn(base_url, sample, ctx) -> reward | None"
     )
     agent_timeout: float = opt(600.0, "session server: seconds one agent episode may take", gt=0)
+    fully_async: bool = opt(
+        False, "miles.train_async: generation never stops for training; weights change under running requests"
+    )
+    async_max_concurrent_samples: int | None = opt(
+        None,
+        "--fully-async: samples generating at once; None: --rollout-batch-size x --n-samples-per-prompt",
+        ge=1,
+    )
+    async_data_buffer_capacity_factor: float = opt(
+        2.0,
+        "--fully-async: finished groups buffered, x --rollout-batch-size; generation waits when full",
+        ge=1,
+    )
+    async_unused_samples_handler: str = opt(
+        "retry",
+        "--fully-async: a group beyond --max-weight-staleness starts again (retry) or is spent (drop)",
+        choices=("retry", "drop"),
+    )
+    max_weight_staleness: int | None = opt(
+        None,
+        "--fully-async: most weight versions a trained token may lag; also paces new prompts; None: no bound",
+        ge=0,
+    )
+    update_weights_interval: int = opt(1, "--fully-async: refit the engines every N train steps", ge=1)
+    pause_generation_mode: str = opt(
+        "retract",
+        "--fully-async: running requests during a refit: abort (continued after), retract or in_place",
+        choices=("abort", "retract", "in_place"),
+    )
 
 
 @section

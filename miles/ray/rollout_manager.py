@@ -13,6 +13,7 @@ from miles.utils.types import Sample
 
 if TYPE_CHECKING:
     from miles.config import Config
+    from miles.rollout.async_worker import AsyncGenerationWorker
     from miles.rollout.runner import RolloutState
 
 
@@ -33,6 +34,8 @@ class RolloutManager:
 
             hang_dump.install(hang_dump.stacks_dir_of(cfg.log.run_dir), "rollout-manager")
         self.max_running_requests = cfg.engine.engine_max_running_requests
+        self.rollout_cfg = cfg.rollout
+        self.worker: AsyncGenerationWorker | None = None  # --fully-async
         self.runner = RolloutRunner(
             cfg.data,
             cfg.rollout,
@@ -69,3 +72,45 @@ class RolloutManager:
 
     def eval(self, rollout_id: int) -> dict[str, float]:
         return self.runner.evaluate(rollout_id)
+
+    # ------------------------------------------------------------------------------------------ --fully-async
+    def start_async(self, start_version: int) -> None:
+        """Start the persistent generation worker (`miles.rollout.async_worker`); the engines hold weight
+        version `start_version`, the first train step's."""
+        import math
+
+        from miles.rollout.async_worker import AsyncGenerationWorker, AsyncSettings
+
+        r = self.rollout_cfg
+        batch = r.rollout_batch_size
+        settings = AsyncSettings(
+            batch=batch,
+            group_size=r.n_samples_per_prompt,
+            max_concurrent_samples=r.async_max_concurrent_samples or batch * r.n_samples_per_prompt,
+            capacity=math.floor(r.async_data_buffer_capacity_factor * batch),
+            max_staleness=r.max_weight_staleness,
+            retry=r.async_unused_samples_handler == "retry",
+        )
+        self.worker = AsyncGenerationWorker(self.runner, settings, start_version)
+        self.worker.start()
+
+    def take_batch(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
+        """The next batch from the worker's buffer, checked, numbered and scored like `generate`'s."""
+        from miles.rollout.base_types import RolloutOutput
+
+        assert self.worker is not None, "start_async first"
+        groups, metrics = self.worker.take_batch(rollout_id, timeout=None)
+        return self.runner.finish_rollout(RolloutOutput(groups=groups, metrics=metrics), rollout_id)
+
+    def pause_generation(self, mode: str) -> None:
+        assert self.worker is not None, "start_async first"
+        self.worker.pause(mode, float(self.rollout_cfg.rollout_request_timeout))
+
+    def continue_generation(self, version: int) -> None:
+        assert self.worker is not None, "start_async first"
+        self.worker.resume(version, float(self.rollout_cfg.rollout_request_timeout))
+
+    def stop_async(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = None

@@ -86,7 +86,7 @@ async def _generate_and_score(ctx: RolloutContext, gen_ctx: GenerateContext, gro
     return await ctx.scorer.score(group)
 
 
-def _verdict(ctx: RolloutContext, group: list[Sample]) -> FilterResult:
+def group_verdict(ctx: RolloutContext, group: list[Sample]) -> FilterResult:
     if ctx.group_filter is None:
         return FilterResult(keep=True)
     out = ctx.group_filter(group, ctx.settings.reward_key)
@@ -189,7 +189,7 @@ async def generate_rollout(ctx: RolloutContext, rollout_id: int) -> RolloutOutpu
             for task in done:
                 group = pending.pop(task)
                 failed += task.result()
-                verdict = _verdict(ctx, group)
+                verdict = group_verdict(ctx, group)
                 if not verdict.keep:
                     drops[verdict.reason or "filtered"] += 1
                 elif len(kept) < target:

@@ -208,7 +208,7 @@ class RolloutRunner:
             self._generate_client = None
         loop = self._loop
         if self._generate_client is None:
-            self._generate_client = loop.run_until_complete(self._client().__aenter__())
+            self._generate_client = loop.run_until_complete(self.make_client().__aenter__())
         client = self._generate_client
         client.resume()
         if self.lora_adapters:  # asked before every rollout: a refit loads a new adapter between two
@@ -249,7 +249,9 @@ class RolloutRunner:
             max_prompt_len=self.rollout_cfg.rollout_max_prompt_len,
         )
 
-    def _client(self) -> GenerateClient:
+    def make_client(self) -> GenerateClient:
+        """A new generate client for this runner's engines (enter it with `async with`); the fully async
+        worker keeps its own on its own thread."""
         return GenerateClient(
             self.router_url,
             self.engine_urls,
@@ -261,7 +263,8 @@ class RolloutRunner:
             via_router=self.via_router,
         )
 
-    def _context(self, client: GenerateClient) -> RolloutContext:
+    def context(self, client: GenerateClient) -> RolloutContext:
+        """What rollout functions get: `client`, the data source, settings, seams and scorer."""
         return RolloutContext(
             client=client,
             data_source=self.data_source,
@@ -311,10 +314,16 @@ class RolloutRunner:
     def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
         """One training rollout: the samples (prompt groups contiguous, numbered) and the `rollout/*` metrics."""
 
-        out = self._run(lambda client: self.seams.rollout(self._context(client), rollout_id))
+        out = self._run(lambda client: self.seams.rollout(self.context(client), rollout_id))
         self._states_after = {k: v for k, v in self._states_after.items() if k >= rollout_id - 1}
         self._states_after[rollout_id] = self.state_dict()
+        return self.finish_rollout(out, rollout_id)
+
+    def finish_rollout(self, out: object, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
+        """Check a rollout function's output, number the batch, set the trained rewards, compute the
+        `rollout/*` metrics and write the detail dump (also the fully async worker's batches)."""
         samples = self._check_output(out)
+        assert isinstance(out, RolloutOutput)  # _check_output raised otherwise
         self.scorer.set_train_rewards(samples)
         metrics = rollout_metrics(samples, self.settings.reward_key, 0)
         metrics["rollout/dropped_prompts"] = float(self.data_source.dataset.num_filtered)  # too long, at load
@@ -380,7 +389,7 @@ class RolloutRunner:
         is the evaluation before training."""
         sets = self.eval_sets()
 
-        out = self._run(lambda client: self.seams.evaluate(self._context(client), sets, rollout_id))
+        out = self._run(lambda client: self.seams.evaluate(self.context(client), sets, rollout_id))
         if not isinstance(out, EvalOutput):
             raise ValueError(
                 f"eval function {self.seams.eval_name} returned {type(out).__name__}; expected EvalOutput"

@@ -110,7 +110,9 @@ def test_section_field_names_are_the_agreed_ones() -> None:
         "rm_timeout rm_max_retries reward_timeout rollout_function_path custom_generate_function_path "
         "dynamic_sampling_filter_path over_sampling_batch_size partial_rollout mask_offpolicy_in_partial_rollout "
         "generate_max_turns generate_execute_tool_function_path generate_tool_timeout "
-        "use_session_server agent_function_path agent_timeout",
+        "use_session_server agent_function_path agent_timeout fully_async async_max_concurrent_samples "
+        "async_data_buffer_capacity_factor async_unused_samples_handler max_weight_staleness "
+        "update_weights_interval pause_generation_mode",
         "engine": "engine_host engine_api_key engine_max_running_requests check_weight_update_equal "
         "rollout_weight_quantization rollout_fp8_scale_format sglang_mem_fraction_static "
         "sglang_decode_log_interval sglang_chunked_prefill_size sglang_attention_backend sglang_args",

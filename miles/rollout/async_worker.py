@@ -1,0 +1,287 @@
+"""The persistent generation worker of `--fully-async` (runs inside the rollout manager actor, on a thread).
+
+It keeps prompt groups in flight across train steps: up to `--async-max-concurrent-samples` samples generate at
+once, new prompts start as soon as there is room and the pacing rule allows it (`miles.rollout.async_buffer`),
+and finished, scored groups go into a bounded buffer (`--async-data-buffer-capacity-factor` x
+`--rollout-batch-size` groups); a finished group waits (holding its place in flight) while the buffer is full.
+The trainer takes a batch (`take_batch`) as soon as enough groups are buffered; a group beyond
+`--max-weight-staleness` is handled by `--async-unused-samples-handler` (retry: its prompt starts again, fresh;
+drop: it is spent).
+
+Refit under running requests (`pause` / `resume`, called by the driver around its refit): the engines get
+`/pause_generation` with `--pause-generation-mode`; no new group starts while paused. Requests an abort pause
+returned (finish reason "abort") continue once generation resumes, from where they stopped (partial rollout),
+so every segment records the weight version that produced it; in-place and retract pauses keep the requests
+inside the engine. Group `c` (the c-th admitted) names its requests `rollout<c // batch>-<slot>`, as the
+synchronous driver names rollout `c // batch`'s: with `--max-weight-staleness 0` and interval 1 both drivers
+send the same requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import dataclasses
+import threading
+from collections import Counter, deque
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
+
+from miles.rollout.async_buffer import (
+    ADMIT_VERSION,
+    GroupBuffer,
+    WorkerFailed,
+    admission_room,
+    oldest_version,
+    stale,
+)
+from miles.rollout.default_rollout import generate_group, group_verdict
+from miles.rollout.generate_batching import batching
+from miles.utils.types import Sample, SampleStatus
+
+if TYPE_CHECKING:
+    from miles.rollout.base_types import RolloutContext
+    from miles.rollout.runner import RolloutRunner
+
+GROUP_KEY = "async_group"  # Sample.metadata key: the group's admission number
+STALENESS_KEY = "weight_staleness"  # Sample.metadata key, set when trained: trained version - oldest version
+MAX_CONTINUATIONS = 1000  # abort pauses one group may live through before the worker gives up on it
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncSettings:
+    """The --fully-async flags the worker reads."""
+
+    batch: int  # --rollout-batch-size (groups)
+    group_size: int  # --n-samples-per-prompt
+    max_concurrent_samples: int  # --async-max-concurrent-samples (resolved)
+    capacity: int  # floor(--async-data-buffer-capacity-factor x --rollout-batch-size)
+    max_staleness: int | None  # --max-weight-staleness
+    retry: bool  # --async-unused-samples-handler retry (else drop)
+
+
+class AsyncGenerationWorker:
+    """See the module docstring. `start` launches the thread; the other public methods are called from the
+    rollout manager's thread."""
+
+    def __init__(self, runner: RolloutRunner, settings: AsyncSettings, start_version: int) -> None:
+        self.runner, self.s = runner, settings
+        self.buffer = GroupBuffer(settings.capacity)
+        self.engine_version = start_version  # the engines' weights
+        self.next_step = start_version  # the train step whose batch is taken next
+        self.taken_for_step = 0  # groups already taken for that batch
+        self.in_flight = 0  # groups admitted, not yet in the buffer
+        self.admitted = 0  # groups admitted so far: names their requests
+        self.retry: deque[list[Sample]] = deque()  # fresh groups to start again (retry handler)
+        self.fresh: dict[int, list[Sample]] = {}  # admission number -> the group as admitted (for retry)
+        self.counts: Counter[str] = Counter()  # this step's dropped, retried, continued, ... (see take_batch)
+        self.paused = False
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---------------------------------------------------------------- the rollout manager's side
+    def start(self, timeout: float = 60.0) -> None:
+        self._thread = threading.Thread(target=self._main, name="miles-async-generation", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise WorkerFailed(f"the generation worker did not start within {timeout:.0f}s")
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def pause(self, mode: str, timeout: float) -> None:
+        """No new group starts; every engine gets /pause_generation {"mode": mode}."""
+        self._call(self._pause(mode), timeout)
+
+    def resume(self, version: int, timeout: float) -> None:
+        """The engines hold weight version `version` now: /continue_generation on every engine; generation
+        goes on (aborted requests continue)."""
+        self._call(self._resume(version), timeout)
+
+    def take_batch(self, step: int, timeout: float | None) -> tuple[list[list[Sample]], dict[str, float]]:
+        """`--rollout-batch-size` groups for train step `step` (policy version `step`), in admission order,
+        each sample's staleness in its metadata, and this step's `async/*` metrics."""
+        s = self.s
+        with self._lock:
+            self.next_step, self.taken_for_step = step, 0
+        kept: list[list[Sample]] = []
+        while len(kept) < s.batch:
+            group = self.buffer.take(timeout, self.alive)
+            with self._lock:
+                fresh = self.fresh.pop(group[0].metadata[GROUP_KEY])
+                if not stale(group, step, s.max_staleness):
+                    kept.append(group)
+                    self.taken_for_step += 1
+                elif s.retry:
+                    self.retry.append(fresh)
+                    self.counts["retried_groups"] += 1
+                else:
+                    self.counts["dropped_groups"] += 1
+            self._wake()
+        with self._lock:
+            self.next_step, self.taken_for_step = step + 1, 0
+            counts, self.counts = self.counts, Counter()
+            extra = {"buffered_groups": len(self.buffer), "in_flight_groups": self.in_flight}
+            extra["engine_version"] = self.engine_version
+        self._wake()
+        kept.sort(key=lambda g: g[0].metadata[GROUP_KEY])
+        return kept, _step_metrics(kept, step, counts | Counter(extra))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop = True
+        self.buffer.close()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _call(self, coro: Coroutine[Any, Any, None], timeout: float) -> None:
+        assert self._loop is not None, "the generation worker is not running"
+        asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _wake(self) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                loop.call_soon_threadsafe(self._wake_event.set)
+
+    # ---------------------------------------------------------------- the worker's thread
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer's take_batch
+            self.buffer.fail(e)
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake_event = asyncio.Event()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        tasks: set[asyncio.Task] = set()
+        async with self.runner.make_client() as client:
+            self.client = client
+            ctx = self.runner.context(client)
+            self._ready.set()
+            try:
+                while not self._stop:
+                    self._launch(ctx, self._admit(), tasks)
+                    await self._wake_event.wait()
+                    self._wake_event.clear()
+                    for task in [t for t in tasks if t.done()]:
+                        tasks.discard(task)
+                        task.result()  # a failed group stops the worker
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _admit(self) -> list[list[Sample]]:
+        """The groups that may start now (retries first, then fresh prompts), prepared and counted in flight."""
+        s = self.s
+        with self._lock:
+            if self.paused or self._stop:
+                return []
+            room = admission_room(
+                engine_version=self.engine_version,
+                next_step=self.next_step,
+                ahead=self.in_flight + len(self.buffer) + self.taken_for_step,
+                batch=s.batch,
+                max_staleness=s.max_staleness,
+                free_samples=s.max_concurrent_samples - self.in_flight * s.group_size,
+                group_size=s.group_size,
+            )
+            groups = [self.retry.popleft() for _ in range(min(room, len(self.retry)))]
+            if room > len(groups):
+                groups += self.runner.data_source.next_batch(room - len(groups))
+            for group in groups:
+                c, self.admitted = self.admitted, self.admitted + 1
+                self.fresh[c] = copy.deepcopy(group)
+                for j, sample in enumerate(group):
+                    sample.index = (c % s.batch) * s.group_size + j
+                    sample.metadata[GROUP_KEY] = c
+                    sample.metadata[ADMIT_VERSION] = self.engine_version
+                    sample.metadata["start_rollout_id"] = c // s.batch
+            self.in_flight += len(groups)
+            return groups
+
+    def _launch(self, ctx: RolloutContext, groups: list[list[Sample]], tasks: set[asyncio.Task]) -> None:
+        """Start `groups`; those started together share batch requests (one per engine), as the synchronous
+        rollout sends a batch."""
+        with batching(object(), per_engine=True) if groups else contextlib.nullcontext():
+            for group in groups:
+                task = asyncio.ensure_future(self._run_group(ctx, group))
+                task.add_done_callback(lambda _: self._wake_event.set())
+                tasks.add(task)
+
+    async def _run_group(self, ctx: RolloutContext, group: list[Sample]) -> None:
+        """Generate (continuing after abort pauses), score, filter, then wait for room in the buffer."""
+        step = group[0].metadata["start_rollout_id"]
+        gen_ctx = dataclasses.replace(ctx.generate_ctx, request_id_prefix=f"rollout{step}")
+        try:
+            for _ in range(MAX_CONTINUATIONS):
+                await self._resumed.wait()
+                await generate_group(ctx, gen_ctx, group)
+                aborted = sum(smp.status == SampleStatus.ABORTED for smp in group)
+                if not aborted:
+                    break
+                with self._lock:
+                    self.counts["continued_samples"] += aborted
+            else:
+                raise WorkerFailed(f"group {step}: still aborted after {MAX_CONTINUATIONS} continuations")
+            failed = await ctx.scorer.score(group)
+            verdict = group_verdict(ctx, group)
+            with self._lock:
+                self.counts["reward_failed"] += failed
+                if not verdict.keep:
+                    self.counts[f"filtered_groups/{verdict.reason or 'filtered'}"] += 1
+                    self.fresh.pop(group[0].metadata[GROUP_KEY], None)
+            if verdict.keep:
+                await asyncio.to_thread(self.buffer.put, group)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+    async def _pause(self, mode: str) -> None:
+        with self._lock:
+            self.paused = True
+        self._resumed.clear()
+        await self._post_all("pause_generation", {"mode": mode})
+
+    async def _resume(self, version: int) -> None:
+        await self._post_all("continue_generation", {})
+        with self._lock:
+            self.paused, self.engine_version = False, version
+        self._resumed.set()
+        self._wake_event.set()
+
+    async def _post_all(self, endpoint: str, body: dict) -> None:
+        phase = f"fully async refit ({endpoint})"
+        await asyncio.gather(
+            *(
+                self.client.post(f"{url}/{endpoint}", body, phase, retry=False)
+                for url in self.client.engine_urls
+            )
+        )
+
+
+def _step_metrics(kept: list[list[Sample]], step: int, counts: Counter[str]) -> dict[str, float]:
+    """`async/*` metrics of one train step: each trained sample's staleness (mean, max, and a histogram:
+    `async/staleness/<k>` samples k versions old) and this step's counts (dropped, retried, continued ...)."""
+    ages = []
+    for group in kept:
+        for sample in group:
+            oldest = oldest_version(sample)
+            sample.metadata[STALENESS_KEY] = age = 0 if oldest is None else step - oldest
+            ages.append(age)
+    metrics = {f"async/{k}": float(v) for k, v in counts.items()}
+    for key in ("dropped_groups", "retried_groups", "continued_samples"):
+        metrics.setdefault(f"async/{key}", 0.0)
+    metrics["async/staleness_mean"] = sum(ages) / len(ages)
+    metrics["async/staleness_max"] = float(max(ages))
+    for age, n in sorted(Counter(ages).items()):
+        metrics[f"async/staleness/{age}"] = float(n)
+    return metrics

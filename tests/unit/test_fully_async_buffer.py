@@ -1,0 +1,145 @@
+"""The pure parts of --fully-async (miles.rollout.async_buffer) against plain references, and its flag rules."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from miles.rollout.async_buffer import (
+    ADMIT_VERSION,
+    GroupBuffer,
+    WorkerFailed,
+    admission_room,
+    group_staleness,
+    oldest_version,
+    stale,
+)
+from miles.utils.types import Sample
+
+
+def _sample(versions: list[str], admitted: int | None = None) -> Sample:
+    meta = {} if admitted is None else {ADMIT_VERSION: admitted}
+    return Sample(weight_versions=versions, metadata=meta)
+
+
+def test_oldest_version_takes_the_admission_version_and_every_segment():
+    assert oldest_version(_sample(["3", "5"])) == 3
+    assert oldest_version(_sample(["5"], admitted=4)) == 4  # an in-place pause reports only the last version
+    assert oldest_version(_sample([], admitted=2)) == 2
+    assert oldest_version(_sample(["ext-label"])) is None
+    group = [_sample(["6"], admitted=6), _sample(["6", "7"], admitted=5)]
+    assert group_staleness(group, 7) == 2
+    assert not stale(group, 7, 2) and stale(group, 7, 1) and not stale(group, 7, None)
+
+
+def _reference_room(engine_version, next_step, ahead, batch, bound, free, size):
+    """Admit one group at a time while it fits in flight and its expected train step is within the bound."""
+    n = 0
+    while (n + 1) * size <= free:
+        if bound is not None and next_step + (ahead + n) // batch - engine_version > bound:
+            break
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("bound", [None, 0, 1, 3])
+def test_admission_room_equals_the_one_at_a_time_reference(bound):
+    for engine_version in range(0, 4):
+        for next_step in range(engine_version, engine_version + 4):
+            for ahead in range(0, 13):
+                for free in (0, 3, 8, 40):
+                    got = admission_room(
+                        engine_version=engine_version,
+                        next_step=next_step,
+                        ahead=ahead,
+                        batch=4,
+                        max_staleness=bound,
+                        free_samples=free,
+                        group_size=2,
+                    )
+                    assert got == _reference_room(engine_version, next_step, ahead, 4, bound, free, 2)
+
+
+def test_bound_zero_interval_one_admits_exactly_one_batch_per_version():
+    """The synchronous schedule: one batch at version k, nothing more until the refit to k + 1."""
+    kw = dict(batch=4, max_staleness=0, free_samples=100, group_size=1)
+    assert admission_room(engine_version=0, next_step=0, ahead=0, **kw) == 4
+    assert admission_room(engine_version=0, next_step=0, ahead=4, **kw) == 0
+    assert admission_room(engine_version=0, next_step=1, ahead=0, **kw) == 0  # taken, not refitted yet
+    assert admission_room(engine_version=1, next_step=1, ahead=0, **kw) == 4
+
+
+def test_buffer_blocks_the_producer_when_full_and_hands_out_in_order():
+    buf = GroupBuffer(2)
+    assert buf.put([_sample([])]) and buf.put([_sample(["1"])])
+    assert not buf.put([_sample(["2"])], timeout=0.05)  # full: the producer waits (here: gives up)
+    done = threading.Event()
+    threading.Thread(target=lambda: (buf.put([_sample(["3"])]), done.set())).start()
+    assert not done.wait(0.2)
+    assert buf.take()[0].weight_versions == []
+    assert done.wait(5)
+    assert [buf.take()[0].weight_versions, buf.take()[0].weight_versions] == [["1"], ["3"]]
+    buf.close()
+    assert not buf.put([_sample([])])
+
+
+def test_buffer_take_raises_the_workers_error():
+    buf = GroupBuffer(1)
+    buf.fail(ValueError("engine gone"))
+    with pytest.raises(WorkerFailed, match="engine gone"):
+        buf.take()
+    with pytest.raises(WorkerFailed, match="stopped"):
+        GroupBuffer(1).take(alive=lambda: False)
+
+
+BASE = ["--hf-checkpoint", "/m", "--prompt-data", "/d.jsonl", "--num-rollout", "2", "--rollout-batch-size", "2",
+        "--global-batch-size", "2", "--rollout-num-gpus", "1"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("extra", "flag"),
+    [
+        (["--max-weight-staleness", "1"], "--max-weight-staleness"),
+        (["--pause-generation-mode", "abort"], "--pause-generation-mode"),
+        (["--fully-async", "--colocate"], "--colocate"),
+        (["--fully-async", "--use-fault-tolerance"], "--use-fault-tolerance"),
+        (["--fully-async", "--save", "/c"], "--save"),
+        (["--fully-async", "--partial-rollout"], "--partial-rollout"),
+        (
+            ["--fully-async", "--max-weight-staleness", "0", "--update-weights-interval", "2"],
+            "--max-weight-staleness",
+        ),
+        (["--fully-async", "--pause-generation-mode", "pause"], "--pause-generation-mode"),
+        (["--fully-async", "--async-unused-samples-handler", "keep"], "--async-unused-samples-handler"),
+        (
+            ["--fully-async", "--async-data-buffer-capacity-factor", "0.5"],
+            "--async-data-buffer-capacity-factor",
+        ),
+    ],
+)
+def test_fully_async_flags_are_validated(extra, flag):
+    from miles.config import ConfigError
+    from miles.config.parser import parse_config
+
+    with pytest.raises((ConfigError, SystemExit)) as e:
+        parse_config(BASE + extra)
+    if isinstance(e.value, ConfigError):
+        assert flag in str(e.value)
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_fully_async_accepts_each_pause_mode(mode):
+    from miles.config.parser import parse_config
+
+    cfg = parse_config(
+        [*BASE, "--fully-async", "--pause-generation-mode", mode, "--max-weight-staleness", "0"]
+    )
+    assert cfg.rollout.pause_generation_mode == mode and cfg.rollout.update_weights_interval == 1
+
+
+def test_the_synchronous_driver_refuses_fully_async(capsys):
+    from miles.train import main
+
+    assert main([*BASE, "--fully-async"]) == 2
+    assert "miles.train_async" in capsys.readouterr().err
