@@ -15,7 +15,6 @@ Routed experts travel in SGLang's layout (`return_routed_experts`): int32 `[seql
 
 from __future__ import annotations
 
-import base64
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +23,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from miles.utils.routed_experts import decode_routed_experts, encode_routed_experts
+
+__all__ = [
+    "RoutingCapture",
+    "decode_routed_experts",
+    "encode_routed_experts",
+    "moe_routers",
+    "moe_routing",
+    "pack_replay",
+    "router_losses",
+]
 
 # transformers' router modules whose output is (logits [N, E], gate weights [N, K], expert ids [N, K])
 ROUTER_CLASS_NAMES = ("Qwen3MoeTopKRouter",)
@@ -123,22 +134,6 @@ def router_losses(
     return aux_t, z_t, metrics
 
 
-# ------------------------------------------------------------------------------------------- SGLang's layout
-def encode_routed_experts(experts: np.ndarray) -> str:
-    """SGLang's `meta_info["routed_experts"]`: base64 of the int32 [seqlen - 1, L, K] array's bytes."""
-    return base64.b64encode(np.ascontiguousarray(experts, dtype=np.int32).tobytes()).decode("ascii")
-
-
-def decode_routed_experts(text: str, num_rows: int) -> np.ndarray:
-    """The int32 array SGLang encoded, as a compact [num_rows, L*K] array (uint8 when every id fits, else
-    int16); ValueError when its length is not a multiple of `num_rows`."""
-    flat = np.frombuffer(base64.b64decode(text), dtype=np.int32)
-    if num_rows <= 0 or flat.size % num_rows:
-        raise ValueError(f"routed_experts holds {flat.size} ids, not a multiple of {num_rows} token rows")
-    compact = np.uint8 if flat.size == 0 or (flat.min() >= 0 and flat.max() < 256) else np.int16
-    return flat.reshape(num_rows, -1).astype(compact)
-
-
 def pack_replay(
     per_sample: Sequence[np.ndarray | torch.Tensor | None],
     lengths: Sequence[int],
@@ -146,15 +141,102 @@ def pack_replay(
     top_k: int,
 ) -> torch.Tensor:
     """[T, L, K] long replay ids of a pack: each sample's rows ([len_i - 1 or len_i, L*K or L, K]) in pack
-    order, -1 (the router's own choice) for rows a sample lacks (its last token) or for a sample without any."""
+    order, -1 (the router's own choice) for rows a sample lacks (its last token, tool tokens appended after the
+    last generation) or for a sample without any."""
     rows = []
     for experts, n in zip(per_sample, lengths):
         out = torch.full((n, num_layers, top_k), -1, dtype=torch.long)
         if experts is not None:
             t = torch.as_tensor(np.asarray(experts) if not torch.is_tensor(experts) else experts).long()
             t = t.reshape(t.shape[0], num_layers, top_k)
-            if not n - 1 <= t.shape[0] <= n:
+            if t.shape[0] > n:
                 raise ValueError(f"routed experts have {t.shape[0]} rows for a sequence of {n} tokens")
             out[: t.shape[0]] = t
         rows.append(out)
     return torch.cat(rows)
+
+
+class MoETraining:
+    """The policy's MoE hooks over one rollout batch: which routing each forward replays, what it records, and
+    the router losses and metrics of a training micro-batch. A dense model (no routers) makes every hook a no-op.
+
+    Replay source, per pack: the engine's experts (`rollout_replay`, R3: every forward of the batch); else, with
+    `routing_replay`, the experts the batch's first forward over that pack used (the old log-probs pass, or the
+    first training micro-batch when that pass is skipped); else the router's own top-k."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        aux_loss_coeff: float = 0.0,
+        z_loss_coeff: float = 0.0,
+        rollout_replay: bool = False,
+        routing_replay: bool = False,
+    ) -> None:
+        self.model = model
+        self.routers = moe_routers(model)
+        asked = {
+            "--moe-aux-loss-coeff": aux_loss_coeff > 0,
+            "--moe-z-loss-coeff": z_loss_coeff > 0,
+            "--use-rollout-routing-replay": rollout_replay,
+            "--use-routing-replay": routing_replay,
+        }
+        if not self.routers and any(asked.values()):
+            flags = ", ".join(f for f, on in asked.items() if on)
+            raise ValueError(
+                f"{flags}: the model has no MoE layers (supported routers: {ROUTER_CLASS_NAMES})"
+            )
+        self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
+        self.rollout_replay, self.routing_replay = rollout_replay, routing_replay
+        self.num_experts = int(self.routers[0].num_experts) if self.routers else 0
+        self.top_k = int(self.routers[0].top_k) if self.routers else 0
+        self.rollout: list[object] | None = None
+        self.recorded: dict[int, torch.Tensor] = {}
+
+    def start_batch(self, routed: Sequence[object | None]) -> None:
+        """A new rollout batch: `routed` is each sample's `rollout_routed_experts` (R3), in batch order."""
+        self.recorded = {}
+        self.rollout = None
+        if self.routers and self.rollout_replay:
+            missing = [i for i, r in enumerate(routed) if r is None]
+            if missing:
+                raise ValueError(
+                    f"--use-rollout-routing-replay: the engine returned no routed experts for {len(missing)} "
+                    "samples (does it serve return_routed_experts? SGLang needs --enable-return-routed-experts)"
+                )
+            self.rollout = list(routed)
+
+    @contextlib.contextmanager
+    def forward(
+        self, tokens: Sequence[Sequence[int]], indices: Sequence[int]
+    ) -> Iterator[RoutingCapture | None]:
+        """Around one forward over the pack of batch samples `indices` (`tokens`: the batch's token ids)."""
+        if not self.routers:
+            yield None
+            return
+        lengths = [len(tokens[i]) for i in indices]
+        per_sample = None
+        if self.rollout is not None:
+            per_sample = [self.rollout[i] for i in indices]
+        elif self.routing_replay and all(i in self.recorded for i in indices):
+            per_sample = [self.recorded[i] for i in indices]
+        replay = None
+        if per_sample is not None:
+            replay = pack_replay(per_sample, lengths, len(self.routers), self.top_k)  # type: ignore[arg-type]
+        with moe_routing(self.model, replay) as capture:
+            yield capture
+        if self.routing_replay and self.rollout is None and per_sample is None:
+            for i, experts in zip(indices, capture.stacked_experts().cpu().split(lengths)):
+                self.recorded[i] = experts
+
+    def loss(
+        self, capture: RoutingCapture | None, num_micro_batches: int
+    ) -> tuple[torch.Tensor | None, dict]:
+        """(the router losses' share of one micro-batch's loss or None when both weights are 0, metrics).
+        Each micro-batch's losses are token means over its pack, divided by the step's micro-batch count (a
+        mean over the step's micro-batches; FSDP's gradient average makes it the mean over DP ranks)."""
+        if capture is None or not capture.logits:
+            return None, {}
+        aux, z, metrics = router_losses(capture, self.num_experts, self.top_k)
+        if not (self.aux_loss_coeff or self.z_loss_coeff):
+            return None, metrics
+        return (self.aux_loss_coeff * aux + self.z_loss_coeff * z) / num_micro_batches, metrics
