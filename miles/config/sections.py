@@ -245,6 +245,9 @@ class RolloutConfig:
         "--fully-async: running requests during a refit: abort (continued after), retract or in_place",
         choices=("abort", "retract", "in_place"),
     )
+    use_rollout_routing_replay: bool = opt(
+        False, "R3: engines return the routed experts of every token and the trainer's MoE layers replay them"
+    )
 
 
 @section
@@ -337,6 +340,16 @@ class TrainConfig:
     )
     ref_update_interval: int | None = opt(
         None, "copy policy weights into the reference every N rollouts", ge=1
+    )
+    moe_aux_loss_coeff: float = opt(
+        0.0, "MoE load-balancing loss weight (Switch/Megatron form, summed over the MoE layers)", ge=0
+    )
+    moe_z_loss_coeff: float = opt(
+        0.0, "MoE router z-loss weight (mean logsumexp(logits)^2, summed over layers)", ge=0
+    )
+    use_routing_replay: bool = opt(
+        False,
+        "MoE: later forwards over a rollout batch replay the experts of its first training-side forward",
     )
     train_timeout: float = opt(1800.0, "seconds to wait for a collective or a Ray call", gt=0)
     refit_timeout: float = resolved(

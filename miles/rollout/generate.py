@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from miles.rollout.base_types import GenerateContext, SamplingSettings
 from miles.rollout.generate_client import GenerateClient, GenerateOutput
+from miles.utils.routed_experts import decode_routed_experts
 from miles.utils.types import Sample, SampleStatus
 
 __all__ = ["SamplingSettings", "apply_output", "generate_single_turn", "request_id"]
@@ -34,6 +35,8 @@ def apply_output(sample: Sample, out: GenerateOutput) -> None:
     The answer's weight version is recorded as one segment when the request generated anything.
     """
     sample.append_tokens(out.output_ids, out.log_probs, trainable=True)
+    if out.routed_experts is not None:  # R3: the whole sequence's rows so far (SGLang's start_len 0)
+        sample.rollout_routed_experts = decode_routed_experts(out.routed_experts, len(sample.tokens) - 1)
     sample.response += out.text
     sample.status = FINISH_TO_STATUS[out.finish_reason]
     if out.weight_version is not None and (out.output_ids or out.finish_reason != "abort"):

@@ -86,6 +86,9 @@ class GenerateOutput:
     text: str
     finish_reason: str  # "stop" | "length" | "abort"
     weight_version: str | None = None
+    routed_experts: str | None = (
+        None  # SGLang's base64 int32 [seqlen - 1, layers, top_k] (return_routed_experts)
+    )
 
     @classmethod
     def from_response(cls, body: dict, where: str) -> GenerateOutput:
@@ -109,6 +112,7 @@ class GenerateOutput:
             text=body.get("text", ""),
             finish_reason=finish,
             weight_version=None if version is None else str(version),
+            routed_experts=meta.get("routed_experts"),
         )
 
 
@@ -154,6 +158,7 @@ class GenerateClient:
         transport: httpx.AsyncBaseTransport | None = None,
         seed: int | None = None,
         via_router: bool = False,
+        return_routed_experts: bool = False,
     ) -> None:
         """`transport` replaces the network (tests pass an `httpx.MockTransport` serving a fake engine); with
         `seed`, a request with a `rid` gets `sampling_params.sampling_seed = request_seed(seed, rid)`; with
@@ -171,6 +176,7 @@ class GenerateClient:
         self._transport = transport
         self.seed = seed
         self.via_router = via_router
+        self.return_routed_experts = return_routed_experts  # R3: every request asks for the routed experts
         if not self.engine_urls:
             raise ValueError("GenerateClient needs at least one engine URL")
         self._in_flight = [0] * len(self.engine_urls)  # generations sent to each engine and not yet answered
@@ -361,6 +367,8 @@ class GenerateClient:
             "sampling_params": items[0].sampling_params if single else [it.sampling_params for it in items],
             "return_logprob": True,
         }
+        if self.return_routed_experts:
+            payload["return_routed_experts"] = True
         rids = [it.rid for it in items]
         if any(r is not None for r in rids):
             if not all(r is not None for r in rids):

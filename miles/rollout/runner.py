@@ -261,6 +261,7 @@ class RolloutRunner:
             transport=self.transport,
             seed=self.rollout_cfg.rollout_seed,
             via_router=self.via_router,
+            return_routed_experts=self.rollout_cfg.use_rollout_routing_replay,
         )
 
     def context(self, client: GenerateClient) -> RolloutContext:

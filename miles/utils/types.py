@@ -9,7 +9,10 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # a value as JSON reads it (dataset rows, labels, metadata, HTTP bodies); narrow it with isinstance before use
 JSON: TypeAlias = "dict[str, JSON] | list[JSON] | str | int | float | bool | None"
@@ -52,6 +55,8 @@ class Sample:
     loss_mask: list[int] | None = None  # [response_length]
     rollout_log_probs: list[float] | None = None  # [response_length]
     weight_versions: list[str] = field(default_factory=list)
+    # R3 (--use-rollout-routing-replay): the engine's experts per token, SGLang's rows (miles.utils.routed_experts)
+    rollout_routed_experts: np.ndarray | None = None  # [<= len(tokens) - 1, num_layers * top_k] uint8/int16
     status: SampleStatus = SampleStatus.PENDING
     # the dataset row's metadata plus what rollout functions record (JSON-able); their own keys, read back
     # by the code that wrote them, so typed per use, not here
@@ -127,6 +132,8 @@ class Sample:
         """A JSON-friendly dict (for detail dumps)."""
         d = dict(self.__dict__)
         d["status"] = self.status.value
+        if self.rollout_routed_experts is not None:
+            d["rollout_routed_experts"] = self.rollout_routed_experts.tolist()
         return d
 
     @classmethod

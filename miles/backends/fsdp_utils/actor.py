@@ -23,6 +23,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from miles.backends.base import PolicyBackend
 from miles.backends.fsdp_utils import rollout_batch as rb
+from miles.backends.fsdp_utils.moe import MoETraining
 from miles.backends.fsdp_utils.state import FSDPState, StateSpec, peak_memory, perf_metrics
 from miles.utils.progress import ProgressBar, progress_bar
 from miles.utils.types import JSON, Sample
@@ -62,6 +64,14 @@ class FSDPTrainer(PolicyBackend):
         if with_ref and not self.lora:
             self.ref_model = _build_reference(cfg, self.ps.fsdp_mesh, self.state.model_kwargs())
         self.state.fuse_elementwise([self.ref_model])
+        t = cfg.train  # MoE: router losses and routing replay (no-ops for a dense model)
+        self.moe = MoETraining(
+            self.state.model,
+            t.moe_aux_loss_coeff,
+            t.moe_z_loss_coeff,
+            cfg.rollout.use_rollout_routing_replay,
+            t.use_routing_replay,
+        )
         # read the old log-probs off the training forward when that is provably the same pass (see
         # rb.old_log_probs_from_training_forward); tests switch it off to compare against the separate pass
         self.reuse_training_forward = True
@@ -105,6 +115,7 @@ class FSDPTrainer(PolicyBackend):
             torch.cuda.reset_peak_memory_stats()
         batch = rb.RankBatch.from_samples(samples, ps.device)
         rb.attach_values(batch, values)
+        self.moe.start_batch([s.rollout_routed_experts for s in samples])
         if cfg.algo.advantage_estimator == "ppo" and batch.values is None:
             raise ValueError("--advantage-estimator ppo: the actor was given no critic values")
         steps = rb.plan_steps(batch, cfg, ps, self.steps_per_rollout)
@@ -155,7 +166,10 @@ class FSDPTrainer(PolicyBackend):
         log_probs: list[torch.Tensor | None] = [None] * len(batch)
         for step_packs in steps:
             for pack in step_packs:
-                lp, _ = forward_packed(model, pack.packed, temperature, cp=self.state.cp())
+                # the policy's passes replay routing (R3, --use-routing-replay); the reference routes its own
+                moe = self.moe.forward(batch.tokens, pack.indices) if model is self.model else nullcontext()
+                with moe:
+                    lp, _ = forward_packed(model, pack.packed, temperature, cp=self.state.cp())
                 for sample_i, values in zip(pack.indices, lp):
                     log_probs[sample_i] = values.detach().float()
         return log_probs
@@ -192,15 +206,21 @@ class FSDPTrainer(PolicyBackend):
         for mb_index, pack in enumerate(step_packs):
             self.state.sync_gradients(mb_index == len(step_packs) - 1)
             # entropy is always reported; it enters the loss only with --entropy-coef
-            log_probs, entropy = forward_packed(
-                self.model, pack.packed, temperature, cp=self.state.cp(), with_entropy=True
-            )
+            with self.moe.forward(batch.tokens, pack.indices) as routing:
+                log_probs, entropy = forward_packed(
+                    self.model, pack.packed, temperature, cp=self.state.cp(), with_entropy=True
+                )
             if fill_old:
                 assert batch.old_log_probs is not None  # `train` made room for them
                 for sample_i, values in zip(pack.indices, log_probs):
                     batch.old_log_probs[sample_i] = values.detach().float()
             inputs = batch.loss_inputs(pack.indices, log_probs, entropy)
             loss, mb_metrics = self.algo.loss_fn(inputs, settings)
+            router_loss, moe_metrics = self.moe.loss(routing, len(step_packs))
+            if router_loss is not None:
+                loss = loss + router_loss
+            for key, value in moe_metrics.items():
+                metrics.add_value(key, value)
             loss.backward()
             metrics.add(mb_metrics)
             if first_step and mb_index == 0:
