@@ -12,6 +12,7 @@ from contextlib import suppress
 
 from miles.config.schema import FIELDS
 from miles.config.values import Rule, Skip, Values
+from miles.config.vl_rules import vision_language
 from miles.utils.parallel_dims import ParallelDims
 
 _FUNCTION_PATH = re.compile(r"^[A-Za-z_][\w.]*(:|\.)[A-Za-z_]\w*$")
@@ -455,4 +456,5 @@ RULES: list[Rule] = [
     _function_paths,
     _rollout_seams,
     _session_server,
+    vision_language,
 ]

@@ -18,42 +18,26 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from miles.config.vl_rules import SUPPORTED_MODALITIES, parse_multimodal_keys
+
+__all__ = [
+    "SUPPORTED_MODALITIES",
+    "MultimodalInputs",
+    "VLProcessor",
+    "load_image",
+    "load_sample_images",
+    "parse_multimodal_keys",
+]
 
 if TYPE_CHECKING:
     import torch
     from PIL import Image
 
-SUPPORTED_MODALITIES = ("image",)
 _URL_PREFIXES = ("http://", "https://", "ftp://", "s3://", "gs://")
-
-
-def parse_multimodal_keys(value: str | dict[str, str] | None) -> dict[str, str] | None:
-    """The `--multimodal-keys` mapping (modality -> sample field), checked; None stays None.
-
-    ValueError naming the flag for non-JSON, a non-object, a modality other than "image" or a non-string field.
-    """
-    if value is None:
-        return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--multimodal-keys={value!r} is not JSON ({e.msg}); e.g. '{{\"image\": \"images\"}}'")
-    if not isinstance(value, dict) or not value:
-        raise ValueError(f"--multimodal-keys must be a non-empty JSON object like {{\"image\": \"images\"}}, got {value!r}")
-    for modality, key in value.items():
-        if modality not in SUPPORTED_MODALITIES:
-            raise ValueError(
-                f"--multimodal-keys: modality {modality!r} is not supported (allowed: {SUPPORTED_MODALITIES}; "
-                "video and audio are not built, issue 27)"
-            )
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"--multimodal-keys: the field for {modality!r} must be a non-empty string, got {key!r}")
-    return dict(value)
 
 
 def _decode_base64(text: str) -> bytes | None:
@@ -75,9 +59,13 @@ def _image_bytes(value: Any, what: str) -> bytes | str:
     if isinstance(value, bytes | bytearray):
         return bytes(value)
     if not isinstance(value, str):
-        raise ValueError(f"{what}: expected a path, base64 string, bytes or PIL image, got {type(value).__name__}")
+        raise ValueError(
+            f"{what}: expected a path, base64 string, bytes or PIL image, got {type(value).__name__}"
+        )
     if value.startswith(_URL_PREFIXES):
-        raise ValueError(f"{what}: {value[:80]!r} is a URL; miles reads images offline (download it to a file)")
+        raise ValueError(
+            f"{what}: {value[:80]!r} is a URL; miles reads images offline (download it to a file)"
+        )
     if value.startswith("data:"):
         data = _decode_base64(value)
         if data is None:
@@ -143,7 +131,9 @@ class VLProcessor:
         self.image_token = image_token
         self.image_token_id = tokenizer.convert_tokens_to_ids(image_token)
         if self.image_token_id is None or self.image_token_id == tokenizer.unk_token_id:
-            raise ValueError(f"the tokenizer has no image token {image_token!r}; is this a Qwen-VL checkpoint?")
+            raise ValueError(
+                f"the tokenizer has no image token {image_token!r}; is this a Qwen-VL checkpoint?"
+            )
         self.merge_size = int(image_processor.merge_size)
 
     @classmethod
@@ -162,13 +152,21 @@ class VLProcessor:
         """Chat messages with the images placed: a string prompt, or a first user message whose content is a
         string, gets `num_images` image parts before its text; messages that already hold image parts keep them
         (their count must match the images)."""
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        messages = (
+            [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        )
         placed = sum(
-            1 for m in messages if isinstance(m["content"], list) for c in m["content"] if c.get("type") == "image"
+            1
+            for m in messages
+            if isinstance(m["content"], list)
+            for c in m["content"]
+            if c.get("type") == "image"
         )
         if placed:
             if placed != num_images:
-                raise ValueError(f"the messages hold {placed} image parts but the sample has {num_images} images")
+                raise ValueError(
+                    f"the messages hold {placed} image parts but the sample has {num_images} images"
+                )
             return messages
         if num_images:
             first = next(i for i, m in enumerate(messages) if m["role"] == "user")
@@ -190,7 +188,9 @@ class VLProcessor:
             counts = (mm.image_grid_thw.prod(-1) // self.merge_size**2).tolist()
             pieces = text.split(self.image_token)
             if len(pieces) - 1 != len(counts):
-                raise ValueError(f"the chat template placed {len(pieces) - 1} image tokens for {len(counts)} images")
+                raise ValueError(
+                    f"the chat template placed {len(pieces) - 1} image tokens for {len(counts)} images"
+                )
             text = pieces[0] + "".join(self.image_token * n + p for n, p in zip(counts, pieces[1:]))
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return list(ids), mm

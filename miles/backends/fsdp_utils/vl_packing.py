@@ -111,7 +111,7 @@ def mrope_position_ids(model: torch.nn.Module, packed: PackedBatch, images: Pack
 
 
 def enable_vl_varlen_attention(model: torch.nn.Module) -> None:
-    """"miles_varlen" for the decoder layers (text config); the vision tower keeps its own attention."""
+    """ "miles_varlen" for the decoder layers (text config); the vision tower keeps its own attention."""
     if model.config.text_config._attn_implementation != VARLEN_ATTENTION:
         model.set_attn_implementation({"text_config": VARLEN_ATTENTION})
 
