@@ -126,7 +126,8 @@ class DataConfig:
     metadata_key: str = opt("metadata", "dataset key holding per-sample metadata")
     apply_chat_template: bool = opt(False, "wrap prompts with the tokenizer's chat template")
     multimodal_keys: dict[str, str] = opt(
-        {}, 'JSON object: modality -> dataset field holding it, e.g. {"image": "images"} (VLM; issue 27, refused)'
+        {},
+        'JSON object: modality -> dataset field holding it, e.g. {"image": "images"} (VLM; issue 27, refused)',
     )
     rollout_shuffle: bool = opt(False, "shuffle prompts each epoch (seeded by --rollout-seed)")
 
