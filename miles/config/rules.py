@@ -13,6 +13,7 @@ from contextlib import suppress
 from miles.config.async_rules import fully_async
 from miles.config.schema import FIELDS
 from miles.config.values import Rule, Skip, Values
+from miles.config.vl_rules import vision_language
 from miles.utils.parallel_dims import ParallelDims
 
 _FUNCTION_PATH = re.compile(r"^[A-Za-z_][\w.]*(:|\.)[A-Za-z_]\w*$")
@@ -474,4 +475,5 @@ RULES: list[Rule] = [
     _rollout_seams,
     _session_server,
     fully_async,
+    vision_language,
 ]

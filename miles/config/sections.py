@@ -82,6 +82,9 @@ class ModelConfig:
         choices=("eager", "sdpa", "flash_attention_2", "flash_attention_3", "miles_varlen"),
     )
     gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
+    freeze_vision_tower: bool = opt(
+        False, "VLM: train the language model only, the vision tower frozen (issue 27, refused)"
+    )
     fused_elementwise: bool = opt(
         True,
         "on CUDA, run RMSNorm, rotary embedding and SwiGLU of the trained models as torch.compile'd fused kernels "
@@ -122,6 +125,10 @@ class DataConfig:
     label_key: str | None = opt(None, "dataset key holding the label passed to the reward function")
     metadata_key: str = opt("metadata", "dataset key holding per-sample metadata")
     apply_chat_template: bool = opt(False, "wrap prompts with the tokenizer's chat template")
+    multimodal_keys: dict[str, str] = opt(
+        {},
+        'JSON object: modality -> dataset field holding it, e.g. {"image": "images"} (VLM; issue 27, refused)',
+    )
     rollout_shuffle: bool = opt(False, "shuffle prompts each epoch (seeded by --rollout-seed)")
 
 

@@ -100,9 +100,9 @@ def test_section_field_names_are_the_agreed_ones() -> None:
         "cluster": "actor_num_nodes actor_num_gpus_per_node rollout_num_gpus rollout_num_gpus_per_engine colocate "
         "use_fault_tolerance rollout_health_check_interval rollout_health_check_timeout "
         "rollout_health_check_first_wait train_env_vars rollout_external rollout_external_engine_addrs",
-        "model": "hf_checkpoint attn_implementation gradient_checkpointing fused_elementwise train_dtype",
+        "model": "hf_checkpoint attn_implementation gradient_checkpointing freeze_vision_tower fused_elementwise train_dtype",
         "checkpoint": "load ref_load save save_interval keep_last save_hf save_hf_interval",
-        "data": "prompt_data input_key label_key metadata_key apply_chat_template rollout_shuffle",
+        "data": "prompt_data input_key label_key metadata_key apply_chat_template multimodal_keys rollout_shuffle",
         "rollout": "rollout_engine num_rollout rollout_batch_size n_samples_per_prompt rollout_max_response_len "
         "rollout_max_prompt_len rollout_temperature rollout_top_p rollout_top_k rollout_stop "
         "rollout_stop_token_ids rollout_skip_special_tokens rollout_seed rm_type custom_rm_path "
