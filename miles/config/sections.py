@@ -216,6 +216,13 @@ class RolloutConfig:
         None, "session server: the agent, 'module:function': async fn(base_url, sample, ctx) -> reward | None"
     )
     agent_timeout: float = opt(600.0, "session server: seconds one agent episode may take", gt=0)
+    session_sample_picker_path: str | None = opt(
+        None,
+        "session server: 'module:function' fn(session) -> leaves to train; None: all but superseded retries",
+    )
+    session_sample_postprocessor_path: str | None = opt(
+        None, "session server: 'module:function' fn(samples, leaves) -> samples; None: exactly-once masking"
+    )
 
 
 @section
