@@ -14,10 +14,10 @@ checks that need them (SGLang's and sglang-router's parsers, files, rewards) liv
 """
 
 from miles.config.core import Config, ConfigError, required
+from miles.config.fields import NOT_IMPLEMENTED
 from miles.config.parser import build_parser, parse_config
 from miles.config.schema import FIELDS, FieldSpec
 from miles.config.sections import (
-    NOT_IMPLEMENTED,
     SECTIONS,
     AlgoConfig,
     CheckpointConfig,

@@ -155,5 +155,5 @@ class Config:
             raise NotImplementedError(
                 "these flags are accepted but not implemented yet: "
                 + ", ".join(found)
-                + " (see NOT_IMPLEMENTED in miles/config/sections.py)"
+                + " (see NOT_IMPLEMENTED in miles/config/fields.py)"
             )

@@ -1,5 +1,6 @@
 """How a configuration field is declared: `opt` (a flag with its default), `resolved` (a flag validation always
-fills in), `derived` (a value derived from flags, no flag itself), and the helpers that read declarations.
+fills in), `derived` (a value derived from flags, no flag itself), `section` (a class of them), and the helpers that read
+declarations.
 
 Nothing here imports torch, ray or transformers.
 """
@@ -9,10 +10,25 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import field
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, TypeVar, dataclass_transform
 
 _T = TypeVar("_T")
+
+# Flags the parser accepts but whose feature is not built yet. `Config.raise_if_unimplemented()` raises
+# NotImplementedError when any of them is set to a non-default value. Remove a name here once it lands.
+NOT_IMPLEMENTED: frozenset[str] = frozenset()
+
+
+@dataclass_transform(frozen_default=True, field_specifiers=(field, dataclasses.Field))
+def section(cls: type[_T]) -> type[_T]:
+    """Make `cls` a frozen dataclass section, marking the fields listed in NOT_IMPLEMENTED."""
+    for name in NOT_IMPLEMENTED:
+        spec = cls.__dict__.get(name)
+        if isinstance(spec, dataclasses.Field):
+            spec.metadata = MappingProxyType({**spec.metadata, "implemented": False})
+    return dataclass(frozen=True)(cls)
 
 
 def opt(

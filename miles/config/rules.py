@@ -360,6 +360,8 @@ _SEAM_PATHS = (
     "dynamic_sampling_filter_path",
     "generate_execute_tool_function_path",
     "agent_function_path",
+    "session_sample_picker_path",
+    "session_sample_postprocessor_path",
 )
 
 
@@ -420,6 +422,10 @@ def _session_server(v: Values) -> None:
         on, agent = v["use_session_server"], v["agent_function_path"]
         if agent and not on:
             v.fail("agent_function_path", "runs against the session server; add --use-session-server")
+        for hook in ("session_sample_picker_path", "session_sample_postprocessor_path"):
+            with suppress(Skip):
+                if v[hook] and not on:
+                    v.fail(hook, "picks the session server's samples; add --use-session-server")
         if not on:
             return
         if not agent:

@@ -1,4 +1,5 @@
-"""The configuration sections: every flag is declared exactly once here, with a one-line doc.
+"""The configuration sections: every flag is declared exactly once here (the rollout section in
+`rollout_section.py`, re-exported here), with a one-line doc.
 
 A field `rollout_batch_size` in section `rollout` is the CLI flag `--rollout-batch-size`, the YAML key
 `rollout-batch-size` (or `rollout_batch_size`, flat or under `rollout:`) and the attribute
@@ -11,29 +12,9 @@ Nothing here imports torch, ray or transformers.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import TypeVar, dataclass_transform
-
 from miles.config import algo_names, registry_names
-from miles.config.fields import derived, opt, resolved
-
-# Flags the parser accepts but whose feature is not built yet. `Config.raise_if_unimplemented()` raises
-# NotImplementedError when any of them is set to a non-default value. Remove a name here once it lands.
-NOT_IMPLEMENTED: frozenset[str] = frozenset()
-
-_T = TypeVar("_T")
-
-
-@dataclass_transform(frozen_default=True, field_specifiers=(field, dataclasses.Field))
-def section(cls: type[_T]) -> type[_T]:
-    """Make `cls` a frozen dataclass section, marking the fields listed in NOT_IMPLEMENTED."""
-    for name in NOT_IMPLEMENTED:
-        spec = cls.__dict__.get(name)
-        if isinstance(spec, dataclasses.Field):
-            spec.metadata = MappingProxyType({**spec.metadata, "implemented": False})
-    return dataclass(frozen=True)(cls)
+from miles.config.fields import derived, opt, resolved, section
+from miles.config.rollout_section import RolloutConfig
 
 
 @section
@@ -130,131 +111,6 @@ class DataConfig:
         'JSON object: modality -> dataset field holding it, e.g. {"image": "images"} (VLM; issue 27, refused)',
     )
     rollout_shuffle: bool = opt(False, "shuffle prompts each epoch (seeded by --rollout-seed)")
-
-
-@section
-class RolloutConfig:
-    """Generation and reward."""
-
-    rollout_engine: str = opt(
-        "auto",
-        "rollout engine; auto: sglang where it can run, else local",
-        choices=("auto", "sglang", "local"),
-    )
-    num_rollout: int = resolved("number of rollout (generate + train) steps", required=True, ge=1)
-    rollout_batch_size: int = resolved("prompts per rollout step", required=True, ge=1)
-    n_samples_per_prompt: int = opt(1, "responses sampled per prompt (a group)", ge=1)
-    rollout_max_response_len: int = opt(1024, "max new tokens per response", ge=1)
-    rollout_max_prompt_len: int | None = opt(None, "drop prompts longer than this many tokens", ge=1)
-    rollout_temperature: float = opt(
-        1.0, "sampling temperature (> 0: log-probs are temperature-scaled)", gt=0
-    )
-    rollout_top_p: float = opt(1.0, "nucleus sampling threshold", gt=0, le=1)
-    rollout_top_k: int = opt(-1, "top-k sampling; -1: disabled", ge=-1)
-    rollout_stop: list[str] | None = opt(None, "stop strings")
-    rollout_stop_token_ids: list[int] | None = opt(None, "stop token ids", ge=0)
-    rollout_skip_special_tokens: bool = opt(False, "drop special tokens from the decoded response text")
-    rollout_seed: int = opt(
-        42,
-        "seed for data shuffling and sampling (SGLang engines honour per-request seeds only with "
-        "--sglang-enable-deterministic-inference)",
-        ge=0,
-    )
-    rm_type: str | None = opt(
-        None,
-        "built-in reward type (math, deepscaler, exact_match, dapo, f1, gpqa, remote_rm; 'boxed_' prefix ok)",
-    )
-    custom_rm_path: str | None = opt(
-        None, "user reward function, 'module:function': fn(ctx, sample) -> reward"
-    )
-    rm_error_as_zero: bool = opt(
-        False, "score a sample whose reward function raised as 0 and count it, instead of failing the run"
-    )
-    reward_key: str | None = opt(
-        None, "key of a dict reward that is trained on (e.g. 'score' for --rm-type dapo)"
-    )
-    group_rm: bool = opt(False, "call --custom-rm-path once per prompt group: fn(ctx, samples) -> rewards")
-    custom_reward_post_process_path: str | None = opt(
-        None, "fn(ctx, samples) -> trained rewards, applied to each rollout batch, 'module:function'"
-    )
-    rm_url: str | None = opt(
-        None, "URL of a remote reward service (rm type remote_rm; see miles.rollout.rm_hub.server)"
-    )
-    rm_timeout: float = opt(60.0, "seconds per remote reward request", gt=0)
-    rm_max_retries: int = opt(3, "retries of a failed remote reward request", ge=0)
-    reward_timeout: float = opt(
-        600.0, "seconds one reward function call may take (--custom-rm-path, --rm-type, --group-rm)", gt=0
-    )
-    rollout_request_timeout: float = opt(
-        600.0, "seconds for one generate request (every retry of it included)", gt=0
-    )
-    rollout_timeout: float | None = opt(
-        None,
-        "seconds for a whole rollout; None: none with --use-fault-tolerance, else derived (see miles.ray.setup)",
-        gt=0,
-    )
-    rollout_function_path: str = opt(
-        "miles.rollout.default_rollout.generate_rollout", "whole-rollout function, 'module:function'"
-    )
-    custom_generate_function_path: str | None = opt(
-        None, "per-sample generate function, 'module:function'; None: single turn (multi-turn: see README)"
-    )
-    dynamic_sampling_filter_path: str | None = opt(
-        None, "group filter, e.g. miles.rollout.filter_hub.check_reward_nonzero_std (DAPO dynamic sampling)"
-    )
-    over_sampling_batch_size: int = resolved(
-        "prompt groups taken per sampling round; None: --rollout-batch-size", ge=1
-    )
-    partial_rollout: bool = opt(
-        False, "abort unfinished groups when the batch is full and continue them next rollout"
-    )
-    mask_offpolicy_in_partial_rollout: bool = opt(
-        False, "with --partial-rollout: no loss on segments generated by earlier weights"
-    )
-    generate_max_turns: int = opt(8, "multi-turn: model turns per sample (tool answers in between)", ge=1)
-    generate_execute_tool_function_path: str | None = opt(
-        None, "multi-turn: the tool, 'module:function': fn(arguments, sample) -> str"
-    )
-    generate_tool_timeout: float = opt(30.0, "multi-turn: seconds one tool call may take", gt=0)
-    use_session_server: bool = opt(
-        False, "serve an OpenAI-compatible session server and run --agent-function-path per sample against it"
-    )
-    agent_function_path: str | None = opt(
-        None, "session server: the agent, 'module:function': async fn(base_url, sample, ctx) -> reward | None"
-    )
-    agent_timeout: float = opt(600.0, "session server: seconds one agent episode may take", gt=0)
-    fully_async: bool = opt(
-        False, "miles.train_async: generation never stops for training; weights change under running requests"
-    )
-    async_max_concurrent_samples: int | None = opt(
-        None,
-        "--fully-async: samples generating at once; None: --rollout-batch-size x --n-samples-per-prompt",
-        ge=1,
-    )
-    async_data_buffer_capacity_factor: float = opt(
-        2.0,
-        "--fully-async: finished groups buffered, x --rollout-batch-size; generation waits when full",
-        ge=1,
-    )
-    async_unused_samples_handler: str = opt(
-        "retry",
-        "--fully-async: a group beyond --max-weight-staleness starts again (retry) or is spent (drop)",
-        choices=("retry", "drop"),
-    )
-    max_weight_staleness: int | None = opt(
-        None,
-        "--fully-async: most weight versions a trained token may lag; also paces new prompts; None: no bound",
-        ge=0,
-    )
-    update_weights_interval: int = opt(1, "--fully-async: refit the engines every N train steps", ge=1)
-    pause_generation_mode: str = opt(
-        "retract",
-        "--fully-async: running requests during a refit: abort (continued after), retract or in_place",
-        choices=("abort", "retract", "in_place"),
-    )
-    use_rollout_routing_replay: bool = opt(
-        False, "R3: engines return the routed experts of every token and the trainer's MoE layers replay them"
-    )
 
 
 @section

@@ -58,7 +58,7 @@ class PreflightError(ConfigError):
 def unbuilt_flags(cfg: Config) -> list[str]:
     """A problem per flag listed in NOT_IMPLEMENTED that is set to a non-default value."""
     return [
-        f"{flag}: accepted but not implemented yet (listed in NOT_IMPLEMENTED, miles/config/sections.py); "
+        f"{flag}: accepted but not implemented yet (listed in NOT_IMPLEMENTED, miles/config/fields.py); "
         "remove it"
         for flag in cfg.unimplemented_flags()
     ]

@@ -83,6 +83,8 @@ class AgentSettings:
     run: Callable[..., Awaitable[object]]  # `async def run(base_url, sample, ctx) -> reward | None`
     name: str  # the --agent-function-path value, for error messages
     timeout: float  # --agent-timeout: seconds one episode may take
+    pick: Callable[..., list] | None = None  # --session-sample-picker-path; None: picking.pick_leaves
+    postprocess: Callable[..., list] | None = None  # --session-sample-postprocessor-path; None: exactly once
 
 
 @dataclass(frozen=True)

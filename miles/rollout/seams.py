@@ -92,7 +92,18 @@ def load_agent(rollout_cfg: RolloutConfig) -> AgentSettings | None:
         r.agent_function_path, "--agent-function-path", "async def run(base_url, sample, ctx) -> reward | None",
         3, True,
     )  # fmt: skip
-    return AgentSettings(run=run, name=r.agent_function_path, timeout=r.agent_timeout)
+    pick = post = None
+    if r.session_sample_picker_path:
+        pick = load_checked(
+            r.session_sample_picker_path, "--session-sample-picker-path", "def pick(session) -> list[Node]",
+            1, False,
+        )  # fmt: skip
+    if r.session_sample_postprocessor_path:
+        post = load_checked(
+            r.session_sample_postprocessor_path, "--session-sample-postprocessor-path",
+            "def post(samples, leaves) -> list[Sample]", 2, False,
+        )  # fmt: skip
+    return AgentSettings(run, r.agent_function_path, r.agent_timeout, pick, post)
 
 
 def load_seams(rollout_cfg: RolloutConfig, eval_cfg: EvalConfig) -> Seams:

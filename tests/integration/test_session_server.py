@@ -222,3 +222,69 @@ def test_the_openai_agent_example_runs_a_tool_episode() -> None:
     trained = [t for t, m in zip(sample.response_ids, sample.loss_mask) if m]
     assert trained == script.sampled[0] + script.sampled[1]
     assert sample.rollout_log_probs is not None and sample.check_consistent() is None
+
+
+def test_streamed_tool_episode_records_the_same_tokens_as_non_streaming() -> None:
+    """`stream=True` with tools: the SDK's chunk models parse the role, tool-call and finish chunks and the
+    `[DONE]` end; the session records token for token what the same non-streamed episode records."""
+
+    async def episode(server: SessionServer, sid: str, stream: bool):  # noqa: ANN202
+        rec = server.open(sid)
+        async with openai.AsyncOpenAI(base_url=server.base_url(sid), api_key=server.api_key) as oai:
+            messages: list = [{"role": "user", "content": "What is 12 + 30?"}]
+            for _ in range(2):
+                kwargs = {"model": "m", "messages": messages, "tools": CALC_TOOLS}
+                if not stream:
+                    msg = (await oai.chat.completions.create(**kwargs)).choices[0].message.model_dump()
+                else:
+                    msg, finishes, chunks = {"role": "assistant", "content": ""}, [], 0
+                    calls: dict[int, dict] = {}
+                    async for chunk in await oai.chat.completions.create(**kwargs, stream=True):
+                        assert chunk.object == "chat.completion.chunk"
+                        chunks += 1
+                        for c in chunk.choices:
+                            msg["content"] += c.delta.content or ""
+                            finishes += [c.finish_reason] if c.finish_reason else []
+                            for tc in c.delta.tool_calls or []:
+                                calls[tc.index] = {
+                                    "id": tc.id,
+                                    "type": "function",
+                                    "function": tc.function.model_dump(),
+                                }
+                    assert len(finishes) == 1 and chunks >= 3
+                    assert finishes[0] == ("tool_calls" if calls else "stop")
+                    if calls:
+                        msg["tool_calls"] = [calls[k] for k in sorted(calls)]
+                messages.append(msg)
+                if not msg.get("tool_calls"):
+                    return rec, msg["content"]
+                call = msg["tool_calls"][0]
+                assert json.loads(call["function"]["arguments"]) == {"expression": "12 + 30"}
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": "42"})
+        return rec, None
+
+    async def body(server: SessionServer):  # noqa: ANN202
+        return await episode(server, "plain", False), await episode(server, "streamed", True)
+
+    _, ((plain, text1), (streamed, text2)) = _run(body)
+    assert text1 == text2 == "The answer is 42."
+    [a], [b] = plain.leaves(), streamed.leaves()
+    assert (a.tokens, a.loss_mask, a.log_probs) == (b.tokens, b.loss_mask, b.log_probs)
+    assert len(b.turns) == 2 and streamed.lineages == 1
+
+
+def test_sse_stream_ends_with_done() -> None:
+    async def body(server: SessionServer):  # noqa: ANN202
+        server.open("raw")
+        headers = {"Authorization": f"Bearer {server.api_key}"}
+        req = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        async with httpx.AsyncClient() as http:
+            r = await http.post(f"{server.base_url('raw')}/chat/completions", json=req, headers=headers)
+        return r.headers["content-type"], r.text
+
+    ctype, text = _run(body)[1]
+    events = [e for e in text.split("\n\n") if e]
+    assert ctype.startswith("text/event-stream") and all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2][len("data: ") :])
+    assert last["choices"][0]["finish_reason"] == "stop" and last["object"] == "chat.completion.chunk"

@@ -112,7 +112,8 @@ def test_section_field_names_are_the_agreed_ones() -> None:
         "generate_max_turns generate_execute_tool_function_path generate_tool_timeout "
         "use_session_server agent_function_path agent_timeout fully_async async_max_concurrent_samples "
         "async_data_buffer_capacity_factor async_unused_samples_handler max_weight_staleness "
-        "update_weights_interval pause_generation_mode",
+        "update_weights_interval pause_generation_mode use_rollout_routing_replay session_sample_picker_path "
+        "session_sample_postprocessor_path",
         "engine": "engine_host engine_api_key engine_max_running_requests check_weight_update_equal "
         "rollout_weight_quantization rollout_fp8_scale_format sglang_mem_fraction_static "
         "sglang_decode_log_interval sglang_chunked_prefill_size sglang_attention_backend sglang_args",
@@ -121,7 +122,7 @@ def test_section_field_names_are_the_agreed_ones() -> None:
         "balance_data context_parallel_size fsdp_cpu_offload update_weight_buffer_size update_weight_transfer_mode "
         "update_weight_delta "
         "ref_update_interval "
-        "train_timeout refit_timeout",
+        "train_timeout refit_timeout moe_aux_loss_coeff moe_z_loss_coeff use_routing_replay",
         "optim": "optimizer lr min_lr lr_decay_style lr_decay_iters lr_warmup_iters lr_warmup_fraction "
         "weight_decay adam_beta1 adam_beta2 adam_eps clip_grad",
         "algo": "advantage_estimator policy_loss custom_advantage_function_path disable_grpo_std_normalization "

@@ -101,15 +101,17 @@ def test_edited_history_branches_and_each_leaf_is_a_sample() -> None:
     retry = [*user, echoed, {"role": "tool", "tool_call_id": "call_1", "content": "error, retry"}]
     prepared, third, _, _ = _turn(s, retry, "12")
     assert prepared.parent is first
-    # the agent compacts its history (a rewritten assistant turn): a new lineage, all of it prompt
+    # the agent compacts its history (a rewritten assistant turn): a new lineage branching off the first node
+    # where the tokens part (right after the shared prompt: the sampled tool call is not what was rewritten)
     compacted = [
         *user,
         {"role": "assistant", "content": "I computed 42."},
         {"role": "user", "content": "sure?"},
     ]
     prepared4, fourth, out4, _ = _turn(s, compacted, "yes")
-    assert prepared4.parent is None and fourth.prompt_len == len(prepared4.input_ids)
-    assert fourth.loss_mask == [1] * len(out4)
+    assert prepared4.parent is None and (fourth.branch_of, fourth.fork_at) == (first.id, first.prompt_len)
+    assert fourth.prompt_len == first.prompt_len
+    assert fourth.loss_mask == [0] * (len(prepared4.input_ids) - first.prompt_len) + [1] * len(out4)
     assert s.leaves() == [second, third, fourth] and s.lineages == 2
     sample = to_sample(third, Sample(index=5, tokens=[1, 2, 3]))
     assert sample.check_consistent() is None

@@ -9,9 +9,11 @@ The agent talks to `base_url` with any OpenAI client (`AsyncOpenAI(base_url=base
 `sample.prompt` and `sample.label` are the dataset row's. The episode has `--agent-timeout` seconds; each engine
 request has `--rollout-request-timeout`.
 
-The returned sample is the session's last leaf (first slice: one sample per episode; a tree with several
-leaves, from an edited history or `n > 1`, is recorded in `metadata["session"]` but only its most recent leaf
-is trained on). Its reward is the agent's return value when not None, else the configured reward function's.
+The session's tree (an edited history or `n > 1` gives it several leaves) becomes samples through the sample
+picker and post-processor (`--session-sample-picker-path`, `--session-sample-postprocessor-path`; defaults:
+superseded retries dropped, exactly-once completion masking, see `picking`). A rollout group holds one sample
+per episode, so the returned sample is the first of them (by default the most recent leaf, every token the
+policy sampled in it trained); `metadata["session"]` describes the tree and counts the samples. Its reward is the agent's return value when not None, else the configured reward function's.
 An agent that raises or runs past its deadline fails that sample only: status FAILED, reward 0.0 (the
 convention of `--rm-error-as-zero`), the error in `metadata["agent_error"]`, the tokens of its last leaf kept
 when it made a request (else an empty response). When the rollout is ending (the client stopped taking
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from miles.rollout.generate import request_id
 from miles.rollout.rm_hub.scoring import check_reward
+from miles.rollout.session.picking import build_samples, mask_exactly_once, pick_leaves
 from miles.rollout.session.recorder import Session, to_sample
 from miles.rollout.session.server import SessionServer
 from miles.utils.deadline import DeadlineExceeded, call_with_deadline
@@ -112,12 +115,20 @@ async def generate_with_agent(
     if not leaves:
         _fail(sample, recorder, "the agent made no chat completion request", aborted=client.stopped)
         return sample
-    to_sample(leaves[-1], sample, lambda ids: ctx.tokenizer.decode(ids, skip_special_tokens=True))
+    decode = lambda ids: ctx.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    picked = build_samples(
+        recorder, sample, settings.pick or pick_leaves, settings.postprocess or mask_exactly_once, decode
+    )
+    if not picked:
+        _fail(sample, recorder, "the session sample picker kept no leaf", aborted=False)
+        return sample
+    sample = picked[0]
     sample.metadata["session"] = {
         "leaves": len(leaves),
+        "samples": len(picked),
         "lineages": recorder.lineages,
         "requests": recorder.requests,
-        "turns": len(leaves[-1].turns),
+        "turns": len(recorder.nodes[sample.metadata.get("session_leaf", leaves[-1].id)].turns),
         "tree": recorder.tree(),
     }
     if reward is not None:

@@ -15,14 +15,20 @@ How a request's input ids are built (`Session.prepare`):
      sampled turn did not end with it, then the tokens of the text the template puts after the assistant's
      end-of-turn marker (e.g. "\\n") followed by the rendering of the new messages and the generation prompt;
   3. without a parent (the first request, or a history the agent edited: dropped, rewritten or compacted
-     turns), the whole rendered conversation is the prompt of a new lineage (a new root of the tree).
+     turns), the rendered conversation is tokenized whole and starts a new lineage that branches off the node
+     sharing the longest common token prefix with it (`branch_of`, `fork_at`): when that prefix covers the
+     node's prompt, the new lineage keeps the node's prompt length and, over the shared tokens, the node's
+     loss mask and log-probs (they are the same tokens, sampled by the policy where the mask is 1); the rest
+     is environment (mask 0). Otherwise (a different prompt, or the first request) it is a new root, all prompt.
 `Session.record` adds one child node per sampled choice (`n` choices: `n` siblings). Every node without a child
-is a leaf; `to_sample` turns one into a `Sample`.
+is a leaf (a branch does not make its `branch_of` node a parent); `to_sample` turns one into a `Sample`.
+`owners` tells, per response token, which node's turn sampled it (-1: the environment's), so a token shared by
+several leaves is recognizable (see `picking`: exactly-once completion masking).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from miles.rollout.session.chat import Message, same_message
@@ -54,6 +60,10 @@ class Node:
     weight_versions: list[str]
     turns: list[TurnRecord]  # the turns of this lineage, oldest first
     ends_with_eos: bool
+    owners: list[int]  # [response length]: the id of the node whose turn sampled the token; -1: environment
+    request: int = 0  # the session's request number that sampled this node
+    branch_of: int | None = None  # the node a new lineage branched off (longest common token prefix)
+    fork_at: int = 0  # with branch_of: the length of the shared token prefix
     children: int = 0
 
     @property
@@ -70,6 +80,10 @@ class Prepared:
     prompt_len: int  # the lineage's prompt length
     loss_mask: list[int]  # [len(input_ids) - prompt_len]
     log_probs: list[float]
+    owners: list[int]  # [len(input_ids) - prompt_len], see Node.owners
+    branch_of: int | None = None
+    fork_at: int = 0
+    request: int = 0  # the session's request number (set by `Session.prepare`)
 
 
 @dataclass
@@ -106,14 +120,36 @@ class Session:
     def prepare(self, messages: list[Message], tools: list[dict] | None) -> Prepared:
         """The input ids of a request with `messages` (and `tools`), per the module docstring."""
         full = self.render(messages, tools, generation_prompt=True)
+        request = self.requests
+        self.requests += 1
         parent = self.find_parent(messages)
         if parent is not None:
             before = self.render(parent.messages, tools, generation_prompt=False)
             if full.startswith(before):
-                return self._extend(parent, before, full)
-        ids = self._encode(full)
+                return replace(self._extend(parent, before, full), request=request)
         self.lineages += 1
-        return Prepared(None, ids, len(ids), [], [])
+        return replace(self._branch(self._encode(full)), request=request)
+
+    def _branch(self, ids: list[int]) -> Prepared:
+        """A new lineage of input `ids`, branching off the node with the longest common token prefix."""
+        best, shared = None, 0
+        for node in self.nodes:
+            k = _common_prefix(node.tokens, ids)
+            if k > shared:
+                best, shared = node, k
+        if best is None or shared < best.prompt_len:
+            return Prepared(None, ids, len(ids), [], [], [])
+        kept, rest = shared - best.prompt_len, len(ids) - shared
+        return Prepared(
+            None,
+            ids,
+            best.prompt_len,
+            best.loss_mask[:kept] + [0] * rest,
+            best.log_probs[:kept] + [0.0] * rest,
+            best.owners[:kept] + [-1] * rest,
+            best.id,
+            shared,
+        )
 
     def _extend(self, parent: Node, before: str, full: str) -> Prepared:
         tok = self.tokenizer
@@ -130,6 +166,7 @@ class Session:
             parent.prompt_len,
             parent.loss_mask + [0] * len(added),
             parent.log_probs + [0.0] * len(added),
+            parent.owners + [-1] * len(added),
         )
 
     def record(
@@ -161,6 +198,10 @@ class Session:
             weight_versions=versions,
             turns=[*(parent.turns if parent is not None else []), turn],
             ends_with_eos=bool(out) and eos_id is not None and out[-1] == eos_id,
+            owners=prepared.owners + [len(self.nodes)] * len(out),
+            request=prepared.request,
+            branch_of=prepared.branch_of if parent is None else parent.branch_of,
+            fork_at=prepared.fork_at if parent is None else parent.fork_at,
         )
         self.nodes.append(node)
         return node
@@ -179,9 +220,20 @@ class Session:
                 "prompt_len": n.prompt_len,
                 "response_length": n.response_length,
                 "weight_versions": n.weight_versions,
+                "request": n.request,
+                "branch_of": n.branch_of,
+                "fork_at": n.fork_at,
             }
             for n in self.nodes
         ]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 FINISH_TO_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED}

@@ -247,8 +247,7 @@ class SessionServer:
         rec = info.recorder
         prepared = rec.prepare(messages, tools)
         left = info.sampling.max_new_tokens - (len(prepared.input_ids) - prepared.prompt_len)
-        request = rec.requests
-        rec.requests += 1
+        request = prepared.request
         cid = f"chatcmpl-{info.recorder.session_id}-{request}"
         if left <= 0:  # the response budget (--rollout-max-response-len) is spent: nothing more is generated
             empty = Choice(parse_tool_calls("", False), "length", [] if body.get("logprobs") else None, [])
