@@ -152,7 +152,7 @@ class VLProcessor:
         """Chat messages with the images placed: a string prompt, or a first user message whose content is a
         string, gets `num_images` image parts before its text; messages that already hold image parts keep them
         (their count must match the images)."""
-        messages = (
+        messages: list[dict[str, Any]] = (
             [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
         )
         placed = sum(

@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from miles.tools.tiny_model import (
     ENDOFTEXT,
@@ -81,7 +81,7 @@ def tiny_vl_config(
         raise ValueError(f"hidden_size={hidden_size} must be a multiple of 32 (4 heads, mrope sections of 8)")
     half = head_dim // 2  # mrope splits the rotary half-dimension into temporal / height / width sections
     section = [half // 2, half // 4, half - half // 2 - half // 4]
-    text = dict(
+    text: dict[str, Any] = dict(
         vocab_size=len(tok),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -95,7 +95,7 @@ def tiny_vl_config(
         bos_token_id=None,
         tie_word_embeddings=True,
     )
-    vision = dict(
+    vision: dict[str, Any] = dict(
         depth=2,
         hidden_size=32,
         intermediate_size=64,

@@ -221,7 +221,7 @@ class MoETraining:
             per_sample = [self.recorded[i] for i in indices]
         replay = None
         if per_sample is not None:
-            replay = pack_replay(per_sample, lengths, len(self.routers), self.top_k)  # type: ignore[arg-type]
+            replay = pack_replay(per_sample, lengths, len(self.routers), self.top_k)
         with moe_routing(self.model, replay) as capture:
             yield capture
         if self.routing_replay and self.rollout is None and per_sample is None:
