@@ -85,7 +85,10 @@ def run_fully_async_loop(cfg: Config, system: System) -> None:
             if _due(r.update_weights_interval, rollout_id, num):
                 with timer.phase("refit"):  # under paused requests: generation goes on after
                     ray_get(rollout.pause_generation.remote(r.pause_generation_mode), timeout, "pause")
-                    metrics.update(system.choreography.refit(weight_version=str(rollout_id + 1)) or {})
+                    # requests held in place keep their KV cache: the update must not flush it
+                    flush = r.pause_generation_mode != "in_place"
+                    version = str(rollout_id + 1)
+                    metrics.update(system.choreography.refit(weight_version=version, flush_cache=flush) or {})
                     ray_get(rollout.continue_generation.remote(rollout_id + 1), timeout, "continue")
             finish_step(cfg, system, rollout_id, metrics)
     finally:

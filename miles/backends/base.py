@@ -79,11 +79,16 @@ class PolicyBackend(TrainRole):
 
     @abc.abstractmethod
     def update_weights(
-        self, engine_urls: list[str], weight_version: str, resume_tags: Sequence[str] = ()
+        self,
+        engine_urls: list[str],
+        weight_version: str,
+        resume_tags: Sequence[str] = (),
+        flush_cache: bool = True,
     ) -> dict[str, float]:
         """Refit the rollout engines with the current weights, in buckets. `resume_tags`: memory the engines
         released for training, to resume (once, on every engine) before the weights move: the refit at the end
-        of a train call (`miles.ray.colocate.RefitAfterTrain`). Returns the refit's metrics on the rank that
+        of a train call (`miles.ray.colocate.RefitAfterTrain`). `flush_cache`: False when the engines hold
+        requests paused in place (`miles.refit.refitter.Refitter.update`). Returns the refit's metrics on the rank that
         measured them (`perf/refit_checksum_*`, and `perf/refit_bytes`/`perf/refit_tensors_*` where
         the transport counts them; see `miles.refit.refitter.Refitter.metrics`), else {}."""
 

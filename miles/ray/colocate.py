@@ -57,7 +57,9 @@ class EngineMemory(Protocol):
 class Trainer(Protocol):
     """The training side of the choreography (RayTrainGroup, or a plain object in tests)."""
 
-    def update_weights(self, engine_urls: list[str], weight_version: str) -> dict[str, float] | None: ...
+    def update_weights(
+        self, engine_urls: list[str], weight_version: str, flush_cache: bool = True
+    ) -> dict[str, float] | None: ...
 
     def sleep(self) -> None: ...
 
@@ -123,15 +125,16 @@ class MemoryChoreography:
         self.released.clear()
         return RefitAfterTrain(list(self.engine_urls), weight_version, tags)
 
-    def refit(self, weight_version: str) -> dict[str, float]:
+    def refit(self, weight_version: str, flush_cache: bool = True) -> dict[str, float]:
         """Push the trainer's weights to the engines and leave the engines ready to generate; the refit's
-        metrics (`perf/refit_checksum_*`)."""
+        metrics (`perf/refit_checksum_*`). `flush_cache`: False when the engines hold requests paused in
+        place (--fully-async with --pause-generation-mode in_place: SGLang fails a flushing update then)."""
         if self.colocate and not self.trainer_offload:
             self._resume([t for t in MEMORY_TAGS if t in self.released])
-            return self.trainer.update_weights(self.engine_urls, weight_version) or {}
+            return self.trainer.update_weights(self.engine_urls, weight_version, flush_cache) or {}
         if self.colocate and "weights" in self.released:
             self._resume(["weights"])
-        metrics = self.trainer.update_weights(self.engine_urls, weight_version) or {}
+        metrics = self.trainer.update_weights(self.engine_urls, weight_version, flush_cache) or {}
         if self.colocate:
             self.trainer.sleep()
             self._resume([t for t in MEMORY_TAGS if t in self.released])
@@ -156,5 +159,5 @@ class TrainerOnly:
     def refit_with_train(self, weight_version: str) -> None:
         return None
 
-    def refit(self, weight_version: str) -> dict[str, float]:
+    def refit(self, weight_version: str, flush_cache: bool = True) -> dict[str, float]:
         return {}

@@ -145,8 +145,10 @@ class TrainWorker:
     def wake_up(self) -> None:
         self._backend.wake_up()
 
-    def update_weights(self, engine_urls: list[str], weight_version: str) -> dict[str, float]:
-        return self._policy.update_weights(engine_urls, weight_version)
+    def update_weights(
+        self, engine_urls: list[str], weight_version: str, flush_cache: bool = True
+    ) -> dict[str, float]:
+        return self._policy.update_weights(engine_urls, weight_version, flush_cache=flush_cache)
 
 
 class RayTrainGroup:
@@ -286,12 +288,13 @@ class RayTrainGroup:
     def wake_up(self) -> None:
         self._all("onload training state", "wake_up")
 
-    def update_weights(self, engine_urls: list[str], weight_version: str) -> dict[str, float]:
-        """Refit on every rank; rank 0's refit metrics (`perf/refit_checksum_*`)."""
-        return (
-            self._all(f"weight refit {weight_version}", "update_weights", engine_urls, weight_version)[0]
-            or {}
-        )
+    def update_weights(
+        self, engine_urls: list[str], weight_version: str, flush_cache: bool = True
+    ) -> dict[str, float]:
+        """Refit on every rank; rank 0's refit metrics (`perf/refit_checksum_*`). `flush_cache`: False when
+        the engines hold requests paused in place."""
+        what = f"weight refit {weight_version}"
+        return self._all(what, "update_weights", engine_urls, weight_version, flush_cache)[0] or {}
 
     def shutdown(self, grace_s: float = 10.0) -> None:
         """End every worker: first a normal exit (its interpreter shuts down, so finalizers run: the refit's

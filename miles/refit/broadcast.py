@@ -164,7 +164,8 @@ class DistributedWeightUpdater(WeightUpdater):
         checksums = self.new_checksums(job, self.rank == 0)
 
         def send(bucket: Bucket, index: int, is_last: bool) -> None:
-            self._on_rank0(lambda: self._broadcast(delta.select(bucket), index, is_last, version))
+            last = (is_last, is_last and job.flush_cache)
+            self._on_rank0(lambda: self._broadcast(delta.select(bucket), index, last, version))
 
         try:
             try:
@@ -185,9 +186,11 @@ class DistributedWeightUpdater(WeightUpdater):
             return dict.fromkeys(urls)
         return probe_bases(urls, self.headers, self.timeout_s, version)
 
-    def _broadcast(self, bucket: Bucket, index: int, is_last: bool, version: str) -> None:
+    def _broadcast(self, bucket: Bucket, index: int, last: tuple[bool, bool], version: str) -> None:
         """Announce and broadcast ``bucket``; an empty one (a delta left it all out) is skipped, unless it is
-        the last, whose request still sets the version and flushes the cache."""
+        the last, whose request still sets the version (and flushes the cache). ``last``: (is it the last
+        bucket, does its request flush the cache)."""
+        is_last, flush = last
         if not bucket and not is_last:
             return
         body = {
@@ -195,7 +198,7 @@ class DistributedWeightUpdater(WeightUpdater):
             "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
             "shapes": [list(t.shape) for _, t in bucket],
             "group_name": self.group_name,
-            "flush_cache": is_last,
+            "flush_cache": flush,
             "weight_version": version,
         }
         pending = self._post_to(

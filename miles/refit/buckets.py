@@ -205,13 +205,16 @@ def gather_bucket(bucket: list[TensorEntry], dtype: torch.dtype | None) -> Bucke
 class RefitJob:
     """One refit: every weight of ``model``, cast to ``dtype`` (None: as it is), in buckets of at most
     ``bucket_bytes``, to be served as ``weight_version``; with ``fp8_scale_format`` the linear weights are sent
-    as block FP8 (each followed by its scales)."""
+    as block FP8 (each followed by its scales). ``flush_cache``: whether the last bucket's request asks the
+    engine to flush its KV cache (False while requests are held by an in_place pause: SGLang fails a flushing
+    update then, docs/sglang-contract.md)."""
 
     model: RefitSource
     bucket_bytes: int
     weight_version: str
     dtype: torch.dtype | None = None
     fp8_scale_format: str | None = None  # block FP8 of the linear weights (`miles.refit.fp8`); None: none
+    flush_cache: bool = True  # the last request flushes the KV cache; False under an in_place pause
 
 
 def stream_buckets(

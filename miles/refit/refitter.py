@@ -94,12 +94,19 @@ class Refitter:
         return resolve_transfer_mode(s.transfer_mode, s.colocate, self.is_cuda)
 
     def update(
-        self, source: RefitSource, version: str, engine_urls: list[str], resume_tags: Sequence[str] = ()
+        self,
+        source: RefitSource,
+        version: str,
+        engine_urls: list[str],
+        resume_tags: Sequence[str] = (),
+        flush_cache: bool = True,
     ) -> int:
         """Refit ``engine_urls`` with ``source``'s weights (cast to the refitter's dtype) as ``version``: every
         engine, or (fault tolerance) the engines that were restarted since the last refit, whose transport (update
         group, window mapping) is new. ``resume_tags``: rank 0 first resumes them on every engine, all ranks
-        raising its error, so none refits alone. Returns the number of buckets."""
+        raising its error, so none refits alone. ``flush_cache``: False when the engines hold requests paused
+        in place (`--pause-generation-mode in_place`: SGLang fails a flushing update then). Returns the number
+        of buckets."""
         urls = [u.rstrip("/") for u in engine_urls]
         if self.transport is None:
             self.transport = self._make_transport(urls)
@@ -109,7 +116,14 @@ class Refitter:
             transport.run_agreed(self.rank == 0, lambda: self._engine_memory(urls).resume_memory(tags))
         if urls != transport.engine_urls:
             transport.engines_restarted(urls)
-        return transport.update(source, self.settings.bucket_bytes, version, dtype=self.dtype, engines=urls)
+        return transport.update(
+            source,
+            self.settings.bucket_bytes,
+            version,
+            dtype=self.dtype,
+            engines=urls,
+            flush_cache=flush_cache,
+        )
 
     def metrics(self) -> dict[str, float]:
         """The last refit's ``perf/refit_*`` on this rank, else {}: bytes and tensors sent where the transport

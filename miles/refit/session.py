@@ -81,10 +81,12 @@ class WeightUpdater(ABC):
         weight_version: str,
         dtype: torch.dtype | None = None,
         engines: list[str] | None = None,
+        flush_cache: bool = True,
     ) -> int:
         """Push all weights of ``model`` (cast to ``dtype``, in buckets of at most ``bucket_bytes``) to
-        ``engines`` (None: all) as ``weight_version``, then verify them; returns the number of buckets."""
-        job = RefitJob(model, bucket_bytes, weight_version, dtype, self.fp8_scale_format)
+        ``engines`` (None: all) as ``weight_version``, then verify them; returns the number of buckets.
+        ``flush_cache``: False when the engines hold requests paused in place (`RefitJob`)."""
+        job = RefitJob(model, bucket_bytes, weight_version, dtype, self.fp8_scale_format, flush_cache)
         return self.push(job, self.targets(engines))
 
     @abstractmethod

@@ -55,7 +55,8 @@ class ColocatedWeightUpdater(WeightUpdater):
         checksums = self.new_checksums(job, self.is_leader)
 
         def send(bucket: Bucket, index: int, is_last: bool) -> None:
-            self.run_agreed(targeted is not None, lambda: self._send_bucket(bucket, index, is_last, version))
+            flush = is_last and job.flush_cache
+            self.run_agreed(targeted is not None, lambda: self._send_bucket(bucket, index, flush, version))
 
         try:
             n_buckets = stream_buckets(job, checksums, send)
@@ -71,7 +72,7 @@ class ColocatedWeightUpdater(WeightUpdater):
         self.run_agreed(self.is_leader, verify)
         return n_buckets
 
-    def _send_bucket(self, bucket: Bucket, index: int, is_last: bool, weight_version: str) -> None:
+    def _send_bucket(self, bucket: Bucket, index: int, flush: bool, weight_version: str) -> None:
         if self.engine_index is None:
             return
         payload = serialize(share_named_tensors(bucket))
@@ -80,15 +81,15 @@ class ColocatedWeightUpdater(WeightUpdater):
         gathered: list[str | None] | None = [None] * self.ranks_per_engine if self.is_leader else None
         dist.gather_object(payload, gathered, dst=leader, group=group)
         if gathered is not None:  # the leader: every rank's payload, in TP order
-            self._post(self.engine_urls[self.engine_index], index, gathered, is_last, weight_version)
+            self._post(self.engine_urls[self.engine_index], index, gathered, flush, weight_version)
 
     def _post(
-        self, url: str, index: int, payloads: list[str | None], is_last: bool, weight_version: str
+        self, url: str, index: int, payloads: list[str | None], flush: bool, weight_version: str
     ) -> None:
         body = {
             "serialized_named_tensors": payloads,
             "load_format": None,
-            "flush_cache": is_last,
+            "flush_cache": flush,
             "weight_version": weight_version,
         }
         post_engine(

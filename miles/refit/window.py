@@ -268,7 +268,7 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
         error = None
         try:
             if url:
-                self._load(url, job.weight_version, self._checksums(url, job, entries))
+                self._load(url, job, self._checksums(url, job, entries))
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
         self._agree(error)
@@ -288,14 +288,14 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
             checks.add_bucket((e.name, views[e.name]) for e in entries)
         return checks
 
-    def _load(self, url: str, weight_version: str, checksums: RefitChecksums | None) -> None:
+    def _load(self, url: str, job: RefitJob, checksums: RefitChecksums | None) -> None:
         """One call loads the window (its own weight-update session on the engine); the answer names the version
         the engine now serves, which must be ours; with ``check_equal`` the checksums are compared too."""
-        window = self.windows[url]
+        window, weight_version = self.windows[url], job.weight_version
         body = {
             "path": window.path,
             "layout_digest": window.layout.digest(),
-            "flush_cache": True,
+            "flush_cache": job.flush_cache,
             "weight_version": weight_version,
         }
         answer = post_engine(

@@ -32,14 +32,22 @@ def request_id(ctx: GenerateContext, sample: Sample, turn: int = 0) -> str:
 def apply_output(sample: Sample, out: GenerateOutput) -> None:
     """Append a /generate answer to `sample` as model tokens (loss mask 1) and set its status.
 
-    The answer's weight version is recorded as one segment when the request generated anything.
+    The answer's weight versions are recorded when the request generated anything: one segment per span of
+    `meta_info.weight_versions` (a request held across a refit has two), else the answer's `weight_version`.
     """
     sample.append_tokens(out.output_ids, out.log_probs, trainable=True)
     if out.routed_experts is not None:  # R3: the whole sequence's rows so far (SGLang's start_len 0)
         sample.rollout_routed_experts = decode_routed_experts(out.routed_experts, len(sample.tokens) - 1)
     sample.response += out.text
     sample.status = FINISH_TO_STATUS[out.finish_reason]
-    if out.weight_version is not None and (out.output_ids or out.finish_reason != "abort"):
+    record_versions(sample, out)
+
+
+def record_versions(sample: Sample, out: GenerateOutput) -> None:
+    """Append the versions that generated `out` to `sample.weight_versions` (see `apply_output`)."""
+    if out.span_versions and out.output_ids:
+        sample.weight_versions.extend(out.span_versions)
+    elif out.weight_version is not None and (out.output_ids or out.finish_reason != "abort"):
         sample.weight_versions.append(out.weight_version)
 
 

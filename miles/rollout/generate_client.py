@@ -86,6 +86,7 @@ class GenerateOutput:
     text: str
     finish_reason: str  # "stop" | "length" | "abort"
     weight_version: str | None = None
+    span_versions: tuple[str, ...] = ()  # meta_info.weight_versions' non-empty spans' versions, in order
     routed_experts: str | None = (
         None  # SGLang's base64 int32 [seqlen - 1, layers, top_k] (return_routed_experts)
     )
@@ -105,13 +106,14 @@ class GenerateOutput:
             raise ValueError(
                 f"{where}: unknown finish_reason type {finish!r}; expected one of {FINISH_REASONS}"
             )
-        version = meta.get("weight_version")
+        version, spans = meta.get("weight_version"), meta.get("weight_versions") or []
         return cls(
             output_ids=[int(t) for t in output_ids],
             log_probs=[float(entry[0]) for entry in logprobs] if logprobs is not None else None,
             text=body.get("text", ""),
             finish_reason=finish,
             weight_version=None if version is None else str(version),
+            span_versions=tuple(str(s["version"]) for s in spans if s["end"] > s["start"]),
             routed_experts=meta.get("routed_experts"),
         )
 

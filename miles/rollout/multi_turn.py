@@ -27,7 +27,7 @@ turn, which is what a reward function usually scores); `response` is the decoded
 from __future__ import annotations
 
 from miles.rollout.base_types import GenerateContext, MultiTurnSettings, SamplingSettings
-from miles.rollout.generate import FINISH_TO_STATUS, request_id
+from miles.rollout.generate import FINISH_TO_STATUS, record_versions, request_id
 from miles.rollout.generate_client import GenerateClient
 from miles.utils.deadline import DeadlineExceeded, call_with_deadline
 from miles.utils.types import Sample, SampleStatus
@@ -118,8 +118,7 @@ async def generate_multi_turn(
         )
         request += 1
         sample.append_tokens(out.output_ids, out.log_probs, trainable=True)
-        if out.weight_version is not None and (out.output_ids or out.finish_reason != "abort"):
-            sample.weight_versions.append(out.weight_version)
+        record_versions(sample, out)
         status = FINISH_TO_STATUS[out.finish_reason]
         if status == SampleStatus.ABORTED:  # continued by a later call from here, mid-turn
             sample.status = status

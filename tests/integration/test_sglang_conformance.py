@@ -284,7 +284,7 @@ def _colocated_body(rank: int, world: int, url: str, model_dir: str) -> None:
     )
 
     class Trainer:
-        def update_weights(self, urls: list[str], version: str) -> None:
+        def update_weights(self, urls: list[str], version: str, flush_cache: bool = True) -> None:
             updater.update(model, bucket_bytes=4096, weight_version=version)
 
         def sleep(self) -> None: ...

@@ -66,7 +66,9 @@ def _install(monkeypatch: pytest.MonkeyPatch, log: Log, gpu: bool) -> None:
             log("trainers build", self.role)
             return 0
 
-        def update_weights(self, engine_urls: list[str], weight_version: str) -> None:
+        def update_weights(
+            self, engine_urls: list[str], weight_version: str, flush_cache: bool = True
+        ) -> None:
             log("refit", weight_version, tuple(engine_urls))
 
         def sleep(self) -> None:

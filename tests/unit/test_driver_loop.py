@@ -38,7 +38,7 @@ class FakeTrainGroup:
     def save_hf(self, rollout_id: int) -> None:
         self.log("save_hf", rollout_id)
 
-    def update_weights(self, engine_urls: list[str], weight_version: str) -> None:
+    def update_weights(self, engine_urls: list[str], weight_version: str, flush_cache: bool = True) -> None:
         self.log("refit", weight_version)
 
     def sleep(self) -> None:

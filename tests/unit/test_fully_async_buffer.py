@@ -143,3 +143,30 @@ def test_the_synchronous_driver_refuses_fully_async(capsys):
 
     assert main([*BASE, "--fully-async"]) == 2
     assert "miles.train_async" in capsys.readouterr().err
+
+
+def test_each_weight_version_span_is_recorded_as_a_segment():
+    """A request held across a refit (in_place or retract pause) answers with two spans: both versions are
+    recorded, so its staleness counts its oldest token; without spans the answer's weight_version is."""
+    from miles.rollout.async_buffer import oldest_version
+    from miles.rollout.generate import apply_output
+    from miles.rollout.generate_client import GenerateOutput
+
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
+    body = {"output_ids": [1, 2, 3, 4, 5], "meta_info": {"weight_version": "4", "weight_versions": spans}}
+    sample = Sample(tokens=[7, 8])
+    apply_output(sample, GenerateOutput.from_response(body, "test"))
+    assert sample.weight_versions == ["3", "4"] and oldest_version(sample) == 3
+    plain = Sample(tokens=[7, 8])
+    apply_output(
+        plain, GenerateOutput.from_response({"output_ids": [1], "meta_info": {"weight_version": "4"}}, "t")
+    )
+    assert plain.weight_versions == ["4"]
+    empty = {
+        "output_ids": [],
+        "meta_info": {"weight_version": "4", "weight_versions": [spans[1] | {"start": 5}]},
+    }
+    aborted = Sample(tokens=[7, 8])
+    apply_output(aborted, GenerateOutput.from_response(empty | {"meta_info": empty["meta_info"] | {
+        "finish_reason": {"type": "abort"}}}, "t"))  # fmt: skip
+    assert aborted.weight_versions == []

@@ -78,7 +78,9 @@ def test_a_training_failure_is_not_reported_as_the_refit():
 
 
 class NoTrainer:
-    def update_weights(self, engine_urls: list[str], weight_version: str) -> None: ...
+    def update_weights(
+        self, engine_urls: list[str], weight_version: str, flush_cache: bool = True
+    ) -> None: ...
 
     def sleep(self) -> None: ...
 

@@ -272,11 +272,15 @@ class FSDPTrainer(PolicyBackend):
 
     # ------------------------------------------------------------------------------------------------ refit
     def update_weights(
-        self, engine_urls: list[str], weight_version: str, resume_tags: Sequence[str] = ()
+        self,
+        engine_urls: list[str],
+        weight_version: str,
+        resume_tags: Sequence[str] = (),
+        flush_cache: bool = True,
     ) -> dict[str, float]:
         """Refit ``engine_urls`` (all engines, or the restarted ones) through `miles.refit`, the model awake
         meanwhile. ``resume_tags``: rank 0 resumes them on every engine before the weights move, all ranks
-        raising its error (see `PolicyBackend.update_weights`)."""
+        raising its error; ``flush_cache`` False under an in_place pause (see `PolicyBackend.update_weights`)."""
         was_offloaded = self.state.offloaded
         if was_offloaded:
             self.wake_up()
@@ -292,7 +296,7 @@ class FSDPTrainer(PolicyBackend):
         if self._adapter_refit is not None:
             self._update_adapter(weight_version, engine_urls, resume_tags)
         else:
-            self._refitter.update(self._refit_source(), weight_version, engine_urls, resume_tags)
+            self._refitter.update(self._refit_source(), weight_version, engine_urls, resume_tags, flush_cache)
         if was_offloaded:
             self.sleep()
         return self._refitter.metrics()
