@@ -1,0 +1,363 @@
+"""The three drivers side by side on a long-tailed workload (issue 25, item 6).
+
+    python scripts/bench/async.py [--placements 1+1,1+2] [--repeats 2] [--quick] [--steps N]
+
+One workload, ``longtail``: a tiny untied Qwen3 whose EOS logit is designed (``bench_workloads.schedule_eos``,
+"prompt_timed") so that a response ends after a number of tokens set by the prompt's run of markers; the marker
+counts are lognormal with sigma 1.0, so the response lengths are long-tailed (a few groups run ~10x the median; the
+report prints the measured median/p90/max from the synchronous runs' `--dump-details`). The task is the echo task
+(`echo 3 3 3 3` -> '3') with miles' math reward; the same prompt file, model, seed and settings for every driver.
+
+Drivers (`DRIVERS`): `python -m miles.train` (synchronous), `python -m miles.train_async` (one-step-off) and
+`python -m miles.train_async --fully-async` (extra flags by `--fully-async-args`). Placements: 1 trainer + 1
+engine and 1 trainer + 2 engines, disaggregated. For each placement and repeat the drivers run A/B/C in turn
+(repeat r uses seed `--seed` + r for all three). Per run, over the steady steps (after `warmup_steps`):
+- samples/s: samples trained in the steady steps / the seconds between the end of the last warm-up step and the
+  end of the last step (step ends are the driver's `rollout N: reward` lines);
+- engine busy fraction, measured on the engine side: the bench reads each embedded engine's port from
+  `<run-dir>/logs/engine_*.log` and polls its `GET /get_load` every `--poll-s` seconds; an engine is busy at a
+  poll when it has a running request; the fraction is over the steady window, averaged over engines (a request
+  frozen by an `in_place` pause counts as running, so that mode reads slightly high);
+- trainer busy fraction: sum of `timing/train` of the steady steps / the steady window;
+- staleness mean and max: from `async/staleness_mean` / `async/staleness_max` in metrics.jsonl (fully async);
+  the other two drivers have none and get their values by construction (synchronous 0, one-step-off 1 after the
+  first step), marked `*`;
+- reward after the same number of samples: `rollout/raw_reward` of the last step (every driver trains
+  `steps` x batch samples), and the mean over the last quarter of the steps (less noisy).
+The report gives medians [min-max] over repeats and the ratio fully async / synchronous of samples/s.
+`--quick` is a smoke check (fewer steps, 1 repeat, shorter tail). Run it alone on a shared machine:
+`flock /tmp/miles-heavy.lock python scripts/bench/async.py ...`; CPU timings are only indicative.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import secrets
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+
+from bench_workloads import WORKLOADS, Workload, build_model, make_rows, write_rows  # noqa: E402
+from benchlib import Spread, run_timed, step_intervals, write_json_atomic  # noqa: E402
+from vs_trl import STEP_LINE, base_env, miles_command  # noqa: E402
+
+# name -> (module, extra flags)
+DRIVERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "sync": ("miles.train", ()),
+    "one_step_off": ("miles.train_async", ()),
+    "fully_async": ("miles.train_async", ("--fully-async",)),
+}
+BENCH_PLACEMENTS = {
+    "1+1": "split1+1",
+    "1+2": "split1+2",
+}  # -> vs_trl.PLACEMENTS (trainers, engines, colocate)
+STALENESS_BY_CONSTRUCTION = {"sync": 0.0, "one_step_off": 1.0}
+ENGINE_LINE = re.compile(r"embedded engine serving .* on ([\w.\-]+):(\d+)\s*$")
+
+LONGTAIL = dataclasses.replace(
+    WORKLOADS["varlen"],
+    name="longtail",
+    description="tiny Qwen3, EOS after a prompt-set length, lognormal(sigma 1) marker counts: long-tailed lengths",
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    intermediate_size=None,
+    max_response_len=256,
+    lr=1e-4,
+    n_prompts=8,
+    n_samples=4,
+    micro_batch_size=32,
+    marker_median=12.0,
+    marker_sigma=1.0,
+    steps=10,
+    warmup_steps=2,
+)
+
+
+def quick_workload(w: Workload) -> Workload:
+    """`--quick`: 4 steps (1 warm-up), the tail capped at 96 tokens."""
+    return dataclasses.replace(w, steps=4, warmup_steps=1, max_response_len=96, marker_median=8.0)
+
+
+# ------------------------------------------------------------------------------------------------ pure parts
+def parse_metrics(text: str) -> list[dict]:
+    """The per-step dicts of a metrics.jsonl text, in step order."""
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return sorted(rows, key=lambda m: m.get("step", 0))
+
+
+def engine_address(log_text: str) -> str | None:
+    """`http://host:port` of the embedded engine whose log this is (None until it logged that it serves)."""
+    for line in log_text.splitlines():
+        m = ENGINE_LINE.search(line)
+        if m:
+            return f"http://{m.group(1)}:{m.group(2)}"
+    return None
+
+
+def steady_window(step_end_s: list[float], warmup: int) -> tuple[float, float]:
+    """(start, end) seconds after launch of the steady steps: end of step `warmup - 1` to end of the last."""
+    if warmup < 1 or len(step_end_s) <= warmup:
+        raise ValueError(f"need more than warmup={warmup} (>= 1) step ends, got {len(step_end_s)}")
+    return step_end_s[warmup - 1], step_end_s[-1]
+
+
+def samples_per_s(step_end_s: list[float], warmup: int, samples_per_step: int) -> float:
+    seconds = sum(step_intervals(step_end_s, warmup))
+    return (len(step_end_s) - warmup) * samples_per_step / seconds
+
+
+def busy_fraction(polls: list[tuple[float, bool]], start: float, end: float) -> float:
+    """Share of the polls (time, busy) inside [start, end] that found the engine busy (NaN if none did poll)."""
+    inside = [busy for t, busy in polls if start <= t <= end]
+    return sum(inside) / len(inside) if inside else float("nan")
+
+
+def trainer_busy(metrics: list[dict], step_end_s: list[float], warmup: int) -> float:
+    """Sum of the steady steps' `timing/train` over the steady window."""
+    start, end = steady_window(step_end_s, warmup)
+    train = sum(float(m.get("timing/train", 0.0)) for m in metrics[warmup : len(step_end_s)])
+    return train / (end - start)
+
+
+def staleness(metrics: list[dict], driver: str, warmup: int) -> tuple[float, float, bool]:
+    """(mean, max, measured) over the steady steps: from `async/staleness_*` when the run logged them, else the
+    driver's value by construction (measured False)."""
+    steady = metrics[warmup:]
+    means = [float(m["async/staleness_mean"]) for m in steady if "async/staleness_mean" in m]
+    if means:
+        return statistics.fmean(means), max(float(m["async/staleness_max"]) for m in steady), True
+    value = STALENESS_BY_CONSTRUCTION.get(driver, float("nan"))
+    return value, value, False
+
+
+def length_stats(lengths: list[int]) -> dict[str, float]:
+    """median, p90, max, and max/median of response lengths."""
+    if not lengths:
+        return {}
+    xs = sorted(lengths)
+    med = statistics.median(xs)
+    p90 = xs[max(0, math.ceil(0.9 * len(xs)) - 1)]  # nearest rank
+    return {"n": len(xs), "median": med, "p90": p90, "max": xs[-1], "max_over_median": xs[-1] / med}
+
+
+# ------------------------------------------------------------------------------------------------ runs
+class EnginePoller:
+    """Polls `GET /get_load` of every engine that has logged its address under `log_dir`, from a thread."""
+
+    def __init__(self, log_dir: Path, interval: float, t0: float, api_key: str) -> None:
+        self.log_dir, self.interval, self.t0 = log_dir, interval, t0
+        self.headers = {"Authorization": f"Bearer {api_key}"}
+        self.polls: dict[str, list[tuple[float, bool]]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-poller", daemon=True)
+
+    def __enter__(self) -> EnginePoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _addresses(self) -> list[str]:
+        out = []
+        for log in sorted(self.log_dir.glob("engine_*.log")):
+            addr = engine_address(log.read_text(errors="replace"))
+            if addr:
+                out.append(addr)
+        return out
+
+    def _run(self) -> None:
+        addrs: list[str] = []
+        while not self._stop.wait(self.interval):
+            if len(addrs) < 2:  # engines come up one by one
+                addrs = self._addresses()
+            for addr in addrs:
+                try:
+                    with urllib.request.urlopen(
+                        urllib.request.Request(f"{addr}/get_load", headers=self.headers), timeout=2
+                    ) as r:
+                        load = json.loads(r.read())
+                except (OSError, ValueError):
+                    continue
+                busy = any(d.get("num_running", 0) > 0 for d in load)
+                self.polls.setdefault(addr, []).append((time.time() - self.t0, busy))
+
+
+@dataclass
+class Run:
+    driver: str
+    placement: str
+    repeat: int
+    seed: int
+    returncode: int
+    step_end_s: list[float] = field(default_factory=list)
+    samples_per_s: float = float("nan")
+    engine_busy: float = float("nan")
+    trainer_busy: float = float("nan")
+    staleness_mean: float = float("nan")
+    staleness_max: float = float("nan")
+    staleness_measured: bool = False
+    reward_last: float = float("nan")
+    reward_tail: float = float("nan")
+    rewards: list[float] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    error: str | None = None
+
+
+def driver_command(w: Workload, driver: str, model: Path, data: Path, run_dir: Path, placement: str, seed: int,
+                   fully_async_args: list[str]) -> list[str]:  # fmt: skip
+    """vs_trl's miles command for `w`, through `driver`'s module, with --dump-details."""
+    module, extra = DRIVERS[driver]
+    cmd = miles_command(w, model, data, run_dir, BENCH_PLACEMENTS[placement], seed)
+    cmd[cmd.index("miles.train")] = module
+    cmd += [*extra, "--dump-details", str(run_dir / "details")]
+    return cmd + (fully_async_args if driver == "fully_async" else [])
+
+
+def run_one(w: Workload, driver: str, placement: str, repeat: int, seed: int, paths: tuple[Path, Path, Path],
+            a: argparse.Namespace) -> Run:  # fmt: skip
+    model, data, run_dir = paths
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = driver_command(w, driver, model, data, run_dir, placement, seed, a.fully_async_args.split())
+    key = secrets.token_hex(16)  # this run's engine key (MILES_ENGINE_API_KEY), so the poller may ask them
+    t0 = time.time()
+    with EnginePoller(run_dir / "logs", a.poll_s, t0, key) as poller:
+        env = {**base_env(), "MILES_ENGINE_API_KEY": key}
+        proc = run_timed(cmd, env, REPO, timeout_s=a.timeout_s, log_path=run_dir / "output.log")
+    rec = Run(driver, placement, repeat, seed, proc.returncode)
+    rec.step_end_s = [t - proc.launched_at for t, line in proc.lines if STEP_LINE.match(line)]
+    if proc.returncode != 0 or len(rec.step_end_s) != w.steps:
+        rec.error = f"exit {proc.returncode}, {len(rec.step_end_s)}/{w.steps} steps:\n{proc.tail(25)}"
+        return rec
+    path = run_dir / "metrics.jsonl"
+    metrics = parse_metrics(path.read_text()) if path.is_file() else []
+    shift = t0 - proc.launched_at  # poll times are after t0, step ends after launch
+    start, end = steady_window(rec.step_end_s, w.warmup_steps)
+    fracs = [busy_fraction([(t + shift, b) for t, b in p], start, end) for p in poller.polls.values()]
+    rec.samples_per_s = samples_per_s(rec.step_end_s, w.warmup_steps, w.samples_per_step)
+    rec.engine_busy = statistics.fmean(fracs) if fracs else float("nan")
+    rec.trainer_busy = trainer_busy(metrics, rec.step_end_s, w.warmup_steps)
+    rec.staleness_mean, rec.staleness_max, rec.staleness_measured = staleness(metrics, driver, w.warmup_steps)
+    rec.rewards = [float(m.get("rollout/raw_reward", "nan")) for m in metrics]
+    tail = rec.rewards[-max(1, w.steps // 4) :]
+    rec.reward_last, rec.reward_tail = rec.rewards[-1], statistics.fmean(tail)
+    for f in sorted((run_dir / "details").glob("rollout_*.jsonl")):
+        rec.lengths += [json.loads(line)["response_length"] for line in f.read_text().splitlines() if line]
+    return rec
+
+
+# ------------------------------------------------------------------------------------------------ report
+COLUMNS = (("samples/s", "samples_per_s", 3), ("engine busy", "engine_busy", 2), ("trainer busy", "trainer_busy", 2),
+           ("stale mean", "staleness_mean", 2), ("stale max", "staleness_max", 2),
+           ("reward@last", "reward_last", 2), ("reward last 1/4", "reward_tail", 2))  # fmt: skip
+
+
+def format_report(w: Workload, runs: list[Run], placements: list[str]) -> tuple[str, dict]:
+    lines = [f"== {w.name}: {w.description}",
+             f"   {w.steps} steps (steady: last {w.steps - w.warmup_steps}), {w.samples_per_step} samples/step, "
+             f"max response {w.max_response_len}; medians [min-max] over repeats; * = by construction"]  # fmt: skip
+    lens = length_stats([n for r in runs if r.driver == "sync" for n in r.lengths])
+    if lens:
+        lines.append("   response lengths (sync runs): " + ", ".join(f"{k} {v:.3g}" for k, v in lens.items()))
+    out: dict = {"lengths": lens}
+    for p in placements:
+        lines.append(f"-- placement {p} (trainers+engines, disaggregated)")
+        lines.append(f"   {'driver':14}" + "".join(f"{c:>22}" for c, _, _ in COLUMNS) + "  runs")
+        table: dict = {}
+        for d in DRIVERS:
+            rs = [r for r in runs if r.placement == p and r.driver == d]
+            if not rs:
+                continue
+            ok = [r for r in rs if r.error is None]
+            cols = {key: Spread.of([getattr(r, key) for r in ok]) for _, key, _ in COLUMNS}
+            star = "" if any(r.staleness_measured for r in ok) else "*"
+            cells = [cols[k].fmt(dig) + (star if k.startswith("staleness") else "") for _, k, dig in COLUMNS]
+            lines.append(f"   {d:14}" + "".join(f"{c:>22}" for c in cells) + f"  {len(ok)}/{len(rs)}")
+            table[d] = {k: dataclasses.asdict(v) for k, v in cols.items()}
+        nan = {"samples_per_s": {"median": float("nan")}}
+        sync = table.get("sync", nan)["samples_per_s"]["median"]
+        fa = table.get("fully_async", nan)["samples_per_s"]["median"]
+        ratio = fa / sync if sync == sync and fa == fa and sync > 0 else float("nan")
+        lines.append(f"   fully async / sync samples/s: {ratio:.2f}x (target >= 1.5x)")
+        out[p] = {"drivers": table, "ratio_fully_async_over_sync": ratio}
+    return "\n".join(lines), out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--placements", default="1+1,1+2", help="comma-separated, of " + ",".join(BENCH_PLACEMENTS)
+    )
+    p.add_argument("--drivers", default=",".join(DRIVERS), help="comma-separated, of " + ",".join(DRIVERS))
+    p.add_argument("--repeats", type=int, default=2, help="A/B/C rounds per placement")
+    p.add_argument("--steps", type=int, default=None, help="override the workload's step count")
+    p.add_argument("--seed", type=int, default=1, help="seed of repeat 0; repeat r uses seed + r")
+    p.add_argument(
+        "--fully-async-args", default="", help="extra flags for the fully async driver (one string)"
+    )
+    p.add_argument("--poll-s", type=float, default=0.05, help="engine /get_load polling interval")
+    p.add_argument("--timeout-s", type=float, default=1800, help="per-run timeout")
+    p.add_argument("--quick", action="store_true", help="4 steps, 1 repeat, shorter tail: a smoke check")
+    p.add_argument("--work-dir", default=None, help="default: runs/bench-async-<utc>")
+    a = p.parse_args(argv)
+    a.placement_names = [x.strip() for x in a.placements.split(",") if x.strip()]
+    a.driver_names = [x.strip() for x in a.drivers.split(",") if x.strip()]
+    if not a.placement_names or any(x not in BENCH_PLACEMENTS for x in a.placement_names):
+        p.error(f"--placements {a.placements!r}: a comma-separated subset of {sorted(BENCH_PLACEMENTS)}")
+    if not a.driver_names or any(x not in DRIVERS for x in a.driver_names):
+        p.error(f"--drivers {a.drivers!r}: a comma-separated subset of {list(DRIVERS)}")
+    if a.repeats < 1:
+        p.error(f"--repeats {a.repeats}: must be >= 1")
+    if a.steps is not None and a.steps < 2:
+        p.error(f"--steps {a.steps}: must be >= 2 (the first step is warm-up)")
+    if a.quick:
+        a.repeats = 1
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    w = quick_workload(LONGTAIL) if a.quick else LONGTAIL
+    if a.steps is not None:
+        w = dataclasses.replace(w, steps=a.steps, warmup_steps=min(w.warmup_steps, a.steps - 1))
+    work = Path(a.work_dir or REPO / "runs" / time.strftime("bench-async-%Y%m%d-%H%M%S", time.gmtime()))
+    model = build_model(w, work / "model")
+    data = write_rows(make_rows(w, 4000, seed=0), work / "prompts.jsonl")
+    print(f"[async] work dir {work}", flush=True)
+    runs: list[Run] = []
+    for placement in a.placement_names:
+        for rep in range(a.repeats):
+            for driver in a.driver_names:  # A/B/C
+                seed = a.seed + rep
+                run_dir = work / placement / f"{driver}-{rep}"
+                r = run_one(w, driver, placement, rep, seed, (model, data, run_dir), a)
+                runs.append(r)
+                print(f"[async] {placement} {driver} #{rep} (seed {seed}): " + (
+                    f"{r.samples_per_s:.2f} samples/s, engine busy {r.engine_busy:.2f}, trainer busy "
+                    f"{r.trainer_busy:.2f}, staleness {r.staleness_mean:.2f}/{r.staleness_max:.0f}, reward "
+                    f"{r.reward_last:.3f}" if r.error is None else f"FAILED: {r.error}"), flush=True)  # fmt: skip
+    text, summary = format_report(w, runs, a.placement_names)
+    print(text, flush=True)
+    out = work / "report.json"
+    write_json_atomic({"quick": a.quick, "workload": dataclasses.asdict(w), "summary": summary,
+                       "runs": [dataclasses.asdict(r) for r in runs]}, out)  # fmt: skip
+    print(f"[async] report: {out}", flush=True)
+    return 0 if all(r.error is None for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

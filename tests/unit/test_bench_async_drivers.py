@@ -1,0 +1,81 @@
+"""The pure parts of scripts/bench/async.py (issue 25): metrics parsing, the engine address in its log, the
+steady window, busy fractions, staleness, length statistics, the driver commands. The bench is not run here."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
+sys.path.insert(0, str(BENCH))
+
+bench = importlib.import_module("async")  # a keyword: no `import async`
+
+
+def test_parse_metrics_sorts_by_step() -> None:
+    text = (
+        json.dumps({"step": 1, "timing/train": 2.0}) + "\n\n" + json.dumps({"step": 0, "timing/train": 1.0})
+    )
+    assert [m["step"] for m in bench.parse_metrics(text)] == [0, 1]
+
+
+def test_engine_address_from_log() -> None:
+    log = (
+        "Loading weights\n[..] __main__ INFO: embedded engine serving /tmp/m on 127.0.0.1:53387\nWARNING: x\n"
+    )
+    assert bench.engine_address(log) == "http://127.0.0.1:53387"
+    assert bench.engine_address("Loading weights\n") is None
+
+
+def test_window_rates_and_fractions() -> None:
+    ends = [10.0, 14.0, 16.0, 18.0]  # steady steps 1..3 with warmup 1: 10 s -> 18 s
+    assert bench.steady_window(ends, 1) == (10.0, 18.0)
+    assert bench.samples_per_s(ends, 1, 32) == pytest.approx(3 * 32 / 8.0)
+    with pytest.raises(ValueError):
+        bench.steady_window(ends[:1], 1)
+    polls = [(5.0, True), (11.0, True), (12.0, False), (13.0, False), (17.0, True), (19.0, True)]
+    assert bench.busy_fraction(polls, 10.0, 18.0) == pytest.approx(0.5)
+    assert math.isnan(bench.busy_fraction(polls, 100.0, 200.0))
+    metrics = [{"timing/train": 9.0}, {"timing/train": 2.0}, {"timing/train": 1.0}, {"timing/train": 1.0}]
+    assert bench.trainer_busy(metrics, ends, 1) == pytest.approx(4.0 / 8.0)
+
+
+def test_staleness_measured_or_by_construction() -> None:
+    logged = [
+        {"async/staleness_mean": 0.0, "async/staleness_max": 0.0},
+        {"async/staleness_mean": 1.0, "async/staleness_max": 2.0},
+        {"async/staleness_mean": 0.5, "async/staleness_max": 1.0},
+    ]
+    assert bench.staleness(logged, "fully_async", 1) == (0.75, 2.0, True)
+    assert bench.staleness([{}, {}], "one_step_off", 1) == (1.0, 1.0, False)
+    assert bench.staleness([{}, {}], "sync", 1) == (0.0, 0.0, False)
+
+
+def test_length_stats() -> None:
+    s = bench.length_stats([10, 12, 8, 11, 9, 10, 100, 10, 10, 13])
+    assert (s["median"], s["max"], s["max_over_median"]) == (10, 100, 10.0)
+    assert s["p90"] == 13 and bench.length_stats([]) == {}
+
+
+def test_driver_commands(tmp_path: Path) -> None:
+    w, p = bench.LONGTAIL, tmp_path
+    sync = bench.driver_command(w, "sync", p / "m", p / "d", p / "r", "1+2", 3, ["--x"])
+    fa = bench.driver_command(
+        w, "fully_async", p / "m", p / "d", p / "r", "1+2", 3, ["--max-weight-staleness", "2"]
+    )
+    assert sync[2] == "miles.train" and "--fully-async" not in sync and "--x" not in sync
+    assert (
+        fa[2] == "miles.train_async" and "--fully-async" in fa and fa[-2:] == ["--max-weight-staleness", "2"]
+    )
+    assert fa[fa.index("--rollout-num-gpus") + 1] == "2" and "--colocate" not in fa
+
+
+@pytest.mark.parametrize("argv", [["--placements", "2+2"], ["--drivers", "sync,nope"], ["--repeats", "0"]])
+def test_bad_arguments(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
