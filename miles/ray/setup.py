@@ -24,7 +24,7 @@ from miles.ray.system import (
     TrainSystem,
 )
 from miles.ray.train_group import RayTrainGroup
-from miles.ray.utils import init_ray, ray_get
+from miles.ray.utils import cpu_trainer_threads, init_ray, ray_get
 from miles.utils.engine_control_http import EngineMemoryControl
 from miles.utils.progress import ProgressBar, progress_bar, progress_enabled, progress_env
 from miles.utils.tracking import Tracker
@@ -277,6 +277,14 @@ def _start_rollout_side(
     return fleet, rollout
 
 
+def _cpu_threads_env(cfg: Config, placement: Placement, num_actor: int) -> dict[str, str]:
+    """On CPU, OMP_NUM_THREADS for the training ranks (`cpu_trainer_threads`; --train-env-vars may set it)."""
+    if placement.use_gpu:
+        return {}
+    concurrent = 0 if cfg.cluster.colocate else len(placement.engine_bundles)
+    return {"OMP_NUM_THREADS": str(cpu_trainer_threads(num_actor, concurrent))}
+
+
 def _start_trainers(
     cfg: Config, placement: Placement, num_actor: int, has_critic: bool, tracker: Tracker
 ) -> tuple[RayTrainGroup, RayTrainGroup | None, int]:
@@ -285,6 +293,7 @@ def _start_trainers(
     env_vars = {
         "HF_HUB_OFFLINE": "1",
         **progress_env(progress_enabled()),
+        **_cpu_threads_env(cfg, placement, num_actor),
         **dict(cfg.cluster.train_env_vars),
     }
     train_group = RayTrainGroup(cfg, placement, num_actor, env_vars)
