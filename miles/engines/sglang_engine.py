@@ -43,8 +43,11 @@ __all__ = ["EngineHTTPError", "EngineProcess", "EngineStartupError"]
 EngineHTTPError = EngineStatusError
 
 
-def resolve_engine_kind(requested: str) -> str:
-    """'auto' -> 'sglang' when sglang imports and CUDA is available, else 'local'. Validates explicit kinds."""
+def resolve_engine_kind(requested: str, gpu: bool | None = None) -> str:
+    """'auto' -> 'sglang' when sglang imports and there are GPUs, else 'local'. Validates explicit kinds.
+
+    `gpu`: whether the engines get GPUs (the placement knows: the engine fleet passes it, so that its process
+    never imports torch); None asks `torch.cuda.is_available()` in this process."""
     if requested not in ENGINE_KINDS:
         raise ValueError(f"engine kind {requested!r} not supported; allowed: {list(ENGINE_KINDS)}")
     has_sglang = importlib.util.find_spec("sglang") is not None
@@ -57,15 +60,12 @@ def resolve_engine_kind(requested: str) -> str:
         return "sglang"
     if requested == "local":
         return "local"
-    import torch
+    if gpu is None:
+        import torch
 
-    kind = "sglang" if has_sglang and torch.cuda.is_available() else "local"
-    logger.info(
-        "engine kind auto -> %s (sglang installed: %s, cuda available: %s)",
-        kind,
-        has_sglang,
-        torch.cuda.is_available(),
-    )
+        gpu = torch.cuda.is_available()
+    kind = "sglang" if has_sglang and gpu else "local"
+    logger.info("engine kind auto -> %s (sglang installed: %s, GPUs: %s)", kind, has_sglang, gpu)
     return kind
 
 

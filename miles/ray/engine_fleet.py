@@ -3,7 +3,7 @@
 `EngineFleet` is a plain class (the driver wraps it with `ray.remote`): it launches one engine Ray actor per
 engine on the placement group (or, with `--rollout-external-engine-addrs`, one `ExternalEngine` actor per running
 engine, which it neither starts nor stops), puts sglang-router in front of them (or registers them with the
-running one of `--sglang-router-ip/--sglang-router-port`). Memory release/resume is posted by the driver itself
+running one of `--sglang-router-ip/--sglang-router-port`) when the run needs a router (`router_needed`). Memory release/resume is posted by the driver itself
 (`miles.utils.engine_control_http.EngineMemoryControl`), not through this actor.
 Generation does not go through it either: the rollout runner's generate client sends requests to the engines
 directly, reading the router's worker list to learn which engines are admitted, or through the router (see
@@ -27,8 +27,22 @@ from miles.utils.engine_control_http import health_problem, launch_keys
 
 if TYPE_CHECKING:
     from miles.config import Config
+    from miles.engines.router import Router
 
 logger = logging.getLogger(__name__)
+
+
+def router_needed(config: Config) -> bool:
+    """Whether the run needs sglang-router: generation goes through it (`--router-policy`, a running router), the
+    health monitor keeps its worker list (`--use-fault-tolerance`), or router options were given. Otherwise the
+    generate client routes by itself and no router process is started (one process and ~60 MB less)."""
+    r = config.router
+    return (
+        r.router_policy is not None
+        or r.sglang_router_ip is not None
+        or bool(r.router_args)
+        or bool(config.cluster.use_fault_tolerance)
+    )
 
 
 class EngineFleet:
@@ -88,6 +102,12 @@ class EngineFleet:
         from miles.engines.router_args import router_command_args
 
         r = self.config.router
+        self.router: Router | None = None
+        if not router_needed(self.config):  # generation goes straight to the engines: no router process
+            # a router URL that is an engine's: the client reads no worker list (every engine is admitted)
+            self.router_url = self.engine_urls[0]
+            logger.info("engines %s, no router (generation goes straight to them)", self.engine_urls)
+            return
         if r.sglang_router_ip is not None:
             assert r.sglang_router_port is not None  # validated together
             self.router = Router.running_at(
@@ -120,7 +140,7 @@ class EngineFleet:
         )
 
         cfg = self.config
-        kind = resolve_engine_kind(cfg.rollout.rollout_engine)
+        kind = resolve_engine_kind(cfg.rollout.rollout_engine, gpu=placement.use_gpu)  # not torch's answer
         per_engine = int(cfg.cluster.rollout_num_gpus_per_engine)
         num_engines = max(1, num_rollout_workers // per_engine)
         actor_cls = make_engine_actor_class()
@@ -176,6 +196,7 @@ class EngineFleet:
         return health_problem(url, "/health_generate", timeout)
 
     def _take_out(self, url: str) -> None:
+        assert self.router is not None  # fault tolerance always has one (`router_needed`)
         if url in self.router.list_workers():
             self.router.remove_worker(url)
 
@@ -200,7 +221,8 @@ class EngineFleet:
     def readmit(self, urls: list[str]) -> None:
         """Put refit engines back behind the router."""
         for url in urls:
-            self.router.add_worker(url)
+            if self.router is not None:
+                self.router.add_worker(url)
             if self.monitor is not None:
                 self.monitor.done(url)
 
@@ -211,12 +233,14 @@ class EngineFleet:
     def shutdown(self) -> None:
         if self.monitor is not None:
             self.monitor.close()
-        self.router.shutdown()
+        if self.router is not None:
+            self.router.shutdown()
         ray_get([e.shutdown.remote() for e in self.engines], 60, "stopping engines")
 
     def kill(self) -> None:
         """Fast teardown (Ctrl-C): SIGKILL every engine and the router."""
         if self.monitor is not None:
             self.monitor.close()
-        self.router.shutdown(timeout=2)
+        if self.router is not None:
+            self.router.shutdown(timeout=2)
         ray_get([e.kill.remote() for e in self.engines], 10, "killing engines")

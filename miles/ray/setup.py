@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import secrets
+import time
 from typing import TYPE_CHECKING
 
 import ray
@@ -24,7 +26,7 @@ from miles.ray.system import (
     TrainSystem,
 )
 from miles.ray.train_group import RayTrainGroup
-from miles.ray.utils import init_ray, ray_get
+from miles.ray.utils import cpu_trainer_threads, init_ray, ray_get
 from miles.utils.engine_control_http import EngineMemoryControl
 from miles.utils.progress import ProgressBar, progress_bar, progress_enabled, progress_env
 from miles.utils.tracking import Tracker
@@ -145,11 +147,14 @@ def build_system(cfg: Config) -> System:
 
 
 def _build_train(cfg: Config) -> TrainSystem:
+    phases = StartupPhases()
     num_actor, num_rollout = worker_counts(cfg)
     has_critic = cfg.algo.advantage_estimator == "ppo"
     owns_ray, use_gpu = _start_ray(cfg, num_actor, num_rollout)
+    phases.done("ray")
     placement = _place(cfg, num_actor, num_rollout, use_gpu, has_critic)
     tracker = _tracker(cfg)
+    phases.done("placement")
     timeout = float(cfg.train.train_timeout)
     fleet, rollout = _start_rollout_side(cfg, placement, num_rollout)
     engines: tuple[str, list[str]] | None = None  # (router URL, engine URLs) once the engines answer
@@ -163,12 +168,15 @@ def _build_train(cfg: Config) -> TrainSystem:
             engines[1], cfg.engine.engine_api_key, float(cfg.rollout.rollout_request_timeout)
         ).release_memory(list(MEMORY_TAGS))
         released = list(MEMORY_TAGS)
+        phases.done("engines")
         logger.info(
             "colocated: %d engine(s) started and released their memory; the trainers load now",
             len(engines[1]),
         )
     train_group, critic_group, start = _start_trainers(cfg, placement, num_actor, has_critic, tracker)
+    phases.done("trainers")
     side = _connect(cfg, fleet, rollout, engines, train_group, start)
+    phases.done("engines and rollout manager" if engines is None else "rollout manager")
     choreography = MemoryChoreography(
         cfg.cluster.colocate,
         train_group,
@@ -183,6 +191,8 @@ def _build_train(cfg: Config) -> TrainSystem:
     )
     # engines start from the trainer's (possibly resumed) weights; fresh engines released nothing to resume
     choreography.refit(weight_version=str(start))
+    phases.done("first refit")
+    logger.info("start-up: %s", phases)
     return TrainSystem(
         cfg=cfg,
         tracker=tracker,
@@ -195,6 +205,36 @@ def _build_train(cfg: Config) -> TrainSystem:
         engines=side,
         choreography=choreography,
     )
+
+
+class StartupPhases:
+    """Wall time of the start-up phases, logged as one line: `ray 1.2s, placement 0.1s, ... (total 9.8s)`.
+    A phase lasts from the previous one's end; the first from the driver process's start (imports, config)."""
+
+    def __init__(self) -> None:
+        self.phases: list[tuple[str, float]] = [("driver", _process_age())]
+        self.last = time.monotonic()
+
+    def done(self, name: str) -> None:
+        now = time.monotonic()
+        self.phases.append((name, now - self.last))
+        self.last = now
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{name} {secs:.1f}s" for name, secs in self.phases)
+        return f"{parts} (total {sum(secs for _, secs in self.phases):.1f}s)"
+
+
+def _process_age() -> float:
+    """Seconds since this process started (its imports and config parsing): 0.0 where /proc does not tell."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _build_rollout_only(cfg: Config) -> RolloutOnlySystem:
@@ -277,6 +317,14 @@ def _start_rollout_side(
     return fleet, rollout
 
 
+def _cpu_threads_env(cfg: Config, placement: Placement, num_actor: int) -> dict[str, str]:
+    """On CPU, OMP_NUM_THREADS for the training ranks (`cpu_trainer_threads`; --train-env-vars may set it)."""
+    if placement.use_gpu:
+        return {}
+    concurrent = 0 if cfg.cluster.colocate else len(placement.engine_bundles)
+    return {"OMP_NUM_THREADS": str(cpu_trainer_threads(num_actor, concurrent))}
+
+
 def _start_trainers(
     cfg: Config, placement: Placement, num_actor: int, has_critic: bool, tracker: Tracker
 ) -> tuple[RayTrainGroup, RayTrainGroup | None, int]:
@@ -285,6 +333,7 @@ def _start_trainers(
     env_vars = {
         "HF_HUB_OFFLINE": "1",
         **progress_env(progress_enabled()),
+        **_cpu_threads_env(cfg, placement, num_actor),
         **dict(cfg.cluster.train_env_vars),
     }
     train_group = RayTrainGroup(cfg, placement, num_actor, env_vars)

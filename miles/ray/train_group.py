@@ -7,6 +7,7 @@ The actor is thin: it exports the process-group environment and delegates to the
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
@@ -39,6 +40,8 @@ class TrainWorker:
 
     def __init__(self, config: Config, rank: int, world_size: int, env_vars: dict[str, str]) -> None:
         os.environ.update(env_vars)
+        if "OMP_NUM_THREADS" in env_vars and "torch" in sys.modules:  # else torch reads it when imported
+            sys.modules["torch"].set_num_threads(int(env_vars["OMP_NUM_THREADS"]))
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self.config = config  # validated once by the driver; Ray pickles it (secrets included)
         self.rank = rank

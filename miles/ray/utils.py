@@ -76,6 +76,15 @@ def init_ray(min_cpus: int, env_vars: dict[str, str] | None = None) -> bool:
 LOOPBACK = "127.0.0.1"
 
 
+def cpu_trainer_threads(num_trainers: int, concurrent_engines: int) -> int:
+    """Intra-op threads per CPU training rank: the cores this process may use, less one per engine that runs at
+    the same time (disaggregated; CPU engines run one thread each), shared by the ranks; at least 1. Ray's own
+    default (OMP_NUM_THREADS = the actor's CPU share, at least 1) leaves cores idle when there are fewer ranks than
+    cores, e.g. one rank on 2 cores; with as many ranks as cores the two agree."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, (cores - concurrent_engines) // max(1, num_trainers))
+
+
 @contextlib.contextmanager
 def _loopback_node() -> Iterator[None]:
     """Make `ray.init` keep 127.0.0.1 as the node address of a local instance (Ray's servers then listen on

@@ -40,6 +40,10 @@ def test_resolve_engine_kind(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_engine_kind("auto") == "local"
     assert resolve_engine_kind("sglang") == "sglang"
+    # the placement's answer wins over torch's (the engine fleet's process never imports torch)
+    assert resolve_engine_kind("auto", gpu=True) == "sglang"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_engine_kind("auto", gpu=False) == "local"
 
 
 def test_command_lines():

@@ -4,6 +4,8 @@ what they released; disaggregated, the trainers load while the engines start, an
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from miles.config import parse_config
@@ -98,7 +100,9 @@ def _install(monkeypatch: pytest.MonkeyPatch, log: Log, gpu: bool) -> None:
     monkeypatch.setattr(setup, "ray_get", ray_get)
     monkeypatch.setattr(setup, "init_ray", lambda min_cpus: True)
     monkeypatch.setattr(setup, "cluster_has_gpus", lambda: gpu)
-    monkeypatch.setattr(setup, "create_placement", lambda *a, **k: object())
+    monkeypatch.setattr(  # what the set-up reads of a placement: one engine bundle per rollout worker
+        setup, "create_placement", lambda *a, **k: SimpleNamespace(use_gpu=gpu, engine_bundles=[1, 2])
+    )
     monkeypatch.setattr(setup, "check_engine_host_reachable", lambda host, placement: None)  # needs real Ray
     monkeypatch.setattr(setup, "RayTrainGroup", Group)
     monkeypatch.setattr(setup, "EngineMemoryControl", Engines)

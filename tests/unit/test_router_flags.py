@@ -253,3 +253,16 @@ def test_refit_path_of_external_engines():
     assert refit_path_problems([there], use_gpu=True, actor_world_size=1, per_engine=1) == []
     (problem,) = refit_path_problems([here, here + "1"], use_gpu=False, actor_world_size=1, per_engine=1)
     assert "2 external engine(s)" in problem and "the trainer has 1" in problem
+
+
+def test_router_process_only_when_the_run_needs_one():
+    from miles.ray.engine_fleet import router_needed
+
+    assert not router_needed(parse_config(BASE))  # the client routes by itself: no router process
+    for extra in (
+        ["--router-policy", "cache_aware"],
+        ["--sglang-router-ip", "10.0.0.1", "--sglang-router-port", "3000"],
+        ["--use-fault-tolerance"],  # the health monitor keeps the admitted engines in the router's list
+        ["--router-log-level", "info"],  # a router option asks for a router
+    ):
+        assert router_needed(parse_config(BASE + extra)), extra
