@@ -288,3 +288,31 @@ def test_sse_stream_ends_with_done() -> None:
     assert events[-1] == "data: [DONE]"
     last = json.loads(events[-2][len("data: ") :])
     assert last["choices"][0]["finish_reason"] == "stop" and last["object"] == "chat.completion.chunk"
+
+
+async def _agent_no_reward(base_url: str, sample: Sample, ctx) -> None:  # noqa: ANN001
+    await _agent_ok(base_url, sample, ctx)
+    return None
+
+
+@pytest.mark.parametrize("has_reward_fn", [True, False])
+def test_an_agent_returning_none_needs_a_reward_function(has_reward_fn: bool) -> None:
+    script = Script()
+    prompt = script.tok.encode("hi", add_special_tokens=False)
+
+    async def main() -> Sample:
+        engine = FakeEngine(script)
+        async with GenerateClient(
+            engine.url, [engine.url], None, 30.0, 8, transport=engine.transport
+        ) as client:
+            agent = AgentSettings(_agent_no_reward, "m:none", timeout=5.0, has_reward_fn=has_reward_fn)
+            ctx = GenerateContext(script.tok, "rollout0", agent=agent)
+            return await generate_with_agent(client, Sample(index=3, tokens=list(prompt)), SAMPLING, ctx)
+
+    sample = asyncio.run(main())
+    if has_reward_fn:  # the reward function scores it later
+        assert sample.status == SampleStatus.COMPLETED and sample.reward is None
+    else:  # that sample fails, naming the flags; the tokens stay
+        assert sample.status == SampleStatus.FAILED and sample.reward == 0.0 and sample.response == "Hello 0"
+        error = sample.metadata["agent_error"]
+        assert "--agent-function-path" in error and "--custom-rm-path" in error and "index 3" in error
