@@ -21,21 +21,20 @@ import pytest
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-NUM_ROLLOUT = 12
+NUM_ROLLOUT = 30
 
 
 def test_openai_sdk_agent_learns_through_the_session_server(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
     art, run = tmp_path / "art", tmp_path / "run"
     subprocess.run(
-        [sys.executable, "-m", "examples.calculator.build", "--out", str(art)], cwd=REPO, env=env, check=True
+        [sys.executable, "-m", "examples.openai_agent.build", "--out", str(art)], cwd=REPO, env=env, check=True
     )
     cmd = [
         sys.executable, "-m", "miles.train",
         "--hf-checkpoint", str(art / "model"), "--prompt-data", str(art / "train.jsonl"),
         "--input-key", "prompt", "--label-key", "label", "--apply-chat-template", "--rollout-shuffle",
         "--use-session-server", "--agent-function-path", "examples.openai_agent.agent:run",
-        "--custom-rm-path", "examples.calculator.tool:calculator_reward",  # unused: the agent returns rewards
         "--num-rollout", str(NUM_ROLLOUT), "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
         "--rollout-max-response-len", "20", "--rollout-temperature", "1.0",
         "--global-batch-size", "128", "--micro-batch-size", "32",

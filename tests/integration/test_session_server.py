@@ -316,3 +316,31 @@ def test_an_agent_returning_none_needs_a_reward_function(has_reward_fn: bool) ->
         assert sample.status == SampleStatus.FAILED and sample.reward == 0.0 and sample.response == "Hello 0"
         error = sample.metadata["agent_error"]
         assert "--agent-function-path" in error and "--custom-rm-path" in error and "index 3" in error
+
+
+def test_the_compacting_agent_example_yields_a_tree_with_one_sample_per_leaf() -> None:
+    from examples.openai_agent.compacting import run
+    from miles.rollout.session.picking import build_samples
+
+    script = Script()
+    tok = script.tok
+    prompt = [{"role": "user", "content": "What is 12 + 30?"}]
+
+    async def main(server: SessionServer):  # noqa: ANN202
+        rec = server.open("compact")
+        sample = Sample(index=0, prompt=prompt, label="42")
+        actx = type("Ctx", (), {"api_key": server.api_key})()
+        got = await run(server.base_url("compact"), sample, actx)
+        server.close("compact")
+        return got, rec, build_samples(rec, sample)
+
+    reward, rec, samples = asyncio.run(_serving(script, main))
+    # the call (tools offered), then the compacted question (no tools): two lineages, two leaves
+    assert reward == 0.7 and len(script.sampled) == 2  # the fake answers "Hello 0": called + a number
+    assert len(rec.leaves()) == 2 and rec.lineages == 2
+    assert len(samples) == 2  # most recent leaf first: the answer after the compaction, then the call
+    for sample, sampled, inputs in zip(samples, script.sampled[::-1], script.inputs[::-1]):
+        # each leaf: the prompt it was sampled from, then the sampled tokens, all of them trained once
+        assert sample.tokens == inputs + sampled and sample.response_length == len(sampled)
+        assert sample.loss_mask == [1] * len(sampled) and sample.check_consistent() is None
+    assert "calc says 42" in tok.decode(samples[0].tokens) and "<tool_call>" in tok.decode(samples[1].tokens)
