@@ -64,10 +64,13 @@ def unbuilt_flags(cfg: Config) -> list[str]:
     ]
 
 
-def reward_problems(rm_type: str | None, custom_rm_path: str | None, rm_url: str | None = None) -> list[str]:
-    """A reward must be configured (`--rm-url` alone means the remote type), and a `--rm-type` must be
-    registered (a `boxed_` prefix is allowed)."""
-    if not rm_type and not custom_rm_path and not rm_url:
+def reward_problems(
+    rm_type: str | None, custom_rm_path: str | None, rm_url: str | None = None, agent: str | None = None
+) -> list[str]:
+    """A reward must be configured (`--rm-url` alone means the remote type) unless an agent
+    (`--agent-function-path`) returns rewards, and a `--rm-type` must be registered (a `boxed_` prefix is
+    allowed)."""
+    if not rm_type and not custom_rm_path and not rm_url and not agent:
         return [
             "no reward function: set --rm-type (a built-in type), --custom-rm-path (module:function) or --rm-url"
         ]
@@ -211,7 +214,12 @@ def run_preflight(cfg: Config) -> None:
     d, m, c = cfg.data, cfg.model, cfg.checkpoint
     checks: list[Callable[[], list[str]]] = [
         lambda: unbuilt_flags(cfg),
-        lambda: reward_problems(cfg.rollout.rm_type, cfg.rollout.custom_rm_path, cfg.rollout.rm_url),
+        lambda: reward_problems(
+            cfg.rollout.rm_type,
+            cfg.rollout.custom_rm_path,
+            cfg.rollout.rm_url,
+            cfg.rollout.agent_function_path if cfg.rollout.use_session_server else None,
+        ),
         lambda: function_path_problems(
             {
                 f"--{name.replace('_', '-')}": getattr(getattr(cfg, sec), name)

@@ -85,6 +85,7 @@ class AgentSettings:
     timeout: float  # --agent-timeout: seconds one episode may take
     pick: Callable[..., list] | None = None  # --session-sample-picker-path; None: picking.pick_leaves
     postprocess: Callable[..., list] | None = None  # --session-sample-postprocessor-path; None: exactly once
+    has_reward_fn: bool = True  # --rm-type, --custom-rm-path or --rm-url set: an agent may return None
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,11 @@ class EngineUnavailable(EngineError):
 
 ENGINE_LIST_TTL_S = 1.0  # how old the router's worker list may get while requests are sent
 PROBE_TIMEOUT_S = 2.0  # one /health probe of a set-aside engine, or one read of the router's worker list
+# How long an idle pooled connection to an engine may be reused. It must stay well below the engines' own
+# keep-alive timeout (uvicorn's default 5 s: SGLang's SGLANG_TIMEOUT_KEEP_ALIVE and the embedded engine): with
+# httpx's default (also 5 s) a connection idle for ~5 s is reused just as the engine closes it, and the request
+# dies with ReadError (a busy engine or rollout loop widens that window; a rollout of ~5 s hit it ~10 times).
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -195,7 +200,9 @@ class GenerateClient:
 
     async def __aenter__(self) -> GenerateClient:
         limits = httpx.Limits(
-            max_connections=self.concurrency + 8, max_keepalive_connections=self.concurrency
+            max_connections=self.concurrency + 8,
+            max_keepalive_connections=self.concurrency,
+            keepalive_expiry=KEEPALIVE_EXPIRY_S,
         )
         self._http = httpx.AsyncClient(
             limits=limits, timeout=self.timeout, headers=self._headers, transport=self._transport

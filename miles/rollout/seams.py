@@ -103,7 +103,8 @@ def load_agent(rollout_cfg: RolloutConfig) -> AgentSettings | None:
             r.session_sample_postprocessor_path, "--session-sample-postprocessor-path",
             "def post(samples, leaves) -> list[Sample]", 2, False,
         )  # fmt: skip
-    return AgentSettings(run, r.agent_function_path, r.agent_timeout, pick, post)
+    has_reward_fn = bool(r.rm_type or r.custom_rm_path or r.rm_url)
+    return AgentSettings(run, r.agent_function_path, r.agent_timeout, pick, post, has_reward_fn)
 
 
 def load_seams(rollout_cfg: RolloutConfig, eval_cfg: EvalConfig) -> Seams:

@@ -1,12 +1,11 @@
 """The calculator agent of examples/openai_agent (the official `openai` SDK, unmodified) trained on the tiny
-calculator model through `--use-session-server`: every rollout completes with the agent's rewards, and the
+calculator model through `--use-session-server`: the model's Qwen3-style template offers the tool, the agent
+returns shaped rewards (no reward function configured), every rollout completes, the reward rises and the
 trainer's log-probs equal the engine's on every trained token.
 
-Not asserted: a reward rise. Measured (2 shared CPU cores, 20 rollouts of 16 x 8, seed 1, 2 min): raw reward
-0.047-0.18 with no trend (first five 0.081, last five 0.066); log-prob diff max 1.7e-7. The tiny model's chat template does not render
-`tools`, so the agent's tool is never offered and the model must learn 110 answers with a 0/1 reward (the
-multi-turn calculator example's shaped reward is what makes its 0.3 gain reachable). Making this agent learn
-is open (issue 26).
+Measured (2 shared CPU cores, seed 1, partial run when committed): raw reward 0.105, 0.122, 0.194, 0.159, 0.227, 0.245
+over the first six rollouts (~12 s each under contention: the 30-rollout run exceeds the 3-minute budget on a
+loaded machine); log-prob diff 1.1e-7; no engine set aside (ReadError) in the run.
 """
 
 from __future__ import annotations
@@ -21,21 +20,23 @@ import pytest
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-NUM_ROLLOUT = 12
+NUM_ROLLOUT = 30
 
 
 def test_openai_sdk_agent_learns_through_the_session_server(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
     art, run = tmp_path / "art", tmp_path / "run"
     subprocess.run(
-        [sys.executable, "-m", "examples.calculator.build", "--out", str(art)], cwd=REPO, env=env, check=True
+        [sys.executable, "-m", "examples.openai_agent.build", "--out", str(art)],
+        cwd=REPO,
+        env=env,
+        check=True,
     )
     cmd = [
         sys.executable, "-m", "miles.train",
         "--hf-checkpoint", str(art / "model"), "--prompt-data", str(art / "train.jsonl"),
         "--input-key", "prompt", "--label-key", "label", "--apply-chat-template", "--rollout-shuffle",
         "--use-session-server", "--agent-function-path", "examples.openai_agent.agent:run",
-        "--custom-rm-path", "examples.calculator.tool:calculator_reward",  # unused: the agent returns rewards
         "--num-rollout", str(NUM_ROLLOUT), "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
         "--rollout-max-response-len", "20", "--rollout-temperature", "1.0",
         "--global-batch-size", "128", "--micro-batch-size", "32",
@@ -49,7 +50,8 @@ def test_openai_sdk_agent_learns_through_the_session_server(tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == NUM_ROLLOUT
     rewards = [r["rollout/raw_reward"] for r in rows]
-    # the agent's own rewards (1.0 for a right final number) reach the trainer: a random digit is right ~1/10
-    assert all(0.0 <= x <= 1.0 for x in rewards) and sum(rewards) / len(rewards) > 0.01, rewards
+    assert all(0.0 <= x <= 1.0 for x in rewards), rewards
+    # the agent learns to call its tool (shaped reward): the mean of the last three rollouts beats the first three
+    assert sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3 >= 0.1, rewards
     # every trained token was sampled by the engine: the trainer's packed log-probs equal the engine's
     assert max(r["train/train_rollout_logprob_abs_diff"] for r in rows) <= 1e-5

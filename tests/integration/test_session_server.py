@@ -288,3 +288,59 @@ def test_sse_stream_ends_with_done() -> None:
     assert events[-1] == "data: [DONE]"
     last = json.loads(events[-2][len("data: ") :])
     assert last["choices"][0]["finish_reason"] == "stop" and last["object"] == "chat.completion.chunk"
+
+
+async def _agent_no_reward(base_url: str, sample: Sample, ctx) -> None:  # noqa: ANN001
+    await _agent_ok(base_url, sample, ctx)
+    return None
+
+
+@pytest.mark.parametrize("has_reward_fn", [True, False])
+def test_an_agent_returning_none_needs_a_reward_function(has_reward_fn: bool) -> None:
+    script = Script()
+    prompt = script.tok.encode("hi", add_special_tokens=False)
+
+    async def main() -> Sample:
+        engine = FakeEngine(script)
+        async with GenerateClient(
+            engine.url, [engine.url], None, 30.0, 8, transport=engine.transport
+        ) as client:
+            agent = AgentSettings(_agent_no_reward, "m:none", timeout=5.0, has_reward_fn=has_reward_fn)
+            ctx = GenerateContext(script.tok, "rollout0", agent=agent)
+            return await generate_with_agent(client, Sample(index=3, tokens=list(prompt)), SAMPLING, ctx)
+
+    sample = asyncio.run(main())
+    if has_reward_fn:  # the reward function scores it later
+        assert sample.status == SampleStatus.COMPLETED and sample.reward is None
+    else:  # that sample fails, naming the flags; the tokens stay
+        assert sample.status == SampleStatus.FAILED and sample.reward == 0.0 and sample.response == "Hello 0"
+        error = sample.metadata["agent_error"]
+        assert "--agent-function-path" in error and "--custom-rm-path" in error and "index 3" in error
+
+
+def test_the_compacting_agent_example_yields_a_tree_with_one_sample_per_leaf() -> None:
+    from examples.openai_agent.compacting import run
+    from miles.rollout.session.picking import build_samples
+
+    script = Script()
+    tok = script.tok
+    prompt = [{"role": "user", "content": "What is 12 + 30?"}]
+
+    async def main(server: SessionServer):  # noqa: ANN202
+        rec = server.open("compact")
+        sample = Sample(index=0, prompt=prompt, label="42")
+        actx = type("Ctx", (), {"api_key": server.api_key})()
+        got = await run(server.base_url("compact"), sample, actx)
+        server.close("compact")
+        return got, rec, build_samples(rec, sample)
+
+    reward, rec, samples = asyncio.run(_serving(script, main))
+    # the call (tools offered), then the compacted question (no tools): two lineages, two leaves
+    assert reward == 0.7 and len(script.sampled) == 2  # the fake answers "Hello 0": called + a number
+    assert len(rec.leaves()) == 2 and rec.lineages == 2
+    assert len(samples) == 2  # most recent leaf first: the answer after the compaction, then the call
+    for sample, sampled, inputs in zip(samples, script.sampled[::-1], script.inputs[::-1]):
+        # each leaf: the prompt it was sampled from, then the sampled tokens, all of them trained once
+        assert sample.tokens == inputs + sampled and sample.response_length == len(sampled)
+        assert sample.loss_mask == [1] * len(sampled) and sample.check_consistent() is None
+    assert "calc says 42" in tok.decode(samples[0].tokens) and "<tool_call>" in tok.decode(samples[1].tokens)

@@ -209,3 +209,11 @@ def test_attention_kernel_modules_are_checked_where_the_driver_runs(monkeypatch)
     assert len(problems("flash_attention_2", 2)) == 1
     installed.add("ring_flash_attn")
     assert problems("flash_attention_2", 2) == []
+
+
+def test_an_agent_returning_rewards_needs_no_reward_function():
+    from miles.preflight.checks import reward_problems
+
+    assert "no reward function" in reward_problems(None, None, None)[0]
+    assert reward_problems(None, None, None, agent="examples.openai_agent.agent:run") == []
+    assert "unknown reward type" in reward_problems("nope", None, None, agent="m:run")[0]

@@ -133,4 +133,12 @@ async def generate_with_agent(
     }
     if reward is not None:
         sample.reward = check_reward(reward, settings.name, sample)
+    elif not settings.has_reward_fn:  # that sample's failure (as a crash would be), not the run's
+        error = (
+            f"agent {settings.name} (--agent-function-path) returned None for sample index {sample.index} and "
+            "no reward function is set: return the reward, or set --custom-rm-path, --rm-type or --rm-url"
+        )
+        logger.warning("%s: %s", ctx.phase, error)
+        sample.status, sample.reward = SampleStatus.FAILED, 0.0
+        sample.metadata["agent_error"] = error
     return sample

@@ -52,6 +52,9 @@ KNOWN_FIELDS = frozenset(
      "n", "logprobs", "top_logprobs", "stop", "seed", "stream", "stream_options", "user", "parallel_tool_calls"}
 )  # fmt: skip
 MAX_N = 16
+# Idle agent connections stay open this long: well past an OpenAI client's pool expiry (httpx's default 5 s), so
+# an agent never reuses a connection the server is closing (uvicorn's default, also 5 s, races it: ReadError).
+AGENT_KEEP_ALIVE_S = 30
 
 
 class RequestError(ValueError):
@@ -150,7 +153,13 @@ class SessionServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, 0))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
+        config = uvicorn.Config(
+            self.app,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=1,
+            timeout_keep_alive=AGENT_KEEP_ALIVE_S,
+        )
         self._server = uvicorn.Server(config)
         # a fresh context: requests the server makes are not part of whatever request batch the caller is in
         self._task = contextvars.Context().run(asyncio.ensure_future, self._server.serve(sockets=[sock]))
