@@ -32,6 +32,7 @@ __all__ = [
     "images_of_sample",
     "load_image",
     "load_sample_images",
+    "process_images",
     "parse_multimodal_keys",
 ]
 
@@ -138,6 +139,14 @@ class MultimodalInputs:
         return int(self.image_grid_thw.shape[0])
 
 
+def process_images(image_processor: Any, images: list[Image.Image]) -> MultimodalInputs | None:
+    """`pixel_values` and `image_grid_thw` of `images` by `image_processor` (None when there are none)."""
+    if not images:
+        return None
+    out = image_processor(images=images, return_tensors="pt")
+    return MultimodalInputs(out["pixel_values"].float(), out["image_grid_thw"].long())
+
+
 class VLProcessor:
     """A Qwen-VL checkpoint's prompt processing for images: chat template + image processor + pad expansion."""
 
@@ -179,10 +188,7 @@ class VLProcessor:
 
     def process_images(self, images: list[Image.Image]) -> MultimodalInputs | None:
         """`pixel_values` and `image_grid_thw` of `images` (None for none): what the trainer feeds the model."""
-        if not images:
-            return None
-        out = self.image_processor(images=images, return_tensors="pt")
-        return MultimodalInputs(out["pixel_values"].float(), out["image_grid_thw"].long())
+        return process_images(self.image_processor, images)
 
     def image_messages(self, prompt: str | list[dict[str, Any]], num_images: int) -> list[dict[str, Any]]:
         """Chat messages with the images placed: a string prompt, or a first user message whose content is a
