@@ -10,7 +10,6 @@ Qwen-VL model (a text-only sample in it gets text positions), else through the t
 
 from __future__ import annotations
 
-import types
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -73,8 +72,11 @@ def forward_pack(
         return forward_packed(model, packed, temperature, cp=cp, with_entropy=with_entropy)
     if cp is not None and cp.size > 1:
         raise ValueError("--context-parallel-size > 1 is not supported for vision-language models (issue 27)")
-    rows = [{"multimodal_inputs": mm} for mm in (images or [None] * packed.num_sequences)]
-    in_order = types.SimpleNamespace(sample_indices=torch.arange(packed.num_sequences))
-    return forward_packed_vl(
-        model, packed, pack_images(in_order, rows), temperature, with_entropy=with_entropy
-    )
+    # pack_images reads sample `sample_indices[j]` for the pack's j-th sequence: place each at that index
+    index = packed.sample_indices.tolist()
+    rows: list[dict[str, MultimodalInputs | None]] = [
+        {"multimodal_inputs": None} for _ in range(max(index) + 1)
+    ]
+    for j, mm in enumerate(images or []):
+        rows[index[j]] = {"multimodal_inputs": mm}
+    return forward_packed_vl(model, packed, pack_images(packed, rows), temperature, with_entropy=with_entropy)
