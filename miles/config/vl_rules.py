@@ -1,10 +1,12 @@
 """Validation of vision-language runs (issue 27, built in part).
 
-What exists: tiny Qwen2.5-VL / Qwen3-VL models (miles.tools.tiny_vlm), the image data path
-(miles.rollout.multimodal: `--multimodal-keys`, image loading, the checkpoint's processor) and the trainer's packed VL
-forward (miles.backends.fsdp_utils.vl_packing). What does not: the embedded engine's VL runner, images in SGLang
-requests, refit name mapping, HF export and the driver's wiring of images from data to trainer. So a full run with a
-VL checkpoint, `--multimodal-keys` or `--freeze-vision-tower` is refused here, before Ray starts, naming issue 27.
+What exists: tiny Qwen2.5-VL / Qwen3-VL models (miles.tools.tiny_vlm), the image data path (miles.rollout.multimodal
+and the data source: `--multimodal-keys` fills `Sample.multimodal_data` and expanded prompt ids), the FSDP2 trainer
+(the VL model built and sharded, `--freeze-vision-tower`, packed VL log-prob / train / reference forwards:
+miles.backends.fsdp_utils.vl_train), HF export and the toy image tasks. What does not: the embedded engine's VL
+runner, images in SGLang requests and refit name mapping (the engine side). A run cannot work end to end without
+them, so a run with a VL checkpoint, `--multimodal-keys` or `--freeze-vision-tower` is still refused here, before
+Ray starts, naming issue 27.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from miles.config.values import Values
 
 SUPPORTED_MODALITIES = ("image",)
 _NOT_BUILT = (
-    "vision-language RL is built only in part (issue 27): the image data path, tiny VL models and the trainer's "
-    "packed VL forward exist, but the engine VL runner, images in rollout requests, refit name mapping and HF export "
-    "do not, so a run is refused; see docs/vlm.md"
+    "vision-language RL is built only in part (issue 27): the image data path, the FSDP2 VL trainer "
+    "(--freeze-vision-tower included) and HF export exist, but the engine VL runner, images in rollout requests "
+    "and refit name mapping do not, so a run is refused; see docs/vlm.md"
 )
 
 

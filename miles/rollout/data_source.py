@@ -20,6 +20,8 @@ from miles.utils.types import JSON, Sample
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from miles.rollout.multimodal import VLProcessor
+
 logger = logging.getLogger(__name__)
 V = TypeVar("V")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -34,6 +36,7 @@ class PromptRecord:
     prompt_ids: list[int]  # [prompt_len]
     label: JSON = None
     metadata: dict[str, JSON] = field(default_factory=dict)
+    multimodal_data: dict[str, list[str]] | None = None  # the row's images as PNG data URIs (Sample's field)
 
 
 def copy_json(value: V) -> V:
@@ -183,6 +186,12 @@ class PromptDataset:
     message) rendered with the tokenizer's chat template and a generation prompt; otherwise it must be a
     string, tokenized as is (with the tokenizer's default special tokens). Prompts longer than
     `max_prompt_len` tokens are dropped: counted in `num_filtered` and logged (with the first one's location).
+
+    With `multimodal_keys` (--multimodal-keys) and a VL `processor`, each row's images are read from those fields
+    (a bad image: ValueError naming the row and the field), the prompt is rendered by the processor (the chat
+    template with one image part per image, a string prompt taken as one user message) and its ids are the
+    expanded ones (one image pad token per merged patch); the images are kept as PNG data URIs
+    (`PromptRecord.multimodal_data`, `{"image": [...]}`; None for a row without images).
     """
 
     def __init__(
@@ -194,7 +203,15 @@ class PromptDataset:
         tokenizer: PreTrainedTokenizerBase,
         apply_chat_template: bool,
         max_prompt_len: int | None = None,
+        multimodal_keys: dict[str, str] | None = None,
+        processor: VLProcessor | None = None,
     ) -> None:
+        if multimodal_keys and processor is None:
+            raise ValueError(
+                "--multimodal-keys needs the checkpoint's VL processor (a Qwen-VL --hf-checkpoint)"
+            )
+        self.multimodal_keys = multimodal_keys or None
+        self.processor = processor
         if max_prompt_len is not None and max_prompt_len < 1:
             raise ValueError(f"max_prompt_len must be >= 1 or None, got {max_prompt_len}")
         self.path = Path(path)
@@ -205,6 +222,8 @@ class PromptDataset:
             record = self._make_record(
                 where, row, input_key, label_key, metadata_key, tokenizer, apply_chat_template
             )
+            if self.multimodal_keys is not None:
+                self._add_images(record, where, row)
             if max_prompt_len is not None and len(record.prompt_ids) > max_prompt_len:
                 self.num_filtered += 1
                 first_dropped = first_dropped or f"{where} ({len(record.prompt_ids)} tokens)"
@@ -247,6 +266,19 @@ class PromptDataset:
             ids = tokenizer(prompt)["input_ids"]
         raw = cast("str | list[dict[str, str]]", row[input_key])  # checked by check_row
         return PromptRecord(prompt=raw, prompt_ids=list(ids), label=label, metadata=metadata)
+
+    def _add_images(self, record: PromptRecord, where: str, row: dict[str, JSON]) -> None:
+        """The row's images into `record` (data URIs) and its prompt ids re-rendered by the VL processor."""
+        from miles.rollout.multimodal import image_data_uri, load_sample_images
+
+        assert self.processor is not None and self.multimodal_keys is not None
+        images = load_sample_images(row, self.multimodal_keys, where)
+        try:
+            ids, _ = self.processor.encode(record.prompt, images)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        record.prompt_ids = ids
+        record.multimodal_data = {"image": [image_data_uri(img) for img in images]} if images else None
 
     def __len__(self) -> int:
         return len(self.records)
@@ -309,6 +341,7 @@ class RolloutDataSource:
                         tokens=list(record.prompt_ids),
                         label=copy_json(record.label),
                         metadata=copy_json(record.metadata),
+                        multimodal_data=copy_json(record.multimodal_data),
                     )
                     for j in range(n)
                 ]

@@ -28,8 +28,11 @@ __all__ = [
     "SUPPORTED_MODALITIES",
     "MultimodalInputs",
     "VLProcessor",
+    "image_data_uri",
+    "images_of_sample",
     "load_image",
     "load_sample_images",
+    "process_images",
     "parse_multimodal_keys",
 ]
 
@@ -110,6 +113,20 @@ def load_sample_images(row: dict[str, Any], keys: dict[str, str], where: str) ->
     return images
 
 
+def image_data_uri(image: Image.Image) -> str:
+    """A PNG `data:image/png;base64,` URI of `image` (lossless: decoding it gives the same RGB pixels)."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def images_of_sample(multimodal_data: dict[str, list[str]] | None, what: str) -> list[Image.Image]:
+    """The images of a `Sample.multimodal_data` (its "image" list, in order); `what` names the sample in errors."""
+    if not multimodal_data:
+        return []
+    return [load_image(v, f"{what}: image {j}") for j, v in enumerate(multimodal_data.get("image", []))]
+
+
 @dataclass
 class MultimodalInputs:
     """The processed images of one sample, as the VL model's forward takes them."""
@@ -120,6 +137,14 @@ class MultimodalInputs:
     @property
     def num_images(self) -> int:
         return int(self.image_grid_thw.shape[0])
+
+
+def process_images(image_processor: Any, images: list[Image.Image]) -> MultimodalInputs | None:
+    """`pixel_values` and `image_grid_thw` of `images` by `image_processor` (None when there are none)."""
+    if not images:
+        return None
+    out = image_processor(images=images, return_tensors="pt")
+    return MultimodalInputs(out["pixel_values"].float(), out["image_grid_thw"].long())
 
 
 class VLProcessor:
@@ -147,6 +172,23 @@ class VLProcessor:
         except (OSError, ValueError) as e:
             raise ValueError(f"{flag}={path!r}: cannot load the tokenizer/image processor: {e}") from e
         return cls(tokenizer, image_processor)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, flag: str = "--hf-checkpoint") -> VLProcessor:
+        """The processor of the checkpoint `tokenizer` was loaded from (its image processor from the same
+        directory, `tokenizer.name_or_path`)."""
+        from transformers import AutoImageProcessor
+
+        path = tokenizer.name_or_path
+        try:
+            image_processor = AutoImageProcessor.from_pretrained(path, trust_remote_code=True)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{flag}={path!r}: cannot load the image processor: {e}") from e
+        return cls(tokenizer, image_processor)
+
+    def process_images(self, images: list[Image.Image]) -> MultimodalInputs | None:
+        """`pixel_values` and `image_grid_thw` of `images` (None for none): what the trainer feeds the model."""
+        return process_images(self.image_processor, images)
 
     def image_messages(self, prompt: str | list[dict[str, Any]], num_images: int) -> list[dict[str, Any]]:
         """Chat messages with the images placed: a string prompt, or a first user message whose content is a
@@ -181,10 +223,8 @@ class VLProcessor:
         """(prompt token ids, processed images or None) of a prompt with its images, with a generation prompt."""
         messages = self.image_messages(prompt, len(images))
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        mm = None
-        if images:
-            out = self.image_processor(images=images, return_tensors="pt")
-            mm = MultimodalInputs(out["pixel_values"].float(), out["image_grid_thw"].long())
+        mm = self.process_images(images)
+        if mm is not None:
             counts = (mm.image_grid_thw.prod(-1) // self.merge_size**2).tolist()
             pieces = text.split(self.image_token)
             if len(pieces) - 1 != len(counts):

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from miles.config.sections import DataConfig, EvalConfig, RolloutConfig
+    from miles.rollout.multimodal import VLProcessor
 
 T = TypeVar("T")
 
@@ -180,6 +181,7 @@ class RolloutRunner:
             mask_offpolicy_in_partial_rollout=r.mask_offpolicy_in_partial_rollout,
             reward_key=r.reward_key,
         )
+        self._processor: VLProcessor | None = None  # --multimodal-keys: the checkpoint's, made on first use
         self.data_source = RolloutDataSource(
             self._dataset(data_cfg.prompt_data, data_cfg.input_key, data_cfg.label_key),
             n_samples_per_prompt=r.n_samples_per_prompt,
@@ -247,7 +249,19 @@ class RolloutRunner:
             tokenizer=self.tokenizer,
             apply_chat_template=d.apply_chat_template,
             max_prompt_len=self.rollout_cfg.rollout_max_prompt_len,
+            multimodal_keys=d.multimodal_keys or None,
+            processor=self._vl_processor(),
         )
+
+    def _vl_processor(self) -> VLProcessor | None:
+        """The checkpoint's VL processor when --multimodal-keys names image fields (made once)."""
+        if not self.data_cfg.multimodal_keys:
+            return None
+        if self._processor is None:
+            from miles.rollout.multimodal import VLProcessor
+
+            self._processor = VLProcessor.for_tokenizer(self.tokenizer)
+        return self._processor
 
     def make_client(self) -> GenerateClient:
         """A new generate client for this runner's engines (enter it with `async with`); the fully async

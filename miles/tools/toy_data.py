@@ -17,6 +17,16 @@ vocabulary), which is the learning signal GRPO needs; both formats learn it with
 8 samples (see `miles.tools.check_learnability` for the measured curves).
 
     python -m miles.tools.toy_data --task echo --out data.jsonl --n 1000 --seed 0
+
+Image tasks (VLM, issue 27) render one small image per row with PIL and write it in an `images` field as a PNG
+data URI (run with `--multimodal-keys '{"image": "images"}'`); the label is again one digit, scored with "math":
+
+    {"prompt": "count", "label": "3", "images": ["data:image/png;base64,..."]}
+
+`count_shapes`: 1-4 filled shapes (circles or squares) on a 56x56 canvas, answer their number; `read_digit`: one
+digit 0-3 drawn large, answer it.
+
+    python -m miles.tools.toy_data --task count_shapes --out vl.jsonl --n 256
 """
 
 from __future__ import annotations
@@ -68,6 +78,57 @@ TASKS: dict[str, ToyTask] = {
 }
 FORMATS = ("plain", "chat")
 DEFAULT_TASK = "echo"
+IMAGE_SIZE = 56  # the tiny VL image processor's smallest image: 4x4 patches, 4 image tokens
+IMAGE_TASKS = {
+    "count_shapes": "count the 1-4 shapes in the image: 'count' -> '3'",
+    "read_digit": "read the digit 0-3 drawn in the image: 'digit' -> '2'",
+}
+
+
+def render_count_shapes(rng: random.Random, size: int = IMAGE_SIZE) -> tuple[object, str]:
+    """(a PIL image of 1-4 non-overlapping filled shapes on a 2x2 grid of cells, their number as a string)."""
+    from PIL import Image, ImageDraw
+
+    n = rng.randint(1, 4)
+    img = Image.new("RGB", (size, size), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    cell = size // 2
+    for k in rng.sample(range(4), n):
+        x, y = (k % 2) * cell + 4, (k // 2) * cell + 4
+        color = tuple(rng.randint(0, 160) for _ in range(3))
+        box = (x, y, x + cell - 8, y + cell - 8)
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, fill=color)
+    return img, str(n)
+
+
+def render_read_digit(rng: random.Random, size: int = IMAGE_SIZE) -> tuple[object, str]:
+    """(a PIL image with one digit 0-3 drawn large in black on white, the digit)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    d = rng.choice("0123")
+    img = Image.new("RGB", (size, size), (255, 255, 255))
+    font = ImageFont.load_default(size=size * 3 // 4)
+    ImageDraw.Draw(img).text((size // 2, size // 2), d, fill=(0, 0, 0), font=font, anchor="mm")
+    return img, d
+
+
+def make_image_rows(task: str, n: int, seed: int = 0) -> list[dict[str, object]]:
+    """`n` rows of the image task `task`, deterministic in `seed`: `{"prompt", "label", "images": [data URI]}`."""
+    from miles.rollout.multimodal import image_data_uri
+
+    if task not in IMAGE_TASKS:
+        raise ValueError(f"unknown image task {task!r}; choose one of {sorted(IMAGE_TASKS)}")
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    render, prompt = (
+        (render_count_shapes, "count") if task == "count_shapes" else (render_read_digit, "digit")
+    )
+    rng = random.Random(seed)
+    rows: list[dict[str, object]] = []
+    for _ in range(n):
+        img, label = render(rng)
+        rows.append({"prompt": prompt, "label": label, "images": [image_data_uri(img)]})  # type: ignore[arg-type]
+    return rows
 
 
 def get_task(name: str) -> ToyTask:
@@ -139,13 +200,18 @@ def write_jsonl(rows: Sequence[Mapping[str, object]], out: str | os.PathLike[str
 def main(argv: list[str] | None = None) -> None:
     """CLI: write a toy dataset as JSONL."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", default=DEFAULT_TASK, choices=sorted(TASKS), help="which toy task")
+    p.add_argument(
+        "--task", default=DEFAULT_TASK, choices=sorted(TASKS) + sorted(IMAGE_TASKS), help="which toy task"
+    )
     p.add_argument("--out", required=True, help="output .jsonl file")
     p.add_argument("--n", type=int, default=1000, help="number of rows")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--format", default="plain", choices=FORMATS, help="plain string prompts or chat messages")
     a = p.parse_args(argv)
-    path = write_jsonl(make_rows(a.task, a.n, a.seed, a.format), a.out)
+    if a.task in IMAGE_TASKS:
+        path = write_jsonl(make_image_rows(a.task, a.n, a.seed), a.out)
+    else:
+        path = write_jsonl(make_rows(a.task, a.n, a.seed, a.format), a.out)
     print(f"wrote {a.n} rows of task {a.task!r} to {path}")
 
 

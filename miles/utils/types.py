@@ -61,6 +61,10 @@ class Sample:
     # the dataset row's metadata plus what rollout functions record (JSON-able); their own keys, read back
     # by the code that wrote them, so typed per use, not here
     metadata: dict[str, Any] = field(default_factory=dict)
+    # VLM (--multimodal-keys): the prompt's images by modality, {"image": ["data:image/png;base64,...", ...]}, in
+    # the order of their pad tokens in `tokens` (the processor's expanded prompt ids); the engine gets them as
+    # SGLang's `image_data`, the trainer re-processes them with the checkpoint's image processor
+    multimodal_data: dict[str, list[str]] | None = None
 
     @property
     def prompt_length(self) -> int:

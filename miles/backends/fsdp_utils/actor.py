@@ -33,6 +33,8 @@ from miles.backends.base import PolicyBackend
 from miles.backends.fsdp_utils import rollout_batch as rb
 from miles.backends.fsdp_utils.moe import MoETraining
 from miles.backends.fsdp_utils.state import FSDPState, StateSpec, peak_memory, perf_metrics
+from miles.backends.fsdp_utils.vl_packing import is_vl_model
+from miles.backends.fsdp_utils.vl_train import forward_pack, load_image_processor, sample_images
 from miles.utils.progress import ProgressBar, progress_bar
 from miles.utils.types import JSON, Sample
 
@@ -58,6 +60,9 @@ class FSDPTrainer(PolicyBackend):
             raise ValueError(f"FSDPTrainer is the 'actor' role, got {role!r} (the critic is FSDPCritic)")
         self.lora = cfg.lora.lora_rank > 0
         self.state = FSDPState(cfg, policy_spec(cfg))
+        self.image_processor = None  # a VL model's: re-processes the samples' images (vl_train.sample_images)
+        if is_vl_model(self.state.model):
+            self.image_processor = load_image_processor(cfg.model.hf_checkpoint)
         self.ref_model: torch.nn.Module | None = None
         # with LoRA the reference is the frozen base: the policy with its adapters switched off
         self.ref_is_base = with_ref and self.lora
@@ -114,6 +119,8 @@ class FSDPTrainer(PolicyBackend):
         if ps.is_cuda:
             torch.cuda.reset_peak_memory_stats()
         batch = rb.RankBatch.from_samples(samples, ps.device)
+        if self.image_processor is not None:
+            batch.images = sample_images(samples, self.image_processor)
         rb.attach_values(batch, values)
         self.moe.start_batch([s.rollout_routed_experts for s in samples])
         if cfg.algo.advantage_estimator == "ppo" and batch.values is None:
@@ -160,8 +167,6 @@ class FSDPTrainer(PolicyBackend):
 
     def _log_probs(self, model, batch: rb.RankBatch, steps: list[list[rb.Pack]]) -> list[torch.Tensor]:
         """Log-probs of every sample's response under `model`, over exactly the packs training will use."""
-        from miles.backends.fsdp_utils.forward import forward_packed
-
         temperature = self.config.rollout.rollout_temperature
         log_probs: list[torch.Tensor | None] = [None] * len(batch)
         for step_packs in steps:
@@ -169,7 +174,8 @@ class FSDPTrainer(PolicyBackend):
                 # the policy's passes replay routing (R3, --use-routing-replay); the reference routes its own
                 moe = self.moe.forward(batch.tokens, pack.indices) if model is self.model else nullcontext()
                 with moe:
-                    lp, _ = forward_packed(model, pack.packed, temperature, cp=self.state.cp())
+                    images = batch.pack_images(pack.indices)
+                    lp, _ = forward_pack(model, pack.packed, images, temperature, self.state.cp())
                 for sample_i, values in zip(pack.indices, lp):
                     log_probs[sample_i] = values.detach().float()
         return log_probs
@@ -198,8 +204,6 @@ class FSDPTrainer(PolicyBackend):
     ) -> None:
         """One optimizer step over `step_packs`. `fill_old`: each micro-batch's detached log-probs become its
         old log-probs (only valid when `rb.old_log_probs_from_training_forward` holds)."""
-        from miles.backends.fsdp_utils.forward import forward_packed
-
         cfg = self.config
         temperature = cfg.rollout.rollout_temperature
         settings = rb.step_settings(self.algo.loss, batch, step_packs, self.ps)
@@ -207,8 +211,13 @@ class FSDPTrainer(PolicyBackend):
             self.state.sync_gradients(mb_index == len(step_packs) - 1)
             # entropy is always reported; it enters the loss only with --entropy-coef
             with self.moe.forward(batch.tokens, pack.indices) as routing:
-                log_probs, entropy = forward_packed(
-                    self.model, pack.packed, temperature, cp=self.state.cp(), with_entropy=True
+                log_probs, entropy = forward_pack(
+                    self.model,
+                    pack.packed,
+                    batch.pack_images(pack.indices),
+                    temperature,
+                    self.state.cp(),
+                    with_entropy=True,
                 )
             if fill_old:
                 assert batch.old_log_probs is not None  # `train` made room for them

@@ -268,11 +268,14 @@ class _Tensor:
 
 def export_tensor_names(config: PretrainedConfig) -> list[_Tensor]:
     """The tensors a HF checkpoint of `config` holds, in state-dict order, tied tensors once (first name):
-    read from the model built on the meta device (no memory)."""
-    from transformers import AutoModelForCausalLM
+    read from the model built on the meta device (no memory). A vision-language config (with a `vision_config`)
+    is built as `AutoModelForImageTextToText`, as the trainer builds it."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    vl = getattr(config, "vision_config", None) is not None
+    auto = AutoModelForImageTextToText if vl else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+        model = auto.from_config(config, trust_remote_code=True)
     seen, out = set(), []
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) not in seen:

@@ -71,7 +71,9 @@ def load_hf_model(
     on_meta: bool = False,
     flag: str = "--hf-checkpoint",
 ) -> nn.Module:
-    """Build ``AutoModelForCausalLM`` from the HF directory ``path`` (weights on CPU, ``use_cache`` off).
+    """Build ``AutoModelForCausalLM`` from the HF directory ``path`` (weights on CPU, ``use_cache`` off); a
+    vision-language checkpoint (its config has a ``vision_config``: Qwen2.5-VL, Qwen3-VL) builds
+    ``AutoModelForImageTextToText``.
 
     The model is returned in train mode. ``on_meta=True`` reads only ``config.json`` and builds the model with
     its parameters on the meta device (no weights, no memory) and its buffers computed on CPU, as
@@ -79,21 +81,23 @@ def load_hf_model(
     Tied embeddings stay tied in both cases. A missing directory, config or weights, a truncated safetensors file, or any load
     failure is a ValueError naming `flag` and the file (miles.utils.hf_files).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from miles.utils.hf_files import check_hf_dir
 
     _check_attn(attn_implementation)
     check_hf_dir(path, flag, need_tokenizer=False)
     try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+        is_vl = getattr(config, "vision_config", None) is not None
+        auto = AutoModelForImageTextToText if is_vl else AutoModelForCausalLM
         if on_meta:
-            config = AutoConfig.from_pretrained(path, trust_remote_code=True)
             with parameters_on_meta():
-                model = AutoModelForCausalLM.from_config(
+                model = auto.from_config(
                     config, attn_implementation=attn_implementation, dtype=dtype, trust_remote_code=True
                 )
         else:
-            model = AutoModelForCausalLM.from_pretrained(
+            model = auto.from_pretrained(
                 path, attn_implementation=attn_implementation, dtype=dtype, trust_remote_code=True
             )
     except Exception as e:  # noqa: BLE001 - transformers/safetensors errors rarely name the directory

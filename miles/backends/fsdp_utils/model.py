@@ -27,9 +27,11 @@ _FUSED_ADAM_DEVICES = ("cpu", "cuda")
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The transformer blocks (``model.model.layers``) that FSDP2 shards one by one."""
+    """The transformer blocks (``model.model.layers``; a Qwen-VL model's ``model.model.language_model.layers``)
+    that FSDP2 shards one by one."""
     try:
-        layers = model.model.layers
+        inner = model.model
+        layers = inner.language_model.layers if hasattr(inner, "language_model") else inner.layers
     except AttributeError as e:
         raise ValueError(
             f"{type(model).__name__} has no `model.layers`; apply_fsdp2 supports decoder-only HF causal LMs"
@@ -51,7 +53,9 @@ def apply_fsdp2(
     per_layer: bool = True,
 ) -> nn.Module:
     """Shard every decoder layer, then the root, over the 1-D ``mesh`` (``per_layer=False``: the root only, one
-    unit for the whole model, see `per_layer_units`); returns the (same) model.
+    unit for the whole model, see `per_layer_units`); returns the (same) model. A vision-language model's vision
+    tower is sharded first: every vision block, then the tower (patch embedding, merger) as a unit of its own,
+    whatever ``per_layer`` (so freezing it, --freeze-vision-tower, leaves whole units without gradients).
 
     Gradients are *averaged* over the mesh ranks by FSDP's reduce-scatter: a loss that is a sum over the global
     batch must be scaled by the mesh size on each rank. ``cpu_offload`` keeps parameters, gradients and the
@@ -71,10 +75,22 @@ def apply_fsdp2(
     pin = torch.cuda.is_available()
     offload_policy: OffloadPolicy = CPUOffloadPolicy(pin_memory=pin) if cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    for unit in _vision_units(model):
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **kwargs)
     for layer in decoder_layers(model) if per_layer else ():
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
     return model
+
+
+def _vision_units(model: nn.Module) -> list[nn.Module]:
+    """A Qwen-VL model's FSDP units of its vision tower: each block, then the tower; [] for a text model."""
+    from miles.backends.fsdp_utils.vl_packing import is_vl_model, vision_tower
+
+    if not is_vl_model(model):
+        return []
+    tower = vision_tower(model)
+    return [*getattr(tower, "blocks", []), tower]
 
 
 def build_fsdp_model(

@@ -56,6 +56,8 @@ from miles.utils.types import Sample
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from miles.rollout.multimodal import MultimodalInputs
+
 
 @dataclass
 class RankBatch:
@@ -72,6 +74,12 @@ class RankBatch:
     values: list[torch.Tensor] | None = None  # B x [L_i]: the critic's old values (--advantage-estimator ppo)
     advantages: list[torch.Tensor] | None = None
     returns: list[torch.Tensor] | None = None
+    # VLM: each sample's processed images (None: no image), from Sample.multimodal_data (vl_train.sample_images)
+    images: list[MultimodalInputs | None] | None = None
+
+    def pack_images(self, indices: list[int]) -> list[MultimodalInputs | None] | None:
+        """The processed images of the samples `indices` (a pack's, in pack order); None without images."""
+        return None if self.images is None else [self.images[i] for i in indices]
 
     @classmethod
     def from_samples(cls, samples: list[Sample], device: torch.device) -> RankBatch:

@@ -91,6 +91,11 @@ class FSDPState:
 
             load_model_weights(spec.init_dcp, self.model)
             logger.info("%s: weights of %s", spec.role, spec.init_dcp)
+        if cfg.model.freeze_vision_tower:
+            from miles.backends.fsdp_utils.vl_train import freeze_vision_tower
+
+            frozen = freeze_vision_tower(self.model)
+            logger.info("%s: --freeze-vision-tower: %d vision parameters frozen", spec.role, frozen)
         self.model.train()
         self.defer_grad_sync = default_defer_gradient_sync(ps.device, cfg.train.fsdp_cpu_offload)
         self.steps_per_rollout = cfg.train.steps_per_rollout  # derived once, at validation
