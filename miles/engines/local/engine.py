@@ -21,7 +21,7 @@ import torch
 from miles.engines.local.control import RefitRefused, Reply, WeightControl
 from miles.engines.local.engine_loop import EngineLoop
 from miles.engines.local.lora import LoraAdapters
-from miles.engines.local.model_runner import PoolRunner, make_runner
+from miles.engines.local.model_runner import NoCacheRunner, PoolRunner, make_runner
 from miles.engines.local.output import GenerateAnswer
 from miles.engines.local.sampling import SamplingParams
 from miles.engines.local.vl_runner import VLRunner, load_model, prepare_images
@@ -194,7 +194,7 @@ class LocalEngine(WeightControl):
         self.weights = WeightStore(self.model)
         self.context_len = _context_length(config.context_length, self.model.config.get_text_config())
         kv_capacity = min(self.context_len, config.max_total_tokens or self.context_len)
-        self.runner = (
+        self.runner: PoolRunner | NoCacheRunner = (
             VLRunner(self.model)
             if self.vl
             else make_runner(

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from miles.engines.local.model_runner import NoCacheRunner
+
 if TYPE_CHECKING:
     from miles.engines.local.scheduler import Batch
     from miles.rollout.multimodal import VLProcessor
@@ -93,29 +95,20 @@ class _SlotState:
     delta: int  # multimodal rope delta: a text token at index i sits at position i + delta
 
 
-class VLRunner:
-    """Forward passes of a Qwen-VL HF model for the embedded engine (one HF cache per slot)."""
+class VLRunner(NoCacheRunner):
+    """Forward passes of a Qwen-VL HF model for the embedded engine (one HF cache per slot; the slot history
+    and the rest of the runner interface as the no-cache runner's)."""
 
     uses_kv_cache = True
 
     def __init__(self, model: nn.Module):
-        self.model = model
+        super().__init__(model)
         self.image_token_id = int(model.config.image_token_id)
-        self.history: dict[int, list[int]] = {}  # slot -> tokens fed so far
         self.state: dict[int, _SlotState] = {}
 
-    def active_decode_kernel(self) -> None:
-        return None
-
     def release_kv(self) -> None:
-        self.history.clear()
+        super().release_kv()
         self.state.clear()
-
-    def resume_kv(self) -> None:
-        pass
-
-    def kv_allocated_bytes(self) -> int:
-        return 0
 
     @torch.no_grad()
     def forward(self, batch: Batch) -> torch.Tensor:
