@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from miles.rollout.base_types import GenerateContext, SamplingSettings
 from miles.rollout.generate_client import GenerateClient, GenerateOutput
+from miles.rollout.vl_request import engine_prompt
 from miles.utils.routed_experts import decode_routed_experts
 from miles.utils.types import Sample, SampleStatus
 
@@ -61,8 +62,14 @@ async def generate_single_turn(
     if remaining <= 0:
         sample.status = SampleStatus.TRUNCATED
         return sample
+    input_ids, images = engine_prompt(sample, ctx.tokenizer)  # images: one pad per image (vl_request)
     out = await client.generate(
-        sample.tokens, sampling.to_request(remaining), sample.index, ctx.phase, rid=request_id(ctx, sample)
+        input_ids,
+        sampling.to_request(remaining),
+        sample.index,
+        ctx.phase,
+        rid=request_id(ctx, sample),
+        image_data=images,
     )
     apply_output(sample, out)
     return sample

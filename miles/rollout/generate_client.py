@@ -47,6 +47,7 @@ from types import TracebackType
 import httpx
 
 from miles.rollout.generate_batching import Batch, current_batch, split_evenly
+from miles.rollout.vl_request import image_data_field
 from miles.utils.engine_control_http import bearer
 from miles.utils.hang_dump import expired
 
@@ -145,6 +146,7 @@ class _Queued:
     sample_index: int
     phase: str
     future: asyncio.Future = field(repr=False)
+    image_data: list[str] | None = None  # the prompt's images (miles.rollout.vl_request)
 
 
 class GenerateClient:
@@ -314,9 +316,11 @@ class GenerateClient:
         sample_index: int,
         phase: str,
         rid: str | None = None,
+        image_data: list[str] | None = None,
     ) -> GenerateOutput:
         """One generation (prompt as `input_ids`, log-probs requested; `rid` names the request, which engines
-        also seed its sampling from), sent alone or in a batch with the other calls of its `batching` key."""
+        also seed its sampling from), sent alone or in a batch with the other calls of its `batching` key;
+        `image_data`: the prompt's images (one `<|image_pad|>` each in `input_ids`, see `vl_request`)."""
         if self._stopped:
             return ABORTED_BEFORE_SENDING
         assert self._limiter is not None, "GenerateClient used outside `async with`"
@@ -326,14 +330,8 @@ class GenerateClient:
             if rid is not None and self.seed is not None and "sampling_seed" not in sampling_params:
                 sampling_params = {**sampling_params, "sampling_seed": request_seed(self.seed, rid)}
             batch = None if self.via_router else current_batch()  # the router takes no batch form
-            item = _Queued(
-                list(input_ids),
-                sampling_params,
-                rid,
-                sample_index,
-                phase,
-                asyncio.get_running_loop().create_future(),
-            )
+            future = asyncio.get_running_loop().create_future()
+            item = _Queued(list(input_ids), sampling_params, rid, sample_index, phase, future, image_data)
             if batch is None:
                 await self._send([item])
             else:
@@ -375,6 +373,7 @@ class GenerateClient:
             "input_ids": items[0].input_ids if single else [it.input_ids for it in items],
             "sampling_params": items[0].sampling_params if single else [it.sampling_params for it in items],
             "return_logprob": True,
+            **image_data_field([it.image_data for it in items], single),
         }
         if self.return_routed_experts:
             payload["return_routed_experts"] = True

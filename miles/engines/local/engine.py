@@ -21,9 +21,10 @@ import torch
 from miles.engines.local.control import RefitRefused, Reply, WeightControl
 from miles.engines.local.engine_loop import EngineLoop
 from miles.engines.local.lora import LoraAdapters
-from miles.engines.local.model_runner import PoolRunner, make_runner
+from miles.engines.local.model_runner import NoCacheRunner, PoolRunner, make_runner
 from miles.engines.local.output import GenerateAnswer
 from miles.engines.local.sampling import SamplingParams
+from miles.engines.local.vl_runner import VLRunner, load_model, prepare_images
 from miles.engines.local.weights import EngineNotReady, WeightStore
 from miles.utils.types import JSON
 
@@ -43,6 +44,7 @@ _GEN_USED = {
     "return_logprob",
     "return_text_in_logprobs",
     "lora_path",
+    "image_data",  # VL models only (vl_runner)
 }
 _GEN_IGNORED = {
     "log_metrics", "data_parallel_rank", "routed_dp_rank", "priority", "session_id", "routing_key",
@@ -52,7 +54,7 @@ _GEN_IGNORED = {
 _GEN_NEUTRAL: dict[str, JSON] = {
     "stream": False, "logprob_start_len": -1, "top_logprobs_num": 0, "token_ids_logprob": None,
     "return_hidden_states": False, "return_routed_experts": False, "return_entropy": False,
-    "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None,
+    "video_data": None, "audio_data": None, "input_embeds": None,
     "custom_logit_processor": None, "session_params": None, "return_prompt_token_ids": False,
     "return_bytes": False,  # added by sglang-router
 }  # fmt: skip
@@ -176,7 +178,7 @@ class LocalEngine(WeightControl):
     """The embedded rollout engine (TP=1, CPU or one device)."""
 
     def __init__(self, config: LocalEngineConfig):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         if config.dtype not in DTYPES:
             raise ValueError(f"--dtype {config.dtype!r} not supported; allowed: {sorted(DTYPES)}")
@@ -187,17 +189,21 @@ class LocalEngine(WeightControl):
         self.dtype = DTYPES[config.dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
         self.device = _device(config.device)
-        model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=self.dtype)
+        model, self.vl = load_model(config.model_path, self.dtype)  # vl: a VL model's image processing
         self.model = model.to(self.device).eval()
         self.weights = WeightStore(self.model)
-        self.context_len = _context_length(config.context_length, self.model.config)
+        self.context_len = _context_length(config.context_length, self.model.config.get_text_config())
         kv_capacity = min(self.context_len, config.max_total_tokens or self.context_len)
-        self.runner = make_runner(
-            self.model,
-            config.max_running_requests,
-            kv_capacity,
-            self.weights if config.cpu_packed_weights else None,
-            decode_kernel=config.cpu_decode_kernel,
+        self.runner: PoolRunner | NoCacheRunner = (
+            VLRunner(self.model)
+            if self.vl
+            else make_runner(
+                self.model,
+                config.max_running_requests,
+                kv_capacity,
+                self.weights if config.cpu_packed_weights else None,
+                decode_kernel=config.cpu_decode_kernel,
+            )
         )
         self.weight_version = config.weight_version
         self.kv_released = False
@@ -226,7 +232,7 @@ class LocalEngine(WeightControl):
 
     def _eos_ids(self) -> set[int]:
         ids = set()
-        eos = self.model.config.eos_token_id
+        eos = getattr(self.model.config.get_text_config(), "eos_token_id", None)
         ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
@@ -281,7 +287,8 @@ class LocalEngine(WeightControl):
                 f"batch sizes differ: {n} prompts, {len(sps)} sampling_params, {len(rls)} return_logprob, "
                 f"{len(given_rids)} rids"
             )
-        token_ids = [_token_ids(ids, self.model.config.vocab_size) for ids in prompts]
+        token_ids = [_token_ids(ids, self.model.config.get_text_config().vocab_size) for ids in prompts]
+        mms = self._images(body.get("image_data"), token_ids, is_batch)
         rids = [str(r) for r in given_rids]
         if len(set(rids)) != n:
             raise ValueError(f"rids within one request must be unique, got {rids}")
@@ -293,13 +300,35 @@ class LocalEngine(WeightControl):
         self.adapters.check(loras)
         futures: list[Future[GenerateAnswer]] = []
         try:
-            for r, ids, p, lp, lora in zip(rids, token_ids, params, rls, loras):
-                futures.append(self.scheduler.submit(r, ids, p, bool(lp), with_text, lora))
+            for r, ids, p, lp, lora, mm in zip(rids, token_ids, params, rls, loras, mms):
+                futures.append(self.scheduler.submit(r, ids, p, bool(lp), with_text, lora, mm))
         except Exception:
             for r in rids[: len(futures)]:  # all or nothing: withdraw the part of the batch already queued
                 self.run("abort", rid=r)
             raise
         return rids, futures, is_batch
+
+    def _images(self, image_data: JSON, token_ids: list[list[int]], is_batch: bool) -> list[object]:
+        """Each prompt's processed images (None without); expands `token_ids` in place (one pad per image in,
+        the image's token count out), as SGLang's processor does with `image_data`."""
+        if image_data is None or image_data == []:
+            per_prompt: list[JSON] = [None] * len(token_ids)
+        elif self.vl is None:
+            raise ValueError("image_data is not supported by the embedded engine for a text-only model")
+        elif is_batch:
+            if not isinstance(image_data, list) or len(image_data) != len(token_ids):
+                raise ValueError("The length of image_data should be equal to the batch size.")
+            per_prompt = image_data
+        else:
+            per_prompt = [image_data]
+        mms: list[object] = []
+        for i, images in enumerate(per_prompt):
+            if self.vl is None:
+                mms.append(None)
+                continue
+            token_ids[i], mm = prepare_images(self.vl, token_ids[i], images, self.dtype)
+            mms.append(mm)
+        return mms
 
     def _check_context(self, input_tokens: int, max_new_tokens: int) -> None:
         """SGLang's context-length checks (TokenizerManager._validate_one_request), with its wording."""
@@ -409,7 +438,7 @@ class LocalEngine(WeightControl):
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.weight_version,
-            "has_image_understanding": False,
+            "has_image_understanding": self.vl is not None,
             "has_audio_understanding": False,
             "model_type": self.model.config.model_type,
             "architectures": getattr(self.model.config, "architectures", None),

@@ -92,6 +92,7 @@ class EngineLoop:
         return_logprob: bool,
         return_text_in_logprobs: bool = False,
         lora_path: str | None = None,
+        mm: object = None,
     ) -> Future[GenerateAnswer]:
         """Queue a request; its future resolves to the SGLang-style answer dict."""
         self._check_size(input_ids, params.max_new_tokens)
@@ -103,6 +104,7 @@ class EngineLoop:
             return_logprob,
             return_text_in_logprobs,
             lora_path,
+            mm,
             rng=request_rng(self.random_seed, rid, params.sampling_seed),
             future=Future(),
         )

@@ -80,7 +80,7 @@ class LoraAdapters:
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
         self.dtype, self.device = dtype, device
-        layers = model.model.layers
+        layers = getattr(model.model, "layers", [])  # none on a VL model (no LoRA there: vl_runner)
         self.shapes = {
             f"model.layers.{i}.{suffix}": tuple(layer.get_submodule(suffix).weight.shape)
             for i, layer in enumerate(layers)

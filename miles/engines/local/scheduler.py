@@ -50,6 +50,7 @@ class Request:
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
     lora_path: str | None = None  # the LoRA adapter the request runs with (None: the base model)
+    mm: object = None  # its processed images (vl_runner.VLInputs); the scheduler never reads it
     # the sampler's per-request RNG (the engine loop seeds it); the scheduler never reads it
     rng: random.Random = field(default_factory=random.Random)
     # the engine loop's handle for the answer; the scheduler never reads it
