@@ -9,7 +9,8 @@ as `output_ids` with the sampled tokens' log-probs, and nothing is re-tokenized.
 from __future__ import annotations
 
 from miles.rollout.base_types import GenerateContext, SamplingSettings
-from miles.rollout.generate_client import GenerateClient, GenerateOutput
+from miles.rollout.generate_client import GenerateClient
+from miles.rollout.generate_output import GenerateOutput
 from miles.rollout.vl_request import engine_prompt
 from miles.utils.routed_experts import decode_routed_experts
 from miles.utils.types import Sample, SampleStatus

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from miles.rollout.base_types import SamplingSettings
-from miles.rollout.generate_client import GenerateClient, GenerateOutput
+from miles.rollout.generate_client import GenerateClient
+from miles.rollout.generate_output import GenerateOutput
 from miles.rollout.session.recorder import to_sample
 from miles.rollout.session.server import SessionServer
 from miles.utils.types import Sample

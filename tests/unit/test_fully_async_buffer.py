@@ -150,7 +150,7 @@ def test_each_weight_version_span_is_recorded_as_a_segment():
     recorded, so its staleness counts its oldest token; without spans the answer's weight_version is."""
     from miles.rollout.async_buffer import oldest_version
     from miles.rollout.generate import apply_output
-    from miles.rollout.generate_client import GenerateOutput
+    from miles.rollout.generate_output import GenerateOutput
 
     spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
     body = {"output_ids": [1, 2, 3, 4, 5], "meta_info": {"weight_version": "4", "weight_versions": spans}}

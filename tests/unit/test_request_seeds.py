@@ -9,7 +9,7 @@ import random
 import pytest
 
 from miles.engines.local.sampling import SamplingParams, request_rng
-from miles.rollout.generate_client import request_seed
+from miles.rollout.generate_output import request_seed
 
 
 def test_request_seed_is_a_pure_function_of_seed_and_request_id():

@@ -17,7 +17,7 @@ import pytest
 
 from miles.config import parse_config
 from miles.rollout.default_rollout import DynamicSamplingExhausted
-from miles.rollout.generate_client import request_seed
+from miles.rollout.generate_output import request_seed
 from miles.rollout.runner import RolloutRunner
 from miles.utils.types import Sample, SampleStatus
 from tests.fake_engine import FakeEngine, Reply, log_prob_of
