@@ -102,7 +102,7 @@ class RecordingRunner(NoCacheRunner):
             seq = torch.stack(layers, dim=1).to("cpu", torch.int32)  # [positions fed, L, K], from position 0
             prev = req.routed_experts
             keep = 0 if prev is None else min(len(prev), row.start)  # positions an earlier forward computed
-            req.routed_experts = seq if not keep else torch.cat([prev[:keep], seq[keep:]])
+            req.routed_experts = seq if prev is None or not keep else torch.cat([prev[:keep], seq[keep:]])
         return logits
 
 
