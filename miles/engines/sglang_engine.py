@@ -91,13 +91,16 @@ def engine_launch_kwargs(
     colocate: bool,
     sglang_args: FlagValues | None = None,
     local_args: FlagValues | None = None,
+    return_routed_experts: bool = False,
 ) -> EngineLaunchKwargs:
     """The per-engine part of an `EngineProcess`'s arguments, as SGLang 0.5.23 needs them:
 
     - `random_seed = rollout_seed + index` (SGLang draws a random seed per launch otherwise); a seed the user set
       through `--sglang-random-seed` wins;
     - colocated SGLang engines get `--enable-memory-saver` and `SGLANG_MEMORY_SAVER_CUDA_GRAPH=true`, without
-      which `/release_memory_occupation` frees nothing (torch_memory_saver regions are made only then).
+      which `/release_memory_occupation` frees nothing (torch_memory_saver regions are made only then);
+    - `return_routed_experts` (R3, `--use-rollout-routing-replay`): `--enable-return-routed-experts`, without
+      which both engines accept a request's `return_routed_experts` and answer no `routed_experts`.
     SGLang honours a request's `sampling_seed` only with `--enable-deterministic-inference` (or
     `--rl-on-policy-target`, which sets it); without it the first engine's launch warns that rollouts are not
     reproducible from `--rollout-seed` (docs/gpu.md). Returns {"sglang_args", "local_args", "env"}.
@@ -118,6 +121,10 @@ def engine_launch_kwargs(
             env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "true"
     else:
         local.setdefault("random-seed", seed)
+    if return_routed_experts and kind == "sglang":
+        sglang.setdefault("enable_return_routed_experts", True)
+    elif return_routed_experts:
+        local.setdefault("enable-return-routed-experts", True)
     return {"sglang_args": sglang, "local_args": local, "env": env}
 
 

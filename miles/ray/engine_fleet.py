@@ -160,6 +160,7 @@ class EngineFleet:
             launch = engine_launch_kwargs(
                 kind, i, cfg.rollout.rollout_seed, cfg.cluster.colocate, dict(cfg.engine.sglang_args),
                 {k: v for k, v in local_args.items() if v is not None},
+                return_routed_experts=cfg.rollout.use_rollout_routing_replay,
             )  # fmt: skip
             self.engines.append(
                 actor_cls.options(

@@ -8,8 +8,18 @@ never forwarded). A `Sample` keeps it compactly as [seqlen - 1, num_layers * top
 from __future__ import annotations
 
 import base64
+from typing import Any
 
 import numpy as np
+
+# transformers' router modules whose output is (logits [N, E], gate weights [N, K], expert ids [N, K]); the trainer
+# (backends/fsdp_utils/moe.py) and the embedded engine (engines/local/routing_capture.py) hook these
+ROUTER_CLASS_NAMES = ("Qwen3MoeTopKRouter",)
+
+
+def moe_routers(model: Any) -> list[Any]:
+    """The router of every MoE layer of `model` (a torch module), in layer order (empty for a dense model)."""
+    return [m for m in model.modules() if type(m).__name__ in ROUTER_CLASS_NAMES]
 
 
 def encode_routed_experts(experts: np.ndarray) -> str:

@@ -24,7 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miles.utils.routed_experts import decode_routed_experts, encode_routed_experts
+from miles.utils.routed_experts import (
+    ROUTER_CLASS_NAMES,
+    decode_routed_experts,
+    encode_routed_experts,
+    moe_routers,
+)
 
 __all__ = [
     "RoutingCapture",
@@ -35,14 +40,6 @@ __all__ = [
     "pack_replay",
     "router_losses",
 ]
-
-# transformers' router modules whose output is (logits [N, E], gate weights [N, K], expert ids [N, K])
-ROUTER_CLASS_NAMES = ("Qwen3MoeTopKRouter",)
-
-
-def moe_routers(model: nn.Module) -> list[nn.Module]:
-    """The router of every MoE layer of `model`, in layer order (empty for a dense model)."""
-    return [m for m in model.modules() if type(m).__name__ in ROUTER_CLASS_NAMES]
 
 
 @dataclass

@@ -64,6 +64,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="CPU float32: decode attention by a C kernel compiled on first use with $CC/gcc (about 2.5x faster "
         "than matmuls; without a compiler the matmul path is used and a warning says so)",
     )
+    p.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="MoE models: answer a /generate's return_routed_experts with meta_info.routed_experts (SGLang's flag)",
+    )
+    p.add_argument(
+        "--test-off-top-k-every",
+        type=int,
+        default=0,
+        help="test aid (MoE): on positions 0, N, 2N, ... route to the 2nd..(k+1)-th best experts instead of the "
+        "top k, so that the engine's expert choice differs from a trainer's; 0 = off",
+    )
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a /generate call may take")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -119,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
             update_group_timeout=args.update_group_timeout,
             cpu_packed_weights=args.cpu_packed_weights,
             cpu_decode_kernel=args.cpu_decode_kernel,
+            enable_return_routed_experts=args.enable_return_routed_experts,
+            test_off_top_k_every=args.test_off_top_k_every,
         )
     )
     engine.start()

@@ -23,6 +23,7 @@ from miles.engines.local.engine_loop import EngineLoop
 from miles.engines.local.lora import LoraAdapters
 from miles.engines.local.model_runner import NoCacheRunner, PoolRunner, make_runner
 from miles.engines.local.output import GenerateAnswer
+from miles.engines.local.routing_capture import routing_runner
 from miles.engines.local.sampling import SamplingParams
 from miles.engines.local.vl_runner import VLRunner, load_model, prepare_images
 from miles.engines.local.weights import EngineNotReady, WeightStore
@@ -45,6 +46,7 @@ _GEN_USED = {
     "return_text_in_logprobs",
     "lora_path",
     "image_data",  # VL models only (vl_runner)
+    "return_routed_experts",  # answered only with --enable-return-routed-experts, as SGLang (routing_capture.py)
 }
 _GEN_IGNORED = {
     "log_metrics", "data_parallel_rank", "routed_dp_rank", "priority", "session_id", "routing_key",
@@ -53,7 +55,7 @@ _GEN_IGNORED = {
 }  # fmt: skip
 _GEN_NEUTRAL: dict[str, JSON] = {
     "stream": False, "logprob_start_len": -1, "top_logprobs_num": 0, "token_ids_logprob": None,
-    "return_hidden_states": False, "return_routed_experts": False, "return_entropy": False,
+    "return_hidden_states": False, "routed_experts_start_len": 0, "return_entropy": False,
     "video_data": None, "audio_data": None, "input_embeds": None,
     "custom_logit_processor": None, "session_params": None, "return_prompt_token_ids": False,
     "return_bytes": False,  # added by sglang-router
@@ -160,6 +162,8 @@ class LocalEngineConfig:
     # CPU, float32: decode attention by a C kernel compiled on first use (see cpu_attention.py); the matmul path
     # when off, or when no compiler is found (logged)
     cpu_decode_kernel: bool = True
+    enable_return_routed_experts: bool = False  # SGLang's flag: MoE routing per token (routing_capture.py)
+    test_off_top_k_every: int = 0  # test aid: route positions 0, N, 2N.. off the top-k (routing_capture.py)
 
 
 def _context_length(requested: int | None, model_config: PretrainedConfig) -> int:
@@ -205,6 +209,8 @@ class LocalEngine(WeightControl):
                 decode_kernel=config.cpu_decode_kernel,
             )
         )
+        record, off_every = config.enable_return_routed_experts, config.test_off_top_k_every
+        self.runner = routing_runner(self.runner, self.model, record, off_every) or self.runner
         self.weight_version = config.weight_version
         self.kv_released = False
         self.released_tags: set[str] = set()  # SGLang's `offload_tags`: filled by release, emptied by resume
@@ -297,11 +303,17 @@ class LocalEngine(WeightControl):
             self._check_context(len(ids), p.max_new_tokens)
         with_text = bool(body.get("return_text_in_logprobs", False))
         loras = _lora_paths(body.get("lora_path"), n)
+        routed = body.get("return_routed_experts", False)
+        if not isinstance(routed, bool):
+            raise ValueError(f"return_routed_experts must be a bool, got {routed!r}")
+        routed = (
+            routed and self.config.enable_return_routed_experts
+        )  # SGLang: no routed_experts without the flag
         self.adapters.check(loras)
         futures: list[Future[GenerateAnswer]] = []
         try:
             for r, ids, p, lp, lora, mm in zip(rids, token_ids, params, rls, loras, mms):
-                futures.append(self.scheduler.submit(r, ids, p, bool(lp), with_text, lora, mm))
+                futures.append(self.scheduler.submit(r, ids, p, bool(lp), with_text, lora, mm, routed))
         except Exception:
             for r in rids[: len(futures)]:  # all or nothing: withdraw the part of the batch already queued
                 self.run("abort", rid=r)

@@ -93,6 +93,7 @@ class EngineLoop:
         return_text_in_logprobs: bool = False,
         lora_path: str | None = None,
         mm: object = None,
+        return_routed_experts: bool = False,
     ) -> Future[GenerateAnswer]:
         """Queue a request; its future resolves to the SGLang-style answer dict."""
         self._check_size(input_ids, params.max_new_tokens)
@@ -107,6 +108,7 @@ class EngineLoop:
             mm,
             rng=request_rng(self.random_seed, rid, params.sampling_seed),
             future=Future(),
+            return_routed_experts=return_routed_experts,
         )
         with self._cond:
             if rid in self._inflight:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 from miles.engines.local.scheduler import FinishReason, Request
+from miles.utils.routed_experts import encode_routed_experts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -48,6 +49,7 @@ class MetaInfo(TypedDict):
     weight_versions: list[VersionSpan]  # which version generated which outputs
     e2e_latency: float
     output_token_logprobs: NotRequired[list[list[float | int | str | None]]]  # [logprob, token id, text]
+    routed_experts: NotRequired[str]  # base64 int32 [seqlen - 1, layers, top_k] (routing_capture.py)
 
 
 class GenerateAnswer(TypedDict):
@@ -98,4 +100,6 @@ class OutputProcessor:
                 else [None] * len(ids)
             )
             meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x in zip(req.logprobs, ids, texts)]
+        if req.routed_experts is not None:  # positions 0..seqlen-2, as SGLang returns them
+            meta["routed_experts"] = encode_routed_experts(req.routed_experts[: req.num_tokens - 1].numpy())
         return {"text": text, "output_ids": list(ids), "meta_info": meta}

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Literal, Required, TypedDict
 from miles.engines.local.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from miles.engines.local.output import GenerateAnswer
 
 
@@ -70,6 +72,10 @@ class Request:
     stop_ids: frozenset[int] = (
         frozenset()
     )  # tokens that finish it (EOS unless ignored, stop_token_ids): set on add
+    return_routed_experts: bool = (
+        False  # MoE: record its routing (routing_capture.py); the scheduler never reads it
+    )
+    routed_experts: torch.Tensor | None = None  # int32 [positions, layers, top_k], filled by the runner
 
     @property
     def budget(self) -> int:
