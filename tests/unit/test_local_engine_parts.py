@@ -663,3 +663,16 @@ def test_update_weights_from_disk_names_a_missing_local_path(tmp_path) -> None:
         assert missing_local_path(path) == f"model_path {path!r}: the path does not exist"
     assert missing_local_path(str(tmp_path)) is None  # exists
     assert missing_local_path("Qwen/Qwen3-0.6B") is None  # a Hub repo id: from_pretrained's business
+
+
+def test_fallback_runner_prefill_chunks_with_nothing_to_sample():
+    """A prompt longer than the prefill chunk, alone: its first forwards only feed tokens (no row samples), and
+    the fallback runner must answer them with no logits rather than fail the batch."""
+    model = _tiny("gpt2")
+    runner = make_runner(model, num_slots=1, capacity=64)
+    assert isinstance(runner, NoCacheRunner)
+    done, seen, _ = drive(
+        runner, {0: [_req("long", [(5 * j) % 60 + 1 for j in range(20)], 4)]}, slots=1, chunk=6
+    )
+    assert len(done["long"].output_ids) == 4
+    _check_against_forward(model, done, seen)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from miles.engines.local import cpu_attention
+from miles.engines.local.full_forward import NoCacheRunner
 from miles.engines.local.fused import FusedLinear
 from miles.engines.local.kv_pool import KVPool
 from miles.engines.local.scheduler import Batch, BatchRow
@@ -490,41 +491,6 @@ class PoolRunner:
         out = F.scaled_dot_product_attention(qf, keys, vals, attn_mask=g.mask, scale=scale)
         out = out.reshape(rows, self.num_heads, g.q_len, d).permute(0, 2, 1, 3).reshape(rows * g.q_len, -1)
         return out if g.scatter is None else out.index_select(0, g.scatter)
-
-
-class NoCacheRunner:
-    """Fallback for architectures `PoolRunner` does not know: a full forward of each row's sequence."""
-
-    uses_kv_cache = False
-
-    def active_decode_kernel(self) -> None:  # the full forward has no decode attention of its own
-        return None
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.history: dict[int, list[int]] = {}  # slot -> tokens fed so far
-
-    def release_kv(self) -> None:
-        self.history.clear()
-
-    def resume_kv(self) -> None:
-        pass
-
-    def kv_allocated_bytes(self) -> int:
-        return 0
-
-    @torch.no_grad()
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """Extend each row's token history; a full forward per sampling row. Returns fp32 logits [rows, V]."""
-        for src, dst, length in batch.moves:
-            self.history[dst] = self.history[src][:length]
-        out = []
-        for r in batch.rows:
-            seq = self.history[r.slot] = self.history.get(r.slot, [])[: r.start] + list(r.token_ids)
-            if r.sample:
-                ids = torch.tensor([seq], device=self.model.device)
-                out.append(self.model(input_ids=ids, use_cache=False).logits[0, -1].float())
-        return torch.stack(out)
 
 
 def _onednn_packs(like: torch.Tensor) -> bool:

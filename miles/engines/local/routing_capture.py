@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miles.engines.local.model_runner import NoCacheRunner
+from miles.engines.local.full_forward import NoCacheRunner
 from miles.engines.local.scheduler import Batch
 from miles.utils.routed_experts import ROUTER_CLASS_NAMES, moe_routers
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from miles.engines.local.model_runner import NoCacheRunner
+from miles.engines.local.full_forward import NoCacheRunner
 
 if TYPE_CHECKING:
     from miles.engines.local.scheduler import Batch
