@@ -59,7 +59,8 @@ def _parallelism(v: Values) -> None:
     if gbs % dp:
         v.fail(
             "global_batch_size",
-            f"must be a multiple of the data-parallel size {dp} (world {world} / cp {cp} / tp {tp})",
+            f"must be a multiple of the data-parallel size {dp} (world {world} / cp {cp}"
+            + (f" / tp {tp})" if tp > 1 else ")"),
         )
     elif (gbs // dp) % v["micro_batch_size"]:
         v.fail(
