@@ -12,6 +12,7 @@ from contextlib import suppress
 
 from miles.config.async_rules import fully_async
 from miles.config.schema import FIELDS
+from miles.config.tp_rules import tensor_parallel
 from miles.config.values import Rule, Skip, Values
 from miles.config.vl_rules import vision_language
 from miles.utils.parallel_dims import ParallelDims
@@ -35,7 +36,14 @@ def _parallelism(v: Values) -> None:
     if world % cp:
         v.fail("context_parallel_size", f"must divide the actor world size {world} (nodes * gpus per node)")
         return
-    dp = ParallelDims(world, cp).dp_size
+    tp = v["tensor_model_parallel_size"]
+    if world % (cp * tp):
+        v.fail(
+            "tensor_model_parallel_size",
+            f"must divide the actor world size {world} / --context-parallel-size {cp} (nodes * gpus per node)",
+        )
+        return
+    dp = ParallelDims(world, cp, tp).dp_size
     with suppress(Skip):
         if v["rollout_batch_size"] % dp:
             v.fail(
@@ -51,7 +59,8 @@ def _parallelism(v: Values) -> None:
     if gbs % dp:
         v.fail(
             "global_batch_size",
-            f"must be a multiple of the data-parallel size {dp} (world {world} / cp {cp})",
+            f"must be a multiple of the data-parallel size {dp} (world {world} / cp {cp}"
+            + (f" / tp {tp})" if tp > 1 else ")"),
         )
     elif (gbs // dp) % v["micro_batch_size"]:
         v.fail(
@@ -467,6 +476,7 @@ RULES: list[Rule] = [
     _algo,
     _critic,
     _moe,
+    tensor_parallel,
     _lora,
     _rollout_quantization,
     _external_engines,

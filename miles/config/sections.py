@@ -186,6 +186,12 @@ class TrainConfig:
     max_tokens_per_gpu: int | None = opt(None, "token budget of one packed micro-batch per GPU", ge=1)
     balance_data: bool = opt(False, "balance tokens across data-parallel ranks when splitting a rollout")
     context_parallel_size: int = opt(1, "ranks that split one sequence (context parallelism)", ge=1)
+    tensor_model_parallel_size: int = opt(
+        1,
+        "ranks that split every decoder layer's attention heads and MLP (tensor parallelism, dense decoders; "
+        "innermost mesh dimension, FSDP2 shards over the data-parallel ranks)",
+        ge=1,
+    )
     fsdp_cpu_offload: bool = opt(False, "keep FSDP parameters, gradients and optimizer state on CPU")
     update_weight_buffer_size: int = opt(512 * 1024**2, "bytes per weight-refit bucket", ge=1)
     update_weight_transfer_mode: str = opt(

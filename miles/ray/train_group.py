@@ -169,7 +169,11 @@ class RayTrainGroup:
         self.role = role
         self.timeout = float(config.train.train_timeout)
         self.num_workers = num_workers
-        self.dims = ParallelDims(num_workers, int(config.train.context_parallel_size))
+        self.dims = ParallelDims(
+            num_workers,
+            int(config.train.context_parallel_size),
+            int(config.train.tensor_model_parallel_size),
+        )
         self.cp_size = self.dims.cp_size
         remote_cls = ray.remote(TrainWorker)
         self.workers = [
@@ -221,7 +225,7 @@ class RayTrainGroup:
         """Each DP rank's argument as the train calls take it: stored once (`ray.put`) when the CP ranks of a DP
         rank share it, else passed as it is (Ray sends a small argument inside the call, ~2.5 ms less per step
         on the quickstart than a put, and stores a large one by itself)."""
-        if self.cp_size == 1:
+        if self.dims.replica_size == 1:
             return list(per_dp)
         return [ray.put(d) for d in per_dp]
 
@@ -269,7 +273,7 @@ class RayTrainGroup:
             ],
             f"critic train rollout {rollout_id}",
         )
-        values = [answers[d * self.cp_size]["values"] for d in range(self.dp_size)]
+        values = [answers[d * self.dims.replica_size]["values"] for d in range(self.dp_size)]
         return answers[0]["metrics"], values
 
     def save(self, rollout_id: int, extra_state: dict[str, JSON] | None = None) -> None:

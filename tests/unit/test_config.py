@@ -119,7 +119,8 @@ def test_section_field_names_are_the_agreed_ones() -> None:
         "sglang_decode_log_interval sglang_chunked_prefill_size sglang_attention_backend sglang_args",
         "router": "router_policy sglang_router_ip sglang_router_port router_args",
         "train": "train_backend global_batch_size micro_batch_size use_dynamic_batch_size max_tokens_per_gpu "
-        "balance_data context_parallel_size fsdp_cpu_offload update_weight_buffer_size update_weight_transfer_mode "
+        "balance_data context_parallel_size tensor_model_parallel_size fsdp_cpu_offload update_weight_buffer_size "
+        "update_weight_transfer_mode "
         "update_weight_delta "
         "ref_update_interval "
         "train_timeout refit_timeout moe_aux_loss_coeff moe_z_loss_coeff use_routing_replay",

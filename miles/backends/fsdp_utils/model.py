@@ -105,6 +105,7 @@ def build_fsdp_model(
     reshard_after_forward: bool | None = None,
     flag: str = "--hf-checkpoint",
     transform: Callable[[nn.Module], None] | None = None,
+    tp_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Build ``path`` sharded with `apply_fsdp2`: every rank builds it with its parameters on the meta device,
     shards it, allocates its own shards and receives the weights tensor by tensor from global rank 0
@@ -117,11 +118,17 @@ def build_fsdp_model(
 
     ``reshard_after_forward`` (None: `default_reshard_after_forward` of ``device``) frees each layer's gathered
     parameters after its forward, so the backward gathers them again.
+
+    ``tp_mesh`` (tensor parallelism, `tensor_parallel.apply_tensor_parallel`): the decoder layers' projections are
+    split over it before FSDP2 shards over ``mesh`` (the data-parallel ranks); ``mesh`` x ``tp_mesh`` then covers
+    every rank.
     """
-    if mesh.ndim != 1 or mesh.size() != dist.get_world_size():
+    tp_size = 1 if tp_mesh is None else tp_mesh.size()
+    if mesh.ndim != 1 or mesh.size() * tp_size != dist.get_world_size():
         # the weights are broadcast from global rank 0 over the default group
         raise ValueError(
-            f"build_fsdp_model needs a 1-D mesh over all {dist.get_world_size()} ranks, got {mesh}"
+            f"build_fsdp_model needs a 1-D mesh over all {dist.get_world_size()} ranks (with the tensor-parallel "
+            f"mesh: over all / tp), got {mesh} (tp {tp_size})"
         )
     if reshard_after_forward is None:
         reshard_after_forward = default_reshard_after_forward(device)
@@ -132,6 +139,10 @@ def build_fsdp_model(
     if transform is not None:
         transform(model)
     weights.after_transform(model)
+    if tp_mesh is not None:
+        from miles.backends.fsdp_utils.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, tp_mesh)
     shard_device = torch.device("cpu") if cpu_offload else torch.device(device)
     per_layer = per_layer_units(device, cpu_offload, reshard_after_forward)
     apply_fsdp2(model, mesh, param_dtype, reduce_dtype, cpu_offload, reshard_after_forward, per_layer)
@@ -202,6 +213,8 @@ def clip_grad_norm_sharded(params: Iterable[nn.Parameter], max_norm: float) -> t
         return torch.zeros(())
     mesh = grads[0].device_mesh if isinstance(grads[0], DTensor) else None
     if mesh is None or mesh.ndim != 1 or not all(_sharded_on(g, mesh) for g in grads):
+        if all(_without_partial(g) for g in grads):  # tensor parallelism: (dp, tp) and dp-only shards
+            return _clip_multi_mesh(grads, max_norm)
         norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
     local = [g.to_local() for g in grads]
@@ -220,6 +233,36 @@ def _sharded_on(grad: torch.Tensor, mesh: DeviceMesh) -> bool:
     )
 
 
+def _without_partial(grad: torch.Tensor) -> bool:
+    return isinstance(grad, DTensor) and not any(p.is_partial() for p in grad.placements)
+
+
+def _copies(grad: DTensor) -> int:
+    """On how many ranks of the world each element of ``grad`` lives: the ranks outside its mesh, times the
+    sizes of the mesh dimensions it is replicated on."""
+    mesh, copies = grad.device_mesh, dist.get_world_size() // grad.device_mesh.size()
+    for dim, placement in enumerate(grad.placements):
+        if placement.is_replicate():
+            copies *= mesh.size(dim)
+    return copies
+
+
+def _clip_multi_mesh(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """`clip_grad_norm_sharded` for DTensors on meshes of different sizes (tensor parallelism: a projection
+    sharded on the (dp, tp) mesh, a per-head norm replicated on tp, an embedding on the dp mesh and so copied on
+    every TP rank): every local squared norm is divided by its number of copies (`_copies`), the sums are
+    all-reduced over all ranks (each element counted once in all), the clip as there."""
+    local = [g.to_local() for g in grads]
+    weights = torch.tensor([1.0 / _copies(g) for g in grads], dtype=torch.float32)
+    squares = torch.stack(torch._foreach_norm(local, 2.0)).float() ** 2
+    total = (squares * weights.to(squares.device)).sum()
+    dist.all_reduce(total)
+    total = total ** (1.0 / 2.0)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_(local, coef.to(local[0].dtype))
+    return total
+
+
 def build_reference_model(
     path: str,
     mesh: DeviceMesh,
@@ -227,6 +270,7 @@ def build_reference_model(
     reduce_dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sdpa",
     flag: str = "--ref-load (or --hf-checkpoint)",
+    tp_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """A frozen FSDP2 copy of ``path`` for reference log-probs: CPUOffloadPolicy, eval mode, no grads.
 
@@ -241,6 +285,7 @@ def build_reference_model(
         attn_implementation=attn_implementation,
         reshard_after_forward=True,  # no backward: a gathered layer would stay gathered
         flag=flag,
+        tp_mesh=tp_mesh,
     )
     model.eval()
     model.requires_grad_(False)

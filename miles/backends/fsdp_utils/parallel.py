@@ -1,9 +1,14 @@
-"""Parallel state for the FSDP2 backend: one (dp, cp) device mesh, built once per process.
+"""Parallel state for the FSDP2 backend: one (dp, cp) device mesh, or (dp, cp, tp) with tensor parallelism, built once
+per process.
 
 Layout: ranks are laid out row-major on a ``(dp, cp)`` mesh, so the ``cp`` ranks of one data-parallel replica
 are consecutive (rank = dp_rank * cp_size + cp_rank). FSDP2 shards parameters over *all* ranks (the flattened
 ``dp_cp`` mesh, exposed as ``ParallelState.fsdp_mesh``): context-parallel ranks see different token chunks of
 the same sequences, so their gradient contributions must be reduced together with the data-parallel ones.
+
+Tensor parallelism (``tp_size > 1``, issue 28) adds the innermost ``tp`` dimension: the ``tp`` ranks of one replica
+are consecutive and hold slices of the attention and MLP projections (`tensor_parallel.apply_tensor_parallel`); FSDP2
+shards over the data-parallel ranks only (``fsdp_mesh`` stays ``dp`` / ``dp_cp``), the TP ranks see the same samples.
 """
 
 from __future__ import annotations
@@ -32,8 +37,21 @@ class ParallelState:
     dims: ParallelDims
     rank: int
     device: torch.device
-    mesh: DeviceMesh  # 2-D, dims ("dp", "cp")
-    fsdp_mesh: DeviceMesh  # 1-D over all ranks ("dp_cp" flattened, or "dp" when cp_size == 1)
+    mesh: DeviceMesh  # 2-D, dims ("dp", "cp"); 3-D ("dp", "cp", "tp") when tp_size > 1
+    fsdp_mesh: DeviceMesh  # 1-D over the data-parallel ranks ("dp_cp" flattened, or "dp" when cp_size == 1)
+
+    @property
+    def tp_size(self) -> int:
+        return self.dims.tp_size
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The 1-D ``tp`` mesh of this rank's replica; None without tensor parallelism."""
+        return self.mesh["tp"] if self.dims.tp_size > 1 else None
+
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh.get_local_rank("tp") if self.dims.tp_size > 1 else 0
 
     @property
     def world_size(self) -> int:
@@ -91,9 +109,10 @@ def _device_for(backend: str) -> torch.device:
 
 
 def init_distributed(
-    backend: str | None = None, timeout_s: float = 1800.0, cp_size: int = 1
+    backend: str | None = None, timeout_s: float = 1800.0, cp_size: int = 1, tp_size: int = 1
 ) -> ParallelState:
-    """Join the process group described by the environment and build the (dp, cp) mesh.
+    """Join the process group described by the environment and build the (dp, cp) mesh ((dp, cp, tp) when
+    ``tp_size > 1``).
 
     Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK on CUDA). ``backend`` None picks nccl when
     CUDA is available, gloo otherwise. If a default process group already exists it is reused.
@@ -107,18 +126,24 @@ def init_distributed(
     device = _device_for(backend)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    dims = ParallelDims(world_size=dist.get_world_size(), cp_size=cp_size)
-    mesh = init_device_mesh(device.type, (dims.dp_size, dims.cp_size), mesh_dim_names=("dp", "cp"))
+    dims = ParallelDims(world_size=dist.get_world_size(), cp_size=cp_size, tp_size=tp_size)
+    if tp_size == 1:
+        mesh = init_device_mesh(device.type, (dims.dp_size, dims.cp_size), mesh_dim_names=("dp", "cp"))
+    else:
+        shape = (dims.dp_size, dims.cp_size, tp_size)
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp", "cp", "tp"))
     fsdp_mesh = mesh["dp"] if dims.cp_size == 1 else mesh["dp", "cp"]._flatten("dp_cp")
     state = ParallelState(dims=dims, rank=dist.get_rank(), device=device, mesh=mesh, fsdp_mesh=fsdp_mesh)
     logger.info(
-        "rank %d/%d: dp %d/%d cp %d/%d on %s (%s)",
+        "rank %d/%d: dp %d/%d cp %d/%d tp %d/%d on %s (%s)",
         state.rank,
         dims.world_size,
         state.dp_rank,
         dims.dp_size,
         state.cp_rank,
         dims.cp_size,
+        state.tp_rank,
+        dims.tp_size,
         device,
         backend,
     )

@@ -25,6 +25,8 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from torch.distributed.device_mesh import DeviceMesh
+
     from miles.backends.fsdp_utils.context_parallel import CPContext
     from miles.backends.fsdp_utils.lr_scheduler import LRScheduler
     from miles.backends.fsdp_utils.parallel import ParallelState
@@ -59,6 +61,7 @@ class ModelKwargs(TypedDict):
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     attn_implementation: str
+    tp_mesh: DeviceMesh | None  # tensor parallelism (--tensor-model-parallel-size > 1), else None
 
 
 class FSDPState:
@@ -72,7 +75,12 @@ class FSDPState:
         cfg = self.config = config
         self.spec = spec
         torch.manual_seed(cfg.seed)
-        self.ps = ps = init_distributed(None, cfg.train.train_timeout, cfg.train.context_parallel_size)
+        self.ps = ps = init_distributed(
+            None,
+            cfg.train.train_timeout,
+            cfg.train.context_parallel_size,
+            cfg.train.tensor_model_parallel_size,
+        )
         set_cpu_threads(ps)
         self.param_dtype = param_dtype(cfg.model.train_dtype, ps.is_cuda)
         select_attention_kernel(cfg.model.attn_implementation, ps.is_cuda, ps.cp_size)
@@ -108,7 +116,10 @@ class FSDPState:
         reduction, SDPA attention (packed forwards switch to miles_varlen; `select_attention_kernel` chose its
         kernel)."""
         return ModelKwargs(
-            param_dtype=self.param_dtype, reduce_dtype=torch.float32, attn_implementation="sdpa"
+            param_dtype=self.param_dtype,
+            reduce_dtype=torch.float32,
+            attn_implementation="sdpa",
+            tp_mesh=self.ps.tp_mesh,
         )
 
     def _build_optimizer(self) -> tuple[torch.optim.Optimizer, LRScheduler]:

@@ -1,0 +1,72 @@
+"""Validation of tensor parallelism (`--tensor-model-parallel-size`, issue 28, built for dense decoders).
+
+Built and tested: dense Qwen3 / Llama-style decoders on a DP x TP mesh (FSDP2 over the data-parallel ranks), the
+refit of full tensors and DCP checkpoints that resume across a changed TP size. Not built or not tested with TP, so
+refused here before Ray starts: context parallelism, LoRA, MoE (and its losses / routing replay), vision-language
+models. The checkpoint's config.json is read when it is a local directory: the TP size must divide its attention
+heads, KV heads and MLP width.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from contextlib import suppress
+
+from miles.config.values import Skip, Values
+
+_FLAG = "--tensor-model-parallel-size"
+_WITH = "is not supported with --tensor-model-parallel-size > 1 yet (issue 28); allowed: "
+
+
+def tensor_parallel(v: Values) -> None:
+    with suppress(Skip):
+        tp = v["tensor_model_parallel_size"]
+        if tp == 1:
+            return
+        if v["context_parallel_size"] > 1:
+            v.fail("context_parallel_size", _WITH + "1")
+        if v["lora_rank"] > 0:
+            v.fail("lora_rank", _WITH + "0")
+        for name in (
+            "moe_aux_loss_coeff",
+            "moe_z_loss_coeff",
+            "use_rollout_routing_replay",
+            "use_routing_replay",
+        ):
+            if v[name]:
+                v.fail(name, _WITH + "unset (MoE models are not built with TP)")
+        if v["multimodal_keys"] or v["freeze_vision_tower"]:
+            v.fail("multimodal_keys" if v["multimodal_keys"] else "freeze_vision_tower", _WITH + "unset")
+        for problem in checkpoint_tp_problems(v["hf_checkpoint"], tp):
+            v.fail("tensor_model_parallel_size", f"{problem} (--hf-checkpoint {v['hf_checkpoint']})")
+
+
+def tp_problems(config: Mapping[str, object], tp_size: int) -> list[str]:
+    """What keeps a HF decoder config (its config.json as a dict) from `tp_size`-way tensor parallelism; [] if
+    nothing. Dense decoders only: MoE and vision-language models are not built (issue 28)."""
+    if tp_size == 1:
+        return []
+    problems = []
+    if config.get("vision_config") is not None:
+        problems.append("vision-language models are not supported with tensor parallelism yet (issue 28)")
+    if any(config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        problems.append("MoE models are not supported with tensor parallelism yet (issue 28)")
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = config.get(key)
+        if isinstance(value, int) and value % tp_size:
+            problems.append(f"must divide the model's {key}={value}")
+    return problems
+
+
+def checkpoint_tp_problems(path: object, tp_size: int) -> list[str]:
+    """`tp_problems` of the HF directory `path`'s config.json; [] when there is none to read (a hub name, a
+    directory made later): the trainer checks the built model again (`apply_tensor_parallel`)."""
+    if tp_size == 1 or not isinstance(path, str):
+        return []
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        return []
+    with open(file) as f:
+        return tp_problems(json.load(f), tp_size)
