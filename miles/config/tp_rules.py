@@ -2,7 +2,7 @@
 
 Built and tested: dense Qwen3 / Llama-style decoders on a DP x TP mesh (FSDP2 over the data-parallel ranks), the
 refit of full tensors and DCP checkpoints that resume across a changed TP size. Not built or not tested with TP, so
-refused here before Ray starts: context parallelism, LoRA, MoE (and its losses / routing replay), vision-language
+refused here before Ray starts: context parallelism, LoRA, the PPO critic, MoE (and its losses / routing replay), vision-language
 models. The checkpoint's config.json is read when it is a local directory: the TP size must divide its attention
 heads, KV heads and MLP width.
 """
@@ -37,6 +37,8 @@ def tensor_parallel(v: Values) -> None:
         ):
             if v[name]:
                 v.fail(name, _WITH + "unset (MoE models are not built with TP)")
+        if v["advantage_estimator"] == "ppo":  # the critic's value head is not built or tested under TP
+            v.fail("advantage_estimator", _WITH + "an estimator without a critic (grpo, ...)")
         if v["multimodal_keys"] or v["freeze_vision_tower"]:
             v.fail("multimodal_keys" if v["multimodal_keys"] else "freeze_vision_tower", _WITH + "unset")
         for problem in checkpoint_tp_problems(v["hf_checkpoint"], tp):

@@ -70,6 +70,7 @@ def test_tp_run_validates_and_dp_shrinks(tmp_path):
         ("--tensor-model-parallel-size 2 --lora-rank 4 --lora-target-modules q_proj", "--lora-rank"),
         ("--tensor-model-parallel-size 2 --moe-aux-loss-coeff 0.01", "--moe-aux-loss-coeff"),
         ("--tensor-model-parallel-size 2 --use-routing-replay", "--use-routing-replay"),
+        ("--tensor-model-parallel-size 2 --advantage-estimator ppo", "--advantage-estimator"),
     ],
 )
 def test_tp_refusals_name_the_flag(tmp_path, extra, flag):
