@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
+from miles.ray.async_faults import AsyncFaults
 from miles.train import (
     _due,
     eval_before_train,
@@ -28,7 +29,7 @@ from miles.utils.perf import sample_counts
 
 if TYPE_CHECKING:
     from miles.config import Config
-    from miles.ray.system import System
+    from miles.ray.system import System, TrainSystem
 
 
 def run_async_loop(cfg: Config, system: System) -> None:
@@ -42,8 +43,13 @@ def run_async_loop(cfg: Config, system: System) -> None:
     num = num_rollouts(cfg)
     deadline = system.rollout_deadline  # the whole rollout's, not one request's
 
+    faults = AsyncFaults(system)
+
     def launch(rollout_id: int) -> ray.ObjectRef | None:
-        return system.engines.rollout.generate.remote(rollout_id) if rollout_id < num else None
+        if rollout_id >= num:
+            return None
+        faults.watch()  # the engines generate: health checks on (--use-fault-tolerance)
+        return system.engines.rollout.generate.remote(rollout_id)
 
     eval_before_train(cfg, system)
     in_flight = launch(system.start_rollout_id)
@@ -58,7 +64,14 @@ def run_async_loop(cfg: Config, system: System) -> None:
         with timer.phase("refit"):
             if in_flight is not None:  # never change weights under a running generation
                 in_flight = ray.put(ray_get(in_flight, deadline, f"rollout {rollout_id + 1}"))
-            choreo.refit(weight_version=str(rollout_id + 1))
+            version = str(rollout_id + 1)
+
+            def refit(v: str = version) -> dict[str, float]:
+                choreo.refit(weight_version=v)
+                return {}  # (this driver reports no refit metrics)
+
+            # async/engine_restarts with --use-fault-tolerance, else nothing
+            metrics.update(faults.refit(version, refit, faults.stop_watch()))
         finish_step(cfg, system, rollout_id, metrics)
 
 
@@ -70,8 +83,10 @@ def run_fully_async_loop(cfg: Config, system: System) -> None:
     r, timer = cfg.rollout, system.timer
     rollout, timeout = system.engines.rollout, system.engines.timeout
     num = num_rollouts(cfg)
+    faults = AsyncFaults(system)
     eval_before_train(cfg, system)
     ray_get(rollout.start_async.remote(system.start_rollout_id), timeout, "start the generation worker")
+    faults.watch()
     try:
         for rollout_id in range(system.start_rollout_id, num):
             with timer.phase("rollout"):  # the time spent waiting for a full batch in the buffer
@@ -84,15 +99,32 @@ def run_fully_async_loop(cfg: Config, system: System) -> None:
             maybe_save(cfg, system, rollout_id)
             if _due(r.update_weights_interval, rollout_id, num):
                 with timer.phase("refit"):  # under paused requests: generation goes on after
-                    ray_get(rollout.pause_generation.remote(r.pause_generation_mode), timeout, "pause")
-                    # requests held in place keep their KV cache: the update must not flush it
-                    flush = r.pause_generation_mode != "in_place"
-                    version = str(rollout_id + 1)
-                    metrics.update(system.choreography.refit(weight_version=version, flush_cache=flush) or {})
-                    ray_get(rollout.continue_generation.remote(rollout_id + 1), timeout, "continue")
+                    metrics.update(_paused_refit(cfg, system, faults, rollout_id + 1))
             finish_step(cfg, system, rollout_id, metrics)
+        faults.stop_watch()  # no restart under the shutdown
     finally:
         ray_get(rollout.stop_async.remote(), timeout, "stop the generation worker")
+
+
+def _paused_refit(cfg: Config, system: TrainSystem, faults: AsyncFaults, version: int) -> dict[str, float]:
+    """Pause the engines (--pause-generation-mode), refit them to `version` and continue; with
+    --use-fault-tolerance the health monitor stops watching for it and dead engines are restarted, refitted and
+    readmitted before the continue (`miles.ray.async_faults`)."""
+    from miles.ray.utils import ray_get
+
+    r, rollout, timeout = cfg.rollout, system.engines.rollout, system.engines.timeout
+    restarted = faults.stop_watch()
+    ray_get(rollout.pause_generation.remote(r.pause_generation_mode), timeout, "pause")
+    # requests held in place keep their KV cache: the update must not flush it
+    flush = r.pause_generation_mode != "in_place"
+
+    def refit() -> dict[str, float]:
+        return system.choreography.refit(weight_version=str(version), flush_cache=flush) or {}
+
+    metrics = faults.refit(str(version), refit, restarted)
+    ray_get(rollout.continue_generation.remote(version), timeout, "continue")
+    faults.watch()
+    return metrics
 
 
 def _loop(cfg: Config, system: System) -> None:
@@ -107,11 +139,6 @@ def _refuse(cfg: Config) -> str | None:
         return (
             "--use-session-server is built for miles.train only (sessions do not continue across the one-step-off "
             "loop's refit yet); use miles.train"
-        )
-    if cfg.cluster.use_fault_tolerance:
-        return (
-            "--use-fault-tolerance is built for miles.train only (the one-step-off loop does not refit restarted "
-            "engines yet); use miles.train, or drop --use-fault-tolerance"
         )
     if cfg.cluster.colocate:
         return (

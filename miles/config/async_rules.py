@@ -19,7 +19,6 @@ _ASYNC_ONLY = (
 # flags --fully-async does not combine with yet: refused, never ignored
 _CONFLICTS = {
     "colocate": "engines and trainers share devices, so generation cannot go on while the trainer trains",
-    "use_fault_tolerance": "restarting engines under the persistent worker is not built yet (issue 25 item 5)",
     "use_session_server": "agent sessions do not live across the worker's refits yet",
     "save": "the checkpoint does not hold the worker's buffer and in-flight prompts yet (issue 25 item 4); "
     "--save-hf exports work",

@@ -261,6 +261,16 @@ def _transfer_mode(v: Values) -> None:
             f"tensor handles reach only engines on the same node, but the trainers span --actor-num-nodes="
             f"{v['actor_num_nodes']} and the engines are not colocated; use broadcast or auto",
         )
+    if mode == "tensor" and not v["colocate"] and not v["rollout_external_engine_addrs"]:
+        ranks = v["actor_num_nodes"] * v["actor_num_gpus_per_node"]
+        per_engine = v["rollout_num_gpus_per_engine"]
+        engines = (v["rollout_num_gpus"] or 0) // per_engine
+        if engines * per_engine > ranks:
+            v.fail(
+                "update_weight_transfer_mode",
+                f"tensor handles give each of the {engines} engines {per_engine} training rank(s) of its own, but "
+                f"there are {ranks}; use broadcast or auto (which broadcasts then)",
+            )
 
 
 def _update_weight_delta(v: Values) -> None:

@@ -197,7 +197,8 @@ class TrainConfig:
     update_weight_transfer_mode: str = opt(
         "auto",
         "how a refit moves weights: tensor (handles / shared-memory window, same node), broadcast (update "
-        "group: NCCL on GPU, gloo on CPU), auto (tensor when colocated or on CPU, else broadcast)",
+        "group: NCCL on GPU, gloo on CPU), auto (tensor when colocated, or on CPU when each engine has training ranks of its own; else "
+        "broadcast)",
         choices=("auto", "tensor", "broadcast"),
     )
     update_weight_delta: str = opt(

@@ -219,6 +219,13 @@ class EngineFleet:
         """The rollout ended: stop checking, wait for a restart in progress; returns the engines to refit."""
         return self.monitor.stop_watch(self.startup_timeout) if self.monitor is not None else []
 
+    def recover_dead(self) -> list[str]:
+        """Engines paused for a refit: restart those that do not answer `/health` now (paused engines cannot
+        answer /health_generate); returns the engines to refit (restarted since the last call)."""
+        if self.monitor is None:
+            return []
+        return self.monitor.recover_now(lambda url, timeout: health_problem(url, "/health", timeout))
+
     def readmit(self, urls: list[str]) -> None:
         """Put refit engines back behind the router."""
         for url in urls:

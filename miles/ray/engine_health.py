@@ -95,6 +95,17 @@ class HealthMonitor:
                 self._recover(url, why)
         return self.take_restarted()
 
+    def recover_now(self, check: Callable[[str, float], str | None]) -> list[str]:
+        """Outside a watch (the engines paused for a refit, when `/health_generate` cannot answer): check every
+        engine with `check` (liveness) and recover one that fails now; returns `take_restarted()`."""
+        for url in self.urls:
+            with self._lock:
+                skip = url in self._restarted or url in self._failed
+            why = None if skip else check(url, self.settings.timeout)
+            if why is not None:
+                self._recover(url, why)
+        return self.take_restarted()
+
     def take_restarted(self) -> list[str]:
         """Engines restarted since the last call; raises if a restart failed (naming the engine and why)."""
         with self._lock:

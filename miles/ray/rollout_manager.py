@@ -35,6 +35,7 @@ class RolloutManager:
             hang_dump.install(hang_dump.stacks_dir_of(cfg.log.run_dir), "rollout-manager")
         self.max_running_requests = cfg.engine.engine_max_running_requests
         self.rollout_cfg = cfg.rollout
+        self.fault_tolerant = cfg.cluster.use_fault_tolerance  # --fully-async: dead engines skipped by pauses
         self.worker: AsyncGenerationWorker | None = None  # --fully-async
         self.runner = RolloutRunner(
             cfg.data,
@@ -90,6 +91,7 @@ class RolloutManager:
             capacity=math.floor(r.async_data_buffer_capacity_factor * batch),
             max_staleness=r.max_weight_staleness,
             retry=r.async_unused_samples_handler == "retry",
+            fault_tolerant=self.fault_tolerant,
         )
         self.worker = AsyncGenerationWorker(self.runner, settings, start_version)
         self.worker.start()

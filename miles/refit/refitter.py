@@ -69,12 +69,24 @@ class RefitSettings:
         )
 
 
-def resolve_transfer_mode(mode: str, colocate: bool, is_cuda: bool) -> str:
+def resolve_transfer_mode(
+    mode: str,
+    colocate: bool,
+    is_cuda: bool,
+    n_engines: int = 1,
+    ranks_per_engine: int = 1,
+    world_size: int = 1,
+) -> str:
     """--update-weight-transfer-mode resolved: auto is tensor when colocated or on CPU (shared memory, which any
-    process on this node can map), broadcast when disaggregated on GPU."""
-    if mode == "auto":
-        return "tensor" if colocate or not is_cuda else "broadcast"
-    return mode
+    process on this node can map), broadcast when disaggregated on GPU. Tensor handles give each engine training
+    ranks of its own (`miles.refit.tensor_handles`), so disaggregated on CPU with more engines than that
+    (1 trainer + 2 engines), auto broadcasts over gloo instead."""
+    if mode != "auto":
+        return mode
+    if colocate:
+        return "tensor"
+    fits = n_engines * ranks_per_engine <= world_size
+    return "tensor" if not is_cuda and fits else "broadcast"
 
 
 class Refitter:
@@ -88,10 +100,11 @@ class Refitter:
         self.rank, self.world_size, self.is_cuda, self.dtype = rank, world_size, is_cuda, dtype
         self.transport: WeightUpdater | None = None  # built at the first update
 
-    @property
-    def transfer_mode(self) -> str:
+    def transfer_mode(self, n_engines: int) -> str:
         s = self.settings
-        return resolve_transfer_mode(s.transfer_mode, s.colocate, self.is_cuda)
+        return resolve_transfer_mode(
+            s.transfer_mode, s.colocate, self.is_cuda, n_engines, s.ranks_per_engine, self.world_size
+        )
 
     def update(
         self,
@@ -157,7 +170,7 @@ class Refitter:
             fp8_scale_format=s.fp8_scale_format,
             checksum_kind=self._engines_hash_kind(urls) if s.check_equal else "sha256",
         )
-        if self.transfer_mode == "tensor":
+        if self.transfer_mode(len(urls)) == "tensor":
             if s.delta != "none" and self.rank == 0:
                 logger.warning(
                     "--update-weight-delta %s: the refit goes through tensor handles, every tensor "

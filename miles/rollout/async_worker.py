@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import logging
 import threading
 from collections import Counter, deque
 from collections.abc import Coroutine
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
     from miles.rollout.base_types import RolloutContext
     from miles.rollout.runner import RolloutRunner
 
+logger = logging.getLogger(__name__)
+
 GROUP_KEY = "async_group"  # Sample.metadata key: the group's admission number
 STALENESS_KEY = "weight_staleness"  # Sample.metadata key, set when trained: trained version - oldest version
 MAX_CONTINUATIONS = 1000  # abort pauses one group may live through before the worker gives up on it
@@ -59,6 +62,7 @@ class AsyncSettings:
     capacity: int  # floor(--async-data-buffer-capacity-factor x --rollout-batch-size)
     max_staleness: int | None  # --max-weight-staleness
     retry: bool  # --async-unused-samples-handler retry (else drop)
+    fault_tolerant: bool = False  # --use-fault-tolerance: a dead engine is skipped by pause / continue
 
 
 class AsyncGenerationWorker:
@@ -260,12 +264,25 @@ class AsyncGenerationWorker:
 
     async def _post_all(self, endpoint: str, body: dict) -> None:
         phase = f"fully async refit ({endpoint})"
-        await asyncio.gather(
-            *(
-                self.client.post(f"{url}/{endpoint}", body, phase, retry=False)
-                for url in self.client.engine_urls
-            )
+        urls = list(self.client.engine_urls)
+        results = await asyncio.gather(
+            *(self.client.post(f"{url}/{endpoint}", body, phase, retry=False) for url in urls),
+            return_exceptions=True,
         )
+        _skip_dead_engines(urls, results, self.s.fault_tolerant, endpoint)
+
+
+def _skip_dead_engines(urls: list[str], results: list[Any], fault_tolerant: bool, endpoint: str) -> None:
+    """Raise the first engine's error, except with --use-fault-tolerance while some engine answered: a dead
+    engine holds no request to pause or continue, and the health monitor restarts it (the driver refits and
+    readmits it before generation continues, `miles.ray.async_faults`)."""
+    errors = [(url, r) for url, r in zip(urls, results) if isinstance(r, BaseException)]
+    if not errors:
+        return
+    if not fault_tolerant or len(errors) == len(urls) or not all(isinstance(e, Exception) for _, e in errors):
+        raise errors[0][1]
+    for url, e in errors:
+        logger.warning("/%s: engine %s did not answer (%s); left to the health monitor", endpoint, url, e)
 
 
 def _step_metrics(kept: list[list[Sample]], step: int, counts: Counter[str]) -> dict[str, float]:

@@ -169,3 +169,34 @@ def test_window_refit_failure_raises_on_every_rank_and_the_next_refit_works(two_
     both engines equal to the trainer bit for bit."""
     model_dir, procs = two_tiny_engines
     run_distributed(_failure_body, 2, model_dir, [p.url for p in procs], init_pg=False)
+
+
+def _one_trainer_body(rank: int, world: int, model_dir: str, urls: list[str]) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from miles.backends.fsdp_utils.actor import FSDPTrainer
+    from miles.config import parse_config
+
+    cfg = parse_config([
+        "--hf-checkpoint", model_dir, "--prompt-data", "unused.jsonl", "--num-rollout", "1",
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
+        "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2", "--check-weight-update-equal",
+    ])  # fmt: skip
+    trainer = FSDPTrainer(cfg, rank, world)
+    trainer.init("actor", with_ref=False)
+    trainer.train(0, _samples(0, 0) + _samples(0, 1))
+    trainer.update_weights(urls, weight_version="v1")
+    kind = type(trainer._refitter.transport).__name__
+    assert kind == "DistributedWeightUpdater", kind
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = {k: v.clone() for k, v in get_model_state_dict(trainer.model, options=opts).items()}
+    for url in urls:
+        _assert_engine_equals(url, state, "v1")
+
+
+def test_auto_refit_of_two_disaggregated_engines_from_one_trainer_on_cpu(two_tiny_engines):
+    """1 trainer + 2 engines disaggregated on CPU (`--placements 1+2` of scripts/bench/async.py): auto must not pick
+    tensor handles, which give each engine training ranks of its own (it raised "2 colocated engines need 2
+    training ranks"); it broadcasts over gloo, and both engines equal the trainer bit for bit."""
+    model_dir, procs = two_tiny_engines
+    run_distributed(_one_trainer_body, 1, model_dir, [p.url for p in procs], init_pg=False)

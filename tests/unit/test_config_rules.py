@@ -161,3 +161,27 @@ def test_update_weight_transfer_mode_rules() -> None:
     assert parse_config([*disagg, "--actor-num-nodes", "2", "--update-weight-transfer-mode", "broadcast"])
     with pytest.raises(ConfigError, match="update-weight-transfer-mode"):
         parse_config([*base, "--colocate", "--update-weight-transfer-mode", "nccl"])
+    two_engines = [*base, "--rollout-num-gpus", "2"]  # 1 trainer + 2 engines disaggregated
+    with pytest.raises(ConfigError, match="update-weight-transfer-mode.*2 engines 1 training rank"):
+        parse_config([*two_engines, "--update-weight-transfer-mode", "tensor"])
+    assert parse_config(
+        [*two_engines, "--actor-num-gpus-per-node", "2", "--update-weight-transfer-mode", "tensor"]
+    )
+    assert parse_config(two_engines).train.update_weight_transfer_mode == "auto"
+
+
+def test_auto_transfer_mode_broadcasts_when_engines_outnumber_trainer_ranks() -> None:
+    """auto on CPU: tensor handles while every engine has training ranks of its own, else broadcast (the
+    1 trainer + 2 engines placement raised in the tensor-handle transport)."""
+    from miles.refit.refitter import resolve_transfer_mode as resolve
+
+    assert (
+        resolve("auto", colocate=False, is_cuda=False, n_engines=1, ranks_per_engine=1, world_size=1)
+        == "tensor"
+    )
+    assert resolve("auto", False, False, n_engines=2, ranks_per_engine=1, world_size=1) == "broadcast"
+    assert resolve("auto", False, False, n_engines=2, ranks_per_engine=1, world_size=2) == "tensor"
+    assert resolve("auto", False, False, n_engines=1, ranks_per_engine=2, world_size=1) == "broadcast"
+    assert resolve("auto", True, False, n_engines=2, ranks_per_engine=1, world_size=1) == "tensor"
+    assert resolve("auto", False, True, n_engines=1, ranks_per_engine=1, world_size=1) == "broadcast"
+    assert resolve("tensor", False, False, n_engines=2, ranks_per_engine=1, world_size=1) == "tensor"

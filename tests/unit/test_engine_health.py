@@ -110,3 +110,24 @@ def test_stop_watch_checks_once_more_and_recovers_an_engine_that_died_since_the_
         assert engines.events == [("out", "http://a:1"), ("restart", "http://a:1")]
     finally:
         m.close()
+
+
+def test_recover_now_uses_the_given_check_outside_a_watch():
+    """Paused engines cannot answer /health_generate: recover_now checks with the caller's (liveness) check,
+    restarts the engine that fails it, and hands it over once."""
+    engines = Engines(sick={"http://b:1"})
+    m = monitor(engines)
+    try:
+        live: list[str] = []
+
+        def alive(url: str, timeout: float) -> str | None:
+            live.append(url)
+            return "/health: ConnectError" if url == "http://b:1" else None
+
+        assert m.recover_now(alive) == ["http://b:1"]
+        assert live == ["http://a:1", "http://b:1"]
+        assert engines.checks == []  # not watching: the monitor's own check never ran
+        assert engines.events == [("out", "http://b:1"), ("restart", "http://b:1")]
+        assert m.recover_now(lambda url, timeout: None) == []
+    finally:
+        m.close()

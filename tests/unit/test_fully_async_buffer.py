@@ -103,7 +103,6 @@ BASE = ["--hf-checkpoint", "/m", "--prompt-data", "/d.jsonl", "--num-rollout", "
         (["--max-weight-staleness", "1"], "--max-weight-staleness"),
         (["--pause-generation-mode", "abort"], "--pause-generation-mode"),
         (["--fully-async", "--colocate"], "--colocate"),
-        (["--fully-async", "--use-fault-tolerance"], "--use-fault-tolerance"),
         (["--fully-async", "--save", "/c"], "--save"),
         (["--fully-async", "--partial-rollout"], "--partial-rollout"),
         (
