@@ -21,8 +21,6 @@ _CONFLICTS = {
     "colocate": "engines and trainers share devices, so generation cannot go on while the trainer trains",
     "use_fault_tolerance": "restarting engines under the persistent worker is not built yet (issue 25 item 5)",
     "use_session_server": "agent sessions do not live across the worker's refits yet",
-    "save": "the checkpoint does not hold the worker's buffer and in-flight prompts yet (issue 25 item 4); "
-    "--save-hf exports work",
     "partial_rollout": "the worker always continues aborted samples; the flag has no effect",
     "debug_rollout_only": "the worker needs trainers to refit the engines",
 }
