@@ -318,7 +318,7 @@ def _step_metrics(kept: list[list[Sample]], step: int, counts: Counter[str]) -> 
             sample.metadata[STALENESS_KEY] = age = 0 if oldest is None else step - oldest
             ages.append(age)
     metrics = {f"async/{k}": float(v) for k, v in counts.items()}
-    for key in ("dropped_groups", "retried_groups", "continued_samples"):
+    for key in ("dropped_groups", "retried_groups", "continued_samples", "resumed_groups"):
         metrics.setdefault(f"async/{key}", 0.0)
     metrics["async/staleness_mean"] = sum(ages) / len(ages)
     metrics["async/staleness_max"] = float(max(ages))

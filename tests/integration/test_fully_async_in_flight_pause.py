@@ -78,32 +78,53 @@ def _set_version(url: str, model: str, version: str, flush: bool) -> None:
     post_engine(url, "update_weights_from_disk", body, {}, 60, "test refit")
 
 
-@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
-def test_requests_in_flight_across_pauses(tiny, engine, mode):
-    from miles.rollout.async_buffer import oldest_version
+def _wait_for_running(url: str) -> None:
+    deadline = time.monotonic() + 30
+    while not _running(url):  # the next groups are generating
+        assert time.monotonic() < deadline, "no request running"
+        time.sleep(0.01)
+
+
+def _train(manager, url: str, model: str, mode: str, steps: range, refit_last: bool = False):
+    """Take a batch per step; between steps (and after the last one with `refit_last`), once requests run:
+    pause, refit to the next version, continue. Returns the trained samples, each step's metrics and the
+    number of requests the engine held while paused."""
+    trained, rows, held = [], [], []
+    for step in steps:
+        samples, metrics = manager.take_batch(step)
+        trained += samples
+        rows.append(metrics)
+        if step + 1 == steps.stop and not refit_last:
+            break
+        _wait_for_running(url)
+        manager.pause_generation(mode)
+        held.append(_running(url))  # in_place/retract keep them; abort returned them
+        _set_version(url, model, str(step + 1), flush=mode != "in_place")
+        manager.continue_generation(step + 1)
+    return trained, rows, held
+
+
+def _start(tiny, engine, mode: str, version: int, state: dict | None = None):
+    """A rollout manager whose worker starts at `version` (the engine is refitted to it), from `state`."""
     from miles.utils.engine_control_http import wait_until_idle
 
     wait_until_idle(engine.url, {}, 60, "test: idle before the run")
-    _set_version(engine.url, tiny[0], "0", flush=True)
+    _set_version(engine.url, tiny[0], str(version), flush=True)
     manager = _manager(tiny, mode)
     manager.connect(engine.url, [engine.url])
-    manager.start_async(0)
-    trained, rows, held = [], [], []
+    if state is not None:
+        manager.load_state_dict(state)
+    manager.start_async(version)
+    return manager
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_requests_in_flight_across_pauses(tiny, engine, mode):
+    from miles.rollout.async_buffer import oldest_version
+
+    manager = _start(tiny, engine, mode, 0)
     try:
-        for step in range(STEPS):
-            samples, metrics = manager.take_batch(step)
-            trained += samples
-            rows.append(metrics)
-            if step + 1 == STEPS:
-                break
-            deadline = time.monotonic() + 30
-            while not _running(engine.url):  # the next groups are generating when the pause comes
-                assert time.monotonic() < deadline, "no request running to pause"
-                time.sleep(0.01)
-            manager.pause_generation(mode)
-            held.append(_running(engine.url))  # in_place/retract keep them; abort returned them
-            _set_version(engine.url, tiny[0], str(step + 1), flush=mode != "in_place")
-            manager.continue_generation(step + 1)
+        trained, rows, held = _train(manager, engine.url, tiny[0], mode, range(STEPS))
     finally:
         manager.stop_async()
     assert len(trained) == STEPS * 4
@@ -120,3 +141,35 @@ def test_requests_in_flight_across_pauses(tiny, engine, mode):
     else:
         assert continued == 0 and all(n > 0 for n in held), held
     assert all(r["async/staleness_max"] <= BOUND for r in rows)
+
+
+def test_resume_with_groups_in_flight_trains_every_prompt_once(tiny, engine):
+    """The general resume property (exact equality needs bound 0: tests/e2e/test_fully_async_resume.py): a
+    checkpoint written while groups generate restarts them fresh after the resume; over N/2 + resume + N/2 steps
+    every prompt drawn is trained exactly once (the data's first N x batch prompts, as in a straight run) and
+    every sample is within the bound."""
+    import json
+    from collections import Counter
+
+    from miles.tools.toy_data import make_rows
+
+    half, mode = 2, "abort"
+    first = _start(tiny, engine, mode, 0)
+    try:
+        trained, rows, _ = _train(first, engine.url, tiny[0], mode, range(half))
+        _wait_for_running(engine.url)  # the save meets groups generating
+        state = json.loads(json.dumps(first.state_dict(half - 1)))  # as the checkpoint stores it
+    finally:
+        first.stop_async()
+    restart = len(state["async_worker"]["restart"])
+    assert restart > 0
+    second = _start(tiny, engine, mode, half, state)
+    try:
+        more, rows2, _ = _train(second, engine.url, tiny[0], mode, range(half, 2 * half))
+    finally:
+        second.stop_async()
+    trained += more
+    assert rows2[0]["async/resumed_groups"] == restart
+    expected = [row["prompt"] for row in make_rows("echo", 64, seed=0)[: 2 * half * 2]]
+    assert Counter(s.prompt for s in trained[::2]) == Counter(expected)  # one sample per group of 2
+    assert all(0 <= s.metadata["weight_staleness"] <= BOUND for s in trained)
