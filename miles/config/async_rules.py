@@ -20,8 +20,6 @@ _ASYNC_ONLY = (
 _CONFLICTS = {
     "colocate": "engines and trainers share devices, so generation cannot go on while the trainer trains",
     "use_session_server": "agent sessions do not live across the worker's refits yet",
-    "save": "the checkpoint does not hold the worker's buffer and in-flight prompts yet (issue 25 item 4); "
-    "--save-hf exports work",
     "partial_rollout": "the worker always continues aborted samples; the flag has no effect",
     "debug_rollout_only": "the worker needs trainers to refit the engines",
 }

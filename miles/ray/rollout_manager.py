@@ -37,6 +37,7 @@ class RolloutManager:
         self.rollout_cfg = cfg.rollout
         self.fault_tolerant = cfg.cluster.use_fault_tolerance  # --fully-async: dead engines skipped by pauses
         self.worker: AsyncGenerationWorker | None = None  # --fully-async
+        self.async_state: dict | None = None  # --fully-async: the worker's state from a resumed checkpoint
         self.runner = RolloutRunner(
             cfg.data,
             cfg.rollout,
@@ -61,11 +62,16 @@ class RolloutManager:
         self.runner.set_start_rollout(rollout_id)
 
     def state_dict(self, after_rollout: int | None = None) -> RolloutState:
-        """The data cursor and partial-rollout buffer (as right after `after_rollout`), for the checkpoint."""
+        """The data cursor and partial-rollout buffer (as right after `after_rollout`), for the checkpoint;
+        under --fully-async the generation worker's state as of now (its data cursor included)."""
+        if self.worker is not None:
+            worker = self.worker.state_dict()
+            return {"data_source": worker.pop("data_source"), "buffer": [], "async_worker": worker}
         return self.runner.state_dict(after_rollout)
 
     def load_state_dict(self, state: RolloutState) -> None:
         self.runner.load_state_dict(state)
+        self.async_state = state.get("async_worker")  # start_async hands it to the worker
 
     def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
         """Generate and score one rollout: the samples (prompt groups contiguous) and the metrics."""
@@ -94,6 +100,8 @@ class RolloutManager:
             fault_tolerant=self.fault_tolerant,
         )
         self.worker = AsyncGenerationWorker(self.runner, settings, start_version)
+        if self.async_state is not None:
+            self.worker.load_state_dict(self.async_state)
         self.worker.start()
 
     def take_batch(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:

@@ -131,6 +131,11 @@ class GroupBuffer:
             self._cond.notify_all()
             return group
 
+    def snapshot(self) -> list[list[Sample]]:
+        """The buffered groups, oldest first (for a checkpoint; they stay buffered)."""
+        with self._cond:
+            return list(self._groups)
+
     def fail(self, error: BaseException) -> None:
         with self._cond:
             self._error = error

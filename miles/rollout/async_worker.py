@@ -135,6 +135,38 @@ class AsyncGenerationWorker:
         kept.sort(key=lambda g: g[0].metadata[GROUP_KEY])
         return kept, _step_metrics(kept, step, counts | Counter(extra))
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the worker (JSON-able), as of now: the data cursor, the admission count,
+        the buffered groups as they finished (trained after a resume exactly as they would have been, their
+        weight versions kept) with their prompts as admitted (for a retry), and the prompts of the groups in
+        flight and those waiting to be retried: both start again, fresh, after a resume (the engines' partial
+        work is not kept), counted in `async/resumed_groups`. Taken under the admission lock, so every admitted,
+        untrained group is in exactly one of the lists."""
+        with self._lock:
+            buffered = self.buffer.snapshot()
+            keys = [g[0].metadata[GROUP_KEY] for g in buffered]
+            in_flight = [self.fresh[c] for c in sorted(self.fresh) if c not in set(keys)]
+            return {
+                "data_source": self.runner.data_source.state_dict(),
+                "admitted": self.admitted,
+                "buffered": [_dicts(g) for g in buffered],
+                "buffered_fresh": [_dicts(self.fresh[c]) for c in keys],
+                "restart": [_dicts(g) for g in [*self.retry, *in_flight]],
+                "counts": dict(self.counts),
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from a `state_dict()` (before `start`; the data cursor is the rollout runner's to restore)."""
+        self.admitted = int(state["admitted"])
+        for group, fresh in zip(state["buffered"], state["buffered_fresh"], strict=True):
+            samples = _samples(group)
+            self.fresh[samples[0].metadata[GROUP_KEY]] = _samples(fresh)
+            if not self.buffer.put(samples, timeout=0):
+                raise ValueError(f"the checkpoint buffers more groups than the capacity {self.s.capacity}")
+        self.retry.extend(_samples(g) for g in state["restart"])
+        self.counts.update(state["counts"])
+        self.counts["resumed_groups"] += len(state["restart"])
+
     def stop(self, timeout: float = 30.0) -> None:
         self._stop = True
         self.buffer.close()
@@ -285,6 +317,14 @@ def _skip_dead_engines(urls: list[str], results: list[Any], fault_tolerant: bool
         logger.warning("/%s: engine %s did not answer (%s); left to the health monitor", endpoint, url, e)
 
 
+def _dicts(group: list[Sample]) -> list[dict[str, Any]]:
+    return [s.to_dict() for s in group]
+
+
+def _samples(group: list[dict[str, Any]]) -> list[Sample]:
+    return [Sample.from_dict(d) for d in group]
+
+
 def _step_metrics(kept: list[list[Sample]], step: int, counts: Counter[str]) -> dict[str, float]:
     """`async/*` metrics of one train step: each trained sample's staleness (mean, max, and a histogram:
     `async/staleness/<k>` samples k versions old) and this step's counts (dropped, retried, continued ...)."""
@@ -295,7 +335,7 @@ def _step_metrics(kept: list[list[Sample]], step: int, counts: Counter[str]) -> 
             sample.metadata[STALENESS_KEY] = age = 0 if oldest is None else step - oldest
             ages.append(age)
     metrics = {f"async/{k}": float(v) for k, v in counts.items()}
-    for key in ("dropped_groups", "retried_groups", "continued_samples"):
+    for key in ("dropped_groups", "retried_groups", "continued_samples", "resumed_groups"):
         metrics.setdefault(f"async/{key}", 0.0)
     metrics["async/staleness_mean"] = sum(ages) / len(ages)
     metrics["async/staleness_max"] = float(max(ages))

@@ -52,6 +52,8 @@ class RolloutState(TypedDict):
     data_source: dict[str, int]  # the data cursor: {"epoch", "offset"}
     # the partial-rollout buffer: unfinished groups as `Sample.to_dict()` records (older checkpoints: none)
     buffer: NotRequired[list[list[dict[str, Any]]]]
+    # --fully-async: the generation worker's state (`AsyncGenerationWorker.state_dict`, its data cursor aside)
+    async_worker: NotRequired[dict[str, Any]]
 
 
 def sampling_settings(rollout_cfg: RolloutConfig) -> SamplingSettings:

@@ -103,7 +103,6 @@ BASE = ["--hf-checkpoint", "/m", "--prompt-data", "/d.jsonl", "--num-rollout", "
         (["--max-weight-staleness", "1"], "--max-weight-staleness"),
         (["--pause-generation-mode", "abort"], "--pause-generation-mode"),
         (["--fully-async", "--colocate"], "--colocate"),
-        (["--fully-async", "--save", "/c"], "--save"),
         (["--fully-async", "--partial-rollout"], "--partial-rollout"),
         (
             ["--fully-async", "--max-weight-staleness", "0", "--update-weights-interval", "2"],
@@ -135,6 +134,67 @@ def test_fully_async_accepts_each_pause_mode(mode):
         [*BASE, "--fully-async", "--pause-generation-mode", mode, "--max-weight-staleness", "0"]
     )
     assert cfg.rollout.pause_generation_mode == mode and cfg.rollout.update_weights_interval == 1
+
+
+def test_fully_async_accepts_save():
+    from miles.config.parser import parse_config
+
+    assert parse_config([*BASE, "--fully-async", "--save", "/c"]).checkpoint.save == "/c"
+
+
+def _worker(capacity: int = 4):
+    from types import SimpleNamespace
+
+    from miles.rollout.async_worker import AsyncGenerationWorker, AsyncSettings
+
+    source = SimpleNamespace(state_dict=lambda: {"epoch": 1, "offset": 3})
+    settings = AsyncSettings(
+        batch=2, group_size=2, max_concurrent_samples=4, capacity=capacity, max_staleness=1, retry=True
+    )
+    return AsyncGenerationWorker(SimpleNamespace(data_source=source), settings, start_version=5)
+
+
+def test_worker_checkpoint_keeps_buffered_groups_and_restarts_in_flight_and_retried_prompts():
+    """Every admitted, untrained group is saved once: buffered ones as they finished (versions kept), in-flight
+    and to-be-retried ones as their fresh prompts, which start again after the resume."""
+    import json
+
+    from miles.rollout.async_worker import GROUP_KEY
+
+    def fresh(c: int) -> list[Sample]:
+        return [Sample(prompt=f"p{c}", index=j) for j in range(2)]
+
+    def done(c: int) -> list[Sample]:
+        group = fresh(c)
+        for s in group:
+            s.response, s.weight_versions = "r", ["4", "5"]
+            s.metadata.update({GROUP_KEY: c, ADMIT_VERSION: 4})
+        return group
+
+    old = _worker()
+    old.admitted = 9
+    old.fresh = {c: fresh(c) for c in (5, 6, 7, 8)}  # 5, 7 buffered; 6, 8 in flight
+    for c in (7, 5):  # finished out of admission order
+        old.buffer.put(done(c))
+    old.retry.append(fresh(2))
+    old.counts["continued_samples"] = 3
+    state = json.loads(json.dumps(old.state_dict()))  # what the checkpoint stores
+    assert state["data_source"] == {"epoch": 1, "offset": 3} and state["admitted"] == 9
+
+    new = _worker()
+    state.pop("data_source")
+    new.load_state_dict(state)
+    assert new.admitted == 9
+    buffered = new.buffer.snapshot()
+    assert [g[0].metadata[GROUP_KEY] for g in buffered] == [7, 5]
+    assert all(
+        s.weight_versions == ["4", "5"] and s.metadata[ADMIT_VERSION] == 4 for g in buffered for s in g
+    )
+    assert sorted(new.fresh) == [5, 7] and new.fresh[5][0].prompt == "p5" and new.fresh[5][0].response == ""
+    assert [g[0].prompt for g in new.retry] == ["p2", "p6", "p8"]  # retries first, then in flight in order
+    assert new.counts == {"continued_samples": 3, "resumed_groups": 3}
+    with pytest.raises(ValueError, match="capacity 1"):
+        _worker(capacity=1).load_state_dict(state)
 
 
 def test_the_synchronous_driver_refuses_fully_async(capsys):
