@@ -70,8 +70,15 @@ class RolloutManager:
         return self.runner.state_dict(after_rollout)
 
     def load_state_dict(self, state: RolloutState) -> None:
+        worker = state.get("async_worker")
+        pending = len(worker["buffered"]) + len(worker["restart"]) if worker else 0
+        if pending and not self.rollout_cfg.fully_async:  # this driver would resume the data cursor alone
+            raise RuntimeError(
+                f"the checkpoint was saved by --fully-async with {pending} prompt group(s) buffered or in flight; "
+                "resume it with --fully-async (python -m miles.train_async) so they are trained, not skipped"
+            )
         self.runner.load_state_dict(state)
-        self.async_state = state.get("async_worker")  # start_async hands it to the worker
+        self.async_state = worker  # start_async hands it to the worker
 
     def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
         """Generate and score one rollout: the samples (prompt groups contiguous) and the metrics."""

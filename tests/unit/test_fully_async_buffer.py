@@ -229,3 +229,26 @@ def test_each_weight_version_span_is_recorded_as_a_segment():
     apply_output(aborted, GenerateOutput.from_response(empty | {"meta_info": empty["meta_info"] | {
         "finish_reason": {"type": "abort"}}}, "t"))  # fmt: skip
     assert aborted.weight_versions == []
+
+
+def test_a_fully_async_checkpoint_with_pending_groups_is_refused_by_the_other_drivers():
+    """miles.train (or the one-step-off driver) would resume only the data cursor of a --fully-async checkpoint and
+    skip its buffered and in-flight prompts: refused, naming the flag; with nothing pending it resumes."""
+    from types import SimpleNamespace
+
+    from miles.ray.rollout_manager import RolloutManager
+
+    loaded = []
+    manager = SimpleNamespace(
+        rollout_cfg=SimpleNamespace(fully_async=False), runner=SimpleNamespace(load_state_dict=loaded.append)
+    )
+    pending = {"data_source": {}, "buffer": [], "async_worker": {"buffered": [[{}]], "restart": [[{}]]}}
+    with pytest.raises(RuntimeError, match="2 prompt group.*--fully-async"):
+        RolloutManager.load_state_dict(manager, pending)  # type: ignore[arg-type]
+    assert loaded == []
+    idle = {"data_source": {}, "buffer": [], "async_worker": {"buffered": [], "restart": []}}
+    RolloutManager.load_state_dict(manager, idle)  # type: ignore[arg-type]
+    assert loaded == [idle]
+    manager.rollout_cfg.fully_async = True
+    RolloutManager.load_state_dict(manager, pending)  # type: ignore[arg-type]
+    assert manager.async_state == pending["async_worker"]
