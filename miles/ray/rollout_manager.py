@@ -24,10 +24,9 @@ class RolloutManager:
     # cfg: validated once by the driver; Ray pickles it (secrets included)
     def __init__(self, cfg: Config) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoTokenizer
-
         from miles.engines.router import generation_via_router
         from miles.rollout.runner import RolloutRunner
+        from miles.utils.tokenizer_load import load_tokenizer
 
         if cfg.log.run_dir:  # its stacks on SIGUSR1, for the driver's hang dumps
             from miles.utils import hang_dump
@@ -42,7 +41,7 @@ class RolloutManager:
             cfg.data,
             cfg.rollout,
             cfg.eval,
-            tokenizer=AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint),
+            tokenizer=load_tokenizer(cfg.model.hf_checkpoint),  # no torch import where it can
             router_url="",  # set by connect()
             engine_urls=[],
             api_key=cfg.engine.engine_api_key,

@@ -86,6 +86,28 @@ def test_local_ray_listens_on_loopback_only(local_ray):
     assert not public, public
 
 
+def _script(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def test_local_ray_starts_no_autoscaler_monitor_or_api_server(local_ray):
+    from ray._private import node
+
+    scripts = [_script(pid) for pid in _descendants(os.getpid())]
+    assert any("log_monitor.py" in s for s in scripts), scripts  # worker output still reaches the driver
+    assert any("dashboard/agent.py" in s for s in scripts), scripts  # the raylet needs its agents
+    assert not [s for s in scripts if "autoscaler/_private/monitor.py" in s or "dashboard/dashboard.py" in s]
+    assert node.Node.start_monitor.__name__ == "start_monitor"  # Ray's methods are back after the start
+    assert node.Node.start_api_server.__name__ == "start_api_server"
+    env = {"env_vars": {"MILES_PROBE": "1"}}  # a runtime env still reaches workers (the runtime-env agent)
+    probe = local_ray.remote(num_cpus=0, runtime_env=env)(lambda: os.environ.get("MILES_PROBE"))
+    assert local_ray.get(probe.remote(), timeout=60) == "1"
+
+
 def _group(ray, timeout: float):
     from miles.ray.train_group import RayTrainGroup
     from tests.e2e.faults import StuckTrainWorker
