@@ -3,10 +3,10 @@
 What exists: tiny Qwen2.5-VL / Qwen3-VL models (miles.tools.tiny_vlm), the image data path (miles.rollout.multimodal
 and the data source: `--multimodal-keys` fills `Sample.multimodal_data` and expanded prompt ids), the FSDP2 trainer
 (the VL model built and sharded, `--freeze-vision-tower`, packed VL log-prob / train / reference forwards:
-miles.backends.fsdp_utils.vl_train), HF export and the toy image tasks. What does not: the embedded engine's VL
-runner, images in SGLang requests and refit name mapping (the engine side). A run cannot work end to end without
-them, so a run with a VL checkpoint, `--multimodal-keys` or `--freeze-vision-tower` is still refused here, before
-Ray starts, naming issue 27.
+miles.backends.fsdp_utils.vl_train), HF export and the toy image tasks. The whole loop runs and learns on CPU with the
+embedded engine (tests/e2e/test_tiny_vlm_learns.py). Refused here, before Ray starts: context parallelism (its own
+reason), LoRA and explicit SGLang engines with a VL model (not proven end to end), `--freeze-vision-tower` without
+a VL checkpoint. Multi-turn tool images are not built (no flag opts into them).
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ import os
 from miles.config.values import Values
 
 SUPPORTED_MODALITIES = ("image",)
-_NOT_BUILT = (
-    "vision-language RL is built only in part (issue 27): the image data path, the FSDP2 VL trainer "
-    "(--freeze-vision-tower included) and HF export exist, but the engine VL runner, images in rollout requests "
-    "and refit name mapping do not, so a run is refused; see docs/vlm.md"
+_NOT_PROVEN = (
+    "is not proven end to end yet (issue 27: the VL loop is tested with the embedded engine, full fine-tuning, "
+    "single-turn image prompts); see docs/vlm.md"
 )
 
 
@@ -80,7 +79,7 @@ def is_vl_checkpoint(path: object) -> bool:
 
 
 def vision_language(v: Values) -> None:
-    """Refuse what issue 27 has not built yet; context parallelism with VL is refused with its own reason."""
+    """Refuse what issue 27 has not proven for VL runs; context parallelism with VL is refused with its own reason."""
     keys = parse_multimodal_keys_flag(v)
     if "multimodal_keys" in v.bad:
         return
@@ -93,13 +92,17 @@ def vision_language(v: Values) -> None:
             "context parallelism is not supported for vision-language models (issue 27): the image features and "
             "3-D rotary position ids of a sequence would be split across ranks; use --context-parallel-size 1",
         )
-    if keys is not None:
-        v.fail("multimodal_keys", _NOT_BUILT)
-    elif vl_ckpt:
+    if keys is not None and not vl_ckpt:
         v.fail(
-            "hf_checkpoint", f"is a vision-language checkpoint (config.json has vision_config): {_NOT_BUILT}"
+            "multimodal_keys",
+            "needs a vision-language --hf-checkpoint (config.json with vision_config), issue 27",
         )
-    else:
+    if v["freeze_vision_tower"] and not vl_ckpt:
         v.fail(
-            "freeze_vision_tower", f"needs a vision-language checkpoint and --multimodal-keys; {_NOT_BUILT}"
+            "freeze_vision_tower",
+            "needs a vision-language checkpoint (config.json with vision_config), issue 27",
         )
+    if v["lora_rank"]:
+        v.fail("lora_rank", f"LoRA on a vision-language model {_NOT_PROVEN}")
+    if v["rollout_engine"] == "sglang":
+        v.fail("rollout_engine", f"SGLang engines serving a vision-language model {_NOT_PROVEN}")

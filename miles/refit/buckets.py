@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from miles.refit.fp8 import quantize_bucket
+from miles.refit.vl_names import engine_name
 from miles.utils.progress import track
 
 if TYPE_CHECKING:
@@ -45,6 +46,11 @@ def hf_name(name: str) -> str:
     return name
 
 
+def sent_name(name: str) -> str:
+    """The name a refit sends: the HF key, in the spelling SGLang's VL loaders take (``miles.refit.vl_names``)."""
+    return engine_name(hf_name(name))
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     """One tensor a refit sends, under its HF name, with the size it has in the engine dtype."""
@@ -63,7 +69,7 @@ def hf_tensors(model: RefitSource, dtype: torch.dtype | None) -> list[TensorEntr
         seen.add(id(t))
         out_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
         nbytes = t.numel() * out_dtype.itemsize
-        entries.append(TensorEntry(hf_name(name), t, nbytes))
+        entries.append(TensorEntry(sent_name(name), t, nbytes))
     return entries
 
 

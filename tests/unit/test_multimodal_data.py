@@ -81,7 +81,7 @@ def test_bad_image_names_sample_and_field(value: object, words: str) -> None:
     assert words in msg
 
 
-def test_validation_refuses_vl_runs_naming_issue_27(tmp_path: Path) -> None:
+def test_validation_refuses_unproven_vl_runs_naming_issue_27(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
         parse_config(REQUIRED + ["--multimodal-keys", '{"image": "images"}'])
     assert "--multimodal-keys" in str(e.value) and "issue 27" in str(e.value)
@@ -105,5 +105,12 @@ def test_validation_refuses_vl_runs_naming_issue_27(tmp_path: Path) -> None:
         parse_config(argv)
     text = str(e.value)
     assert "--context-parallel-size=2: context parallelism is not supported for vision-language" in text
-    assert "vision-language checkpoint" in text and "issue 27" in text
+    assert "issue 27" in text
+    base = [*REQUIRED, "--hf-checkpoint", str(vl), "--multimodal-keys", '{"image": "images"}']
+    with pytest.raises(ConfigError, match="--lora-rank.*not proven.*issue 27"):
+        parse_config(base + ["--lora-rank", "8"])
+    with pytest.raises(ConfigError, match="--rollout-engine.*not proven.*issue 27"):
+        parse_config(base + ["--rollout-engine", "sglang"])
+    parse_config(base)  # what the e2e test runs: accepted
+    parse_config(base + ["--freeze-vision-tower"])
     parse_config(REQUIRED)  # text-only runs are untouched

@@ -89,6 +89,18 @@ def pack_images(packed: PackedBatch, samples: Sequence[object]) -> PackedImages:
     return PackedImages(torch.cat(pixels), torch.cat(grids), counts)
 
 
+def input_tokens(model: torch.nn.Module, packed: PackedBatch) -> torch.Tensor:
+    """[T] the tokens the model reads: a sequence whose last token is an image pad the policy sampled (the rollout
+    stops on it, see docs/vlm.md) reads the text pad id there instead. The last token's own input changes no
+    log-prob (its logits are not used); as an image pad it would claim image features the sample does not have."""
+    tokens = packed.tokens.clone()
+    last = packed.cu_seqlens[1:].long() - 1
+    pad_id = getattr(model.config.get_text_config(), "pad_token_id", None) or 0
+    trailing = last[(packed.response_lengths > 0) & (tokens[last] == model.config.image_token_id)]
+    tokens[trailing] = pad_id
+    return tokens
+
+
 def mrope_position_ids(model: torch.nn.Module, packed: PackedBatch, images: PackedImages) -> torch.Tensor:
     """[3, T] long: each sequence's multimodal rotary positions (the model's `get_rope_index`), side by side."""
     inner = _inner(model)
@@ -96,8 +108,9 @@ def mrope_position_ids(model: torch.nn.Module, packed: PackedBatch, images: Pack
     bounds = packed.cu_seqlens.tolist()
     rows = []
     grid_start = 0
+    all_tokens = input_tokens(model, packed)
     for j, n_img in enumerate(images.images_per_sequence):
-        tokens = packed.tokens[bounds[j] : bounds[j + 1]]
+        tokens = all_tokens[bounds[j] : bounds[j + 1]]
         if n_img == 0:
             rows.append(torch.arange(tokens.numel()).expand(3, -1))
             continue
@@ -136,6 +149,7 @@ def forward_packed_vl(
     enable_vl_varlen_attention(model)
     device = next(model.parameters()).device
     tokens = packed.tokens.to(device)
+    model_tokens = input_tokens(model, packed).to(device)
     positions = packed.logit_positions().to(device)
     mrope = mrope_position_ids(model, packed, images).to(device)
     position_ids = torch.cat([packed.position_ids.to(device)[None], mrope])[:, None]  # [4, 1, T]
@@ -147,7 +161,11 @@ def forward_packed_vl(
             "image_grid_thw": images.image_grid_thw.to(device),
         }
     out = model(
-        input_ids=tokens[None], position_ids=position_ids, use_cache=False, logits_to_keep=positions, **extra
+        input_ids=model_tokens[None],
+        position_ids=position_ids,
+        use_cache=False,
+        logits_to_keep=positions,
+        **extra,
     )
     log_probs, entropy = log_probs_and_entropy(
         out.logits[0], tokens.index_select(0, positions + 1), temperature, with_entropy

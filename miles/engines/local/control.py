@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
+from miles.refit.vl_names import engine_name
 from miles.utils.types import JSON
 from miles.utils.weight_checksum import device_hash_kind, overall_checksum, tensor_checksum
 
@@ -367,8 +368,8 @@ class WeightControl:
             if sent:
                 checksums.update(sent)
             else:
-                t = self.weights.get(name)
-                checksums[name] = tensor_checksum(t, device_hash_kind(t.device))
+                t = self.weights.get(name)  # named as SGLang's own parameters are (a VL model's: vl_names)
+                checksums[engine_name(name)] = tensor_checksum(t, device_hash_kind(t.device))
         overall = overall_checksum(checksums)
         rank: RankChecksums = {
             "checksums": checksums,

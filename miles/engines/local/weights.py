@@ -1,7 +1,8 @@
 """The embedded engine's parameters: loading named tensors, releasing and re-allocating their storage.
 
 Names are those of the HF model's `named_parameters()` (tied weights answer to every alias, e.g. both
-`model.embed_tokens.weight` and `lm_head.weight`). After `resume()` every parameter is zero-filled and marked
+`model.embed_tokens.weight` and `lm_head.weight`; a VL model's also in the spelling SGLang's loaders take,
+`model.X` / `visual.X` for `model.language_model.X` / `model.visual.X`: `miles.refit.vl_names`). After `resume()` every parameter is zero-filled and marked
 *pending*; each loaded tensor clears its mark, and the engine refuses to generate until none is pending, so a refit
 that misses a tensor is caught instead of silently sampling from zeros.
 """
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from miles.refit.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_named
+from miles.refit.vl_names import engine_name
 from miles.utils.weight_checksum import device_hash_kind, tensor_checksum
 
 
@@ -34,6 +36,8 @@ class WeightStore:
             canon = by_id.setdefault(id(p), name)
             self._canonical[name] = canon
             self._params[canon] = p
+        for name, canon in list(self._canonical.items()):  # a VL model also takes SGLang's loader names
+            self._canonical.setdefault(engine_name(name), canon)
         self._meta = {n: (tuple(p.shape), p.dtype) for n, p in self._params.items()}
         self.device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
         self.released = False
