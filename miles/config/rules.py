@@ -11,6 +11,7 @@ import re
 from contextlib import suppress
 
 from miles.config.async_rules import fully_async
+from miles.config.hybrid_rules import hybrid_models
 from miles.config.schema import FIELDS
 from miles.config.tp_rules import tensor_parallel
 from miles.config.values import Rule, Skip, Values
@@ -502,4 +503,5 @@ RULES: list[Rule] = [
     _session_server,
     fully_async,
     vision_language,
+    hybrid_models,
 ]

@@ -14,7 +14,7 @@ import numpy as np
 
 # transformers' router modules whose output is (logits [N, E], gate weights [N, K], expert ids [N, K]); the trainer
 # (backends/fsdp_utils/moe.py) and the embedded engine (engines/local/routing_capture.py) hook these
-ROUTER_CLASS_NAMES = ("Qwen3MoeTopKRouter",)
+ROUTER_CLASS_NAMES = ("Qwen3MoeTopKRouter", "Qwen3NextTopKRouter")
 
 
 def moe_routers(model: Any) -> list[Any]:

@@ -27,6 +27,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from miles.backends.fsdp_utils.attention import use_flash_kernel, varlen_kernel
+from miles.backends.fsdp_utils.linear_attention import segment_linear_attention
 
 if TYPE_CHECKING:
     from miles.backends.fsdp_utils.context_parallel import CPShard
@@ -328,6 +329,8 @@ AttentionMaskInterface.register(VARLEN_ATTENTION, _varlen_mask)
 
 
 def enable_varlen_attention(model: torch.nn.Module) -> None:
-    """Switch an HF model (plain or FSDP2-wrapped, which is the same module) to "miles_varlen". Idempotent."""
+    """Switch an HF model (plain or FSDP2-wrapped, which is the same module) to "miles_varlen", its
+    linear-attention layers (hybrid models) to one run per packed sequence. Idempotent."""
     if getattr(model.config, "_attn_implementation", None) != VARLEN_ATTENTION:
         model.set_attn_implementation(VARLEN_ATTENTION)
+    segment_linear_attention(model)

@@ -1,0 +1,183 @@
+"""Tiny, randomly initialised Qwen3-Next models (transformers' `Qwen3NextForCausalLM`) with the toy task's tokenizer.
+
+The hybrid sibling of `miles.tools.tiny_moe`: the same BPE tokenizer (`build_tokenizer`), seeded init and atomic
+write. Layers alternate linear attention (gated delta net) and full attention (`full_attention_interval`: every
+k-th layer is full attention, Qwen3-Next's real models use 4; the tiny default 2 gives one of each in 2 layers),
+and every layer's MLP is a sparse MoE block with a shared expert, as Qwen3-Next's. On CPU transformers runs its
+torch fallback of the linear attention; the GPU kernels (flash-linear-attention, causal-conv1d) are the optional
+`hybrid` extra (`linear_attention_kernels` in backends/fsdp_utils/linear_attention.py).
+
+    python -m miles.tools.tiny_next --out /tmp/tiny-next --num-layers 2 --num-experts 4 --top-k 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from miles.tools.tiny_model import _portable_tokenizer_config, build_tokenizer
+from miles.tools.toy_data import DEFAULT_TASK, TASKS
+
+if TYPE_CHECKING:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+
+def tiny_next_config(
+    vocab_size: int,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    full_attention_interval: int = 2,
+    num_experts: int = 4,
+    top_k: int = 2,
+    max_position_embeddings: int = 512,
+    initializer_range: float = 0.02,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+) -> Qwen3NextConfig:
+    """The float32 Qwen3-Next config of a tiny model: layer i is full attention when (i + 1) is a multiple of
+    `full_attention_interval`, else linear attention; every layer sparse (top-k renormalised) plus a shared expert."""
+    from transformers import Qwen3NextConfig
+
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
+    if full_attention_interval < 1:
+        raise ValueError(f"full_attention_interval={full_attention_interval} must be >= 1")
+    head_dim = hidden_size // num_heads
+    layer_types = [
+        "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
+        for i in range(num_layers)
+    ]
+    return Qwen3NextConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads // 2 if num_heads % 2 == 0 else num_heads,
+        head_dim=head_dim,
+        layer_types=layer_types,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim,
+        linear_num_key_heads=max(1, num_heads // 2),
+        linear_num_value_heads=num_heads,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=hidden_size,
+        shared_expert_intermediate_size=hidden_size,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        output_router_logits=False,  # miles computes its own auxiliary loss (fsdp_utils/moe.py)
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        initializer_range=initializer_range,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+        dtype="float32",
+    )
+
+
+def tiny_next_model(config: Qwen3NextConfig, seed: int) -> Qwen3NextForCausalLM:
+    """A float32 `Qwen3NextForCausalLM` of `config`, initialised right after `torch.manual_seed(seed)`."""
+    import torch
+    from transformers import Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen3NextForCausalLM(config).float()
+
+
+def build_tiny_next(
+    out_dir: str | os.PathLike[str],
+    task: str = DEFAULT_TASK,
+    seed: int = 0,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    full_attention_interval: int = 2,
+    num_experts: int = 4,
+    top_k: int = 2,
+    vocab_size: int = 48,
+    initializer_range: float = 0.02,
+    overwrite: bool = False,
+) -> Path:
+    """Write a tiny random Qwen3-Next + the toy task's BPE tokenizer to `out_dir` (built in `out_dir.tmp`, then
+    renamed into place); returns its path. torch's global RNG is left as it was."""
+    import torch
+
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} already exists; pass overwrite=True (--overwrite) to replace it")
+    tok = build_tokenizer(task, vocab_size)
+    config = tiny_next_config(
+        len(tok),
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        full_attention_interval=full_attention_interval,
+        num_experts=num_experts,
+        top_k=top_k,
+        initializer_range=initializer_range,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        model = tiny_next_model(config, seed)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    _portable_tokenizer_config(tmp / "tokenizer_config.json")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI entry point: `python -m miles.tools.tiny_next --out DIR`."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output directory (HF format)")
+    p.add_argument(
+        "--task", default=DEFAULT_TASK, choices=sorted(TASKS), help="toy task the tokenizer covers"
+    )
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument(
+        "--full-attention-interval", type=int, default=2, help="every k-th layer is full attention"
+    )
+    p.add_argument("--num-experts", type=int, default=4)
+    p.add_argument("--top-k", type=int, default=2, help="experts routed per token")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    a = p.parse_args(argv)
+    out = build_tiny_next(
+        a.out,
+        task=a.task,
+        seed=a.seed,
+        hidden_size=a.hidden_size,
+        num_layers=a.num_layers,
+        num_heads=a.num_heads,
+        full_attention_interval=a.full_attention_interval,
+        num_experts=a.num_experts,
+        top_k=a.top_k,
+        overwrite=a.overwrite,
+    )
+    print(f"wrote tiny Qwen3-Next to {out}")
+
+
+if __name__ == "__main__":
+    main()
