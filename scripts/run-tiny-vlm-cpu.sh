@@ -20,8 +20,6 @@ if [ ! -f "$ART/read_digit.jsonl" ]; then
 fi
 FREEZE=()
 [ "${FREEZE_VISION:-0}" = 1 ] && FREEZE=(--freeze-vision-tower)
-# the image pad id ends a response: a sampled pad would claim image features the sample does not have (docs/vlm.md)
-PAD_ID=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['image_token_id'])" "$ART/model/config.json")
 
 python3 -m miles.train \
   --hf-checkpoint "$ART/model" \
@@ -29,7 +27,7 @@ python3 -m miles.train \
   --multimodal-keys '{"image": "images"}' "${FREEZE[@]}" \
   --rm-type math \
   --num-rollout "${NUM_ROLLOUT:-40}" --rollout-batch-size 16 --n-samples-per-prompt 8 \
-  --rollout-max-response-len 2 --rollout-temperature 1.0 --rollout-stop-token-ids "$PAD_ID" \
+  --rollout-max-response-len 2 --rollout-temperature 1.0 \
   --global-batch-size 128 --micro-batch-size 32 \
   --advantage-estimator grpo --eps-clip 0.2 --eps-clip-high 0.28 \
   --optimizer adam --lr 5e-3 --lr-decay-style constant --clip-grad 1.0 \
