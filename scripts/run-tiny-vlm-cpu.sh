@@ -3,6 +3,7 @@
 # (miles.tools.tiny_vlm) learns the toy image task "read_digit" (answer the digit drawn in a 56x56 image) through the
 # real system: images in the data (--multimodal-keys), in the /generate requests (image_data) and in the packed
 # trainer forward; embedded engines running the VL model; colocated refit under SGLang's VL loader names.
+# ROLLOUT_BATCH_SIZE (prompts per rollout, 8 samples each), MAX_RESPONSE_LEN and LR override the defaults.
 # Set FREEZE_VISION=1 to train the language model only (--freeze-vision-tower). Extra arguments go to `miles.train`.
 # Output: one line per rollout, metrics in $RUN_DIR/metrics.jsonl.
 set -euo pipefail
@@ -20,19 +21,17 @@ if [ ! -f "$ART/read_digit.jsonl" ]; then
 fi
 FREEZE=()
 [ "${FREEZE_VISION:-0}" = 1 ] && FREEZE=(--freeze-vision-tower)
-# the image pad id ends a response: a sampled pad would claim image features the sample does not have (docs/vlm.md)
-PAD_ID=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['image_token_id'])" "$ART/model/config.json")
 
 python3 -m miles.train \
   --hf-checkpoint "$ART/model" \
   --prompt-data "$ART/read_digit.jsonl" --input-key prompt --label-key label --apply-chat-template --rollout-shuffle \
   --multimodal-keys '{"image": "images"}' "${FREEZE[@]}" \
   --rm-type math \
-  --num-rollout "${NUM_ROLLOUT:-40}" --rollout-batch-size 16 --n-samples-per-prompt 8 \
-  --rollout-max-response-len 2 --rollout-temperature 1.0 --rollout-stop-token-ids "$PAD_ID" \
-  --global-batch-size 128 --micro-batch-size 32 \
+  --num-rollout "${NUM_ROLLOUT:-40}" --rollout-batch-size "${ROLLOUT_BATCH_SIZE:-16}" --n-samples-per-prompt 8 \
+  --rollout-max-response-len "${MAX_RESPONSE_LEN:-2}" --rollout-temperature 1.0 \
+  --global-batch-size "$((${ROLLOUT_BATCH_SIZE:-16} * 8))" --micro-batch-size 32 \
   --advantage-estimator grpo --eps-clip 0.2 --eps-clip-high 0.28 \
-  --optimizer adam --lr 5e-3 --lr-decay-style constant --clip-grad 1.0 \
+  --optimizer adam --lr "${LR:-5e-3}" --lr-decay-style constant --clip-grad 1.0 \
   --actor-num-nodes 1 --actor-num-gpus-per-node 2 --colocate --rollout-num-gpus-per-engine 1 \
   --train-backend fsdp --update-weight-buffer-size 1048576 \
   --run-dir "$RUN_DIR" --seed 1 \

@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-NUM_ROLLOUT = 30
+NUM_ROLLOUT = 14
 
 
 @pytest.mark.parametrize("freeze", [False, True], ids=["vision-trained", "vision-frozen"])
@@ -25,6 +25,9 @@ def test_tiny_vlm_run_learns_read_digit(tmp_path, freeze):
         "MILES_TINY_VLM_DIR": str(tmp_path / "tiny"),
         "RUN_DIR": str(tmp_path / "run"),
         "NUM_ROLLOUT": str(NUM_ROLLOUT),
+        "ROLLOUT_BATCH_SIZE": "8",
+        "MAX_RESPONSE_LEN": "1",
+        "LR": "2e-2",
         "FREEZE_VISION": "1" if freeze else "0",
     }
     proc = subprocess.run(
@@ -42,6 +45,7 @@ def test_tiny_vlm_run_learns_read_digit(tmp_path, freeze):
     assert max(r["train/train_rollout_logprob_abs_diff"] for r in rows) <= 1e-5
     rewards = [r["rollout/raw_reward"] for r in rows]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    # measured (vision trained, 2 cores): 0.036 over rollouts 0-2 -> 0.185 over 26-28, so +0.15 in 30 rollouts;
-    # the issue's +0.3 is not reached in a test-sized run (see docs/vlm.md)
-    assert last - first >= 0.1, rewards
+    # measured (2 cores, loaded; 93 s / 102 s a case): 0.016 over rollouts 0-2 -> 0.219 (trained) / 0.234 (frozen).
+    # That rise is mostly learning to answer with one digit (0-3: chance is 0.25); the issue's +0.3 would need the
+    # image read, not reached in a test-sized run (docs/vlm.md). A run that does not learn stays near 0.02.
+    assert last - first >= 0.12, rewards

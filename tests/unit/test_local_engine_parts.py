@@ -629,6 +629,22 @@ def test_failed_decode_step_fails_only_the_batch(local_engine, monkeypatch):
     assert len(_run(local_engine, {"input_ids": [3, 4], "sampling_params": sp})["output_ids"]) == 4
 
 
+def test_a_step_raising_stop_iteration_answers_with_an_error(local_engine, monkeypatch):
+    """StopIteration from the model (a Future cannot carry it into asyncio) fails the request, wrapped."""
+    sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+    def broken(*a, **k):
+        raise StopIteration
+
+    monkeypatch.setattr(local_engine.runner, "forward", broken)
+    _, futs, _ = local_engine.submit_generate({"input_ids": [3, 4], "sampling_params": sp})
+    with pytest.raises(RuntimeError, match="StopIteration") as info:
+        futs[0].result(30)
+    assert isinstance(info.value.__cause__, StopIteration)
+    monkeypatch.undo()
+    assert len(_run(local_engine, {"input_ids": [3, 4], "sampling_params": sp})["output_ids"]) == 4
+
+
 def test_batch_is_all_or_nothing(local_engine):
     long_sp = {"max_new_tokens": 20, "ignore_eos": True}
     with pytest.raises(ValueError, match="unique"):

@@ -56,3 +56,21 @@ def test_the_first_error_in_batch_order_fails_it_and_an_empty_batch_is_done() ->
         assert await _when_all_done([]) == []
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("error", [StopIteration(), StopAsyncIteration("x"), KeyboardInterrupt()])
+def test_an_error_an_asyncio_future_refuses_is_delivered_wrapped_not_hung(error: BaseException) -> None:
+    """A model step that raises StopIteration (transformers' get_rope_index on a stray image pad) must answer
+    the request with an error: asyncio futures refuse StopIteration, which left the request waiting out its
+    deadline."""
+
+    async def go() -> None:
+        futs: list[Future[int]] = [Future() for _ in range(2)]
+        waiting = _when_all_done(futs)
+        t = _finish_from_a_thread(futs, [1, error])
+        with pytest.raises(RuntimeError, match=type(error).__name__) as info:
+            await asyncio.wait_for(waiting, 5)
+        assert info.value.__cause__ is error
+        t.join()
+
+    asyncio.run(go())

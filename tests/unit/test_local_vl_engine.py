@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import base64
 import io
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from miles.engines.local.engine import LocalEngine, LocalEngineConfig
+from miles.engines.local.vl_runner import VLInputs, VLRunner
 from miles.rollout.multimodal import VLProcessor, load_image
 from miles.rollout.vl_request import collapse_image_pads
 from miles.tools.tiny_vlm import build_tiny_vlm
@@ -106,3 +108,64 @@ def test_image_count_must_match_pads(vl):
             {"input_ids": sent, "image_data": IMAGES, "sampling_params": {"max_new_tokens": 1}}
         )
     assert eng.model_info()["has_image_understanding"] is True
+
+
+def test_sampled_image_pads_mid_response_are_text_for_engine_and_trainer(vl, monkeypatch):
+    """A response holding image pads and a vision start mid-way (as a policy may sample them): the engine keeps
+    decoding (the tokens are text at text positions + the rope delta, as SGLang decodes) and the trainer's packed
+    forward gives the engine's log-probs (<= 1e-5), for a sample with an image and one without."""
+    import miles.engines.local.engine_loop as engine_loop
+    from miles.backends.fsdp_utils.data_packing import pack_sequences
+    from miles.backends.fsdp_utils.vl_packing import forward_packed_vl, pack_images
+
+    path, eng = vl
+    proc = VLProcessor.from_pretrained(path)
+    cfg = eng.runner.model.config
+    forced = {1: cfg.image_token_id, 2: cfg.vision_start_token_id, 4: cfg.image_token_id}
+    original = engine_loop.sample_batch
+    step = {"n": 0}
+
+    def forcing(logits, params, rngs):
+        tokens, lps = original(logits, params, rngs)
+        tok = forced.get(step["n"])
+        step["n"] += 1
+        if tok is not None:
+            tokens = [tok] * len(tokens)
+            lps = torch.log_softmax(logits.float(), -1)[:, tok].tolist()
+        return tokens, lps
+
+    monkeypatch.setattr(engine_loop, "sample_batch", forcing)
+    ids, mm = proc.encode("count the shapes", [load_image(IMAGES[1], "t")])
+    text_ids, _ = proc.encode("what is 3+4?", [])
+    sent, _ = collapse_image_pads(ids, proc.image_token_id)
+    sp = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+    samples = []
+    for prompt, expanded, images, p_mm in [(sent, ids, IMAGES[1:], mm), (text_ids, text_ids, [], None)]:
+        step["n"] = 0
+        out = _run(
+            eng, {"input_ids": prompt, "image_data": images, "sampling_params": sp, "return_logprob": True}
+        )
+        assert [out["output_ids"][k] for k in forced] == list(forced.values())
+        lps = [row[0] for row in out["meta_info"]["output_token_logprobs"]]
+        samples.append(
+            {
+                "tokens": expanded + out["output_ids"],
+                "response_length": NEW,
+                "multimodal_inputs": p_mm,
+                "lps": lps,
+            }
+        )
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    (packed,) = pack_sequences(samples, num_packs=1)
+    with torch.no_grad():
+        got, _ = forward_packed_vl(model, packed, pack_images(packed, samples), temperature=1.0)
+    for lp, i in zip(got, packed.sample_indices.tolist()):
+        assert (lp - torch.tensor(samples[i]["lps"])).abs().max() <= 1e-5
+    # a re-prefill of prompt and outputs (a slot whose cache is gone) reads the pads as text too
+    runner = VLRunner(model)
+    inputs = VLInputs(mm.pixel_values, mm.image_grid_thw)
+    logits = runner._prefill(0, SimpleNamespace(mm=inputs, input_ids=ids), samples[0]["tokens"][:-1])
+    last = torch.log_softmax(logits, -1)[samples[0]["tokens"][-1]].item()
+    assert abs(last - samples[0]["lps"][-1]) <= 1e-5

@@ -26,6 +26,14 @@ import torch
 from miles.algo.logprobs import log_probs_and_entropy
 from miles.backends.fsdp_utils.data_packing import PackedBatch, unpack_sequences
 from miles.backends.fsdp_utils.packed_attention import VARLEN_ATTENTION
+from miles.utils.vl_positions import (
+    embeddings_read,
+    image_region_end,
+    mrope_positions,
+    placeholder_free_ids,
+    placeholder_ids,
+    stray_placeholder_mask,
+)
 
 __all__ = ["PackedImages", "forward_packed_vl", "is_vl_model", "pack_images", "vision_tower"]
 
@@ -89,37 +97,43 @@ def pack_images(packed: PackedBatch, samples: Sequence[object]) -> PackedImages:
     return PackedImages(torch.cat(pixels), torch.cat(grids), counts)
 
 
-def input_tokens(model: torch.nn.Module, packed: PackedBatch) -> torch.Tensor:
-    """[T] the tokens the model reads: a sequence whose last token is an image pad the policy sampled (the rollout
-    stops on it, see docs/vlm.md) reads the text pad id there instead. The last token's own input changes no
-    log-prob (its logits are not used); as an image pad it would claim image features the sample does not have."""
-    tokens = packed.tokens.clone()
-    last = packed.cu_seqlens[1:].long() - 1
-    pad_id = getattr(model.config.get_text_config(), "pad_token_id", None) or 0
-    trailing = last[(packed.response_lengths > 0) & (tokens[last] == model.config.image_token_id)]
-    tokens[trailing] = pad_id
-    return tokens
+def image_regions(model: torch.nn.Module, packed: PackedBatch, images: PackedImages) -> torch.Tensor:
+    """[n] long: where each sequence's image region ends (relative to its start; see miles.utils.vl_positions):
+    after its prompt and after the image pads its own images fill."""
+    merge = int(model.config.vision_config.spatial_merge_size)
+    image_token_id = model.config.image_token_id
+    bounds = packed.cu_seqlens.tolist()
+    ends = []
+    grid_start = 0
+    for j, n_img in enumerate(images.images_per_sequence):
+        prompt_len = int(packed.prompt_lengths[j])
+        pads = 0
+        if n_img:
+            assert images.image_grid_thw is not None
+            grid = images.image_grid_thw[grid_start : grid_start + n_img]
+            grid_start += n_img
+            pads = int((grid.prod(-1) // merge**2).sum())
+        tokens = packed.tokens[bounds[j] : bounds[j + 1]]
+        ends.append(image_region_end(tokens, image_token_id, pads, prompt_len))
+    return torch.tensor(ends, dtype=torch.long)
 
 
 def mrope_position_ids(model: torch.nn.Module, packed: PackedBatch, images: PackedImages) -> torch.Tensor:
-    """[3, T] long: each sequence's multimodal rotary positions (the model's `get_rope_index`), side by side."""
+    """[3, T] long: each sequence's multimodal rotary positions (the model's `get_rope_index` over its image
+    region, text positions after it), side by side."""
     inner = _inner(model)
-    image_token_id = model.config.image_token_id
     bounds = packed.cu_seqlens.tolist()
+    ends = image_regions(model, packed, images).tolist()
     rows = []
     grid_start = 0
-    all_tokens = input_tokens(model, packed)
     for j, n_img in enumerate(images.images_per_sequence):
-        tokens = all_tokens[bounds[j] : bounds[j + 1]]
-        if n_img == 0:
-            rows.append(torch.arange(tokens.numel()).expand(3, -1))
-            continue
-        assert images.image_grid_thw is not None
-        grid = images.image_grid_thw[grid_start : grid_start + n_img]
-        grid_start += n_img
-        token_types = (tokens == image_token_id).int()[None]
-        pos, _ = inner.get_rope_index(tokens[None], mm_token_type_ids=token_types, image_grid_thw=grid)
-        rows.append(pos[:, 0].cpu())
+        grid = None
+        if n_img:
+            assert images.image_grid_thw is not None
+            grid = images.image_grid_thw[grid_start : grid_start + n_img]
+            grid_start += n_img
+        tokens = packed.tokens[bounds[j] : bounds[j + 1]]
+        rows.append(mrope_positions(inner, tokens, ends[j], model.config.image_token_id, grid).cpu())
     return torch.cat(rows, dim=1)
 
 
@@ -149,9 +163,11 @@ def forward_packed_vl(
     enable_vl_varlen_attention(model)
     device = next(model.parameters()).device
     tokens = packed.tokens.to(device)
-    model_tokens = input_tokens(model, packed).to(device)
     positions = packed.logit_positions().to(device)
     mrope = mrope_position_ids(model, packed, images).to(device)
+    ids = placeholder_ids(model.config)
+    stray = stray_placeholder_mask(tokens, image_regions(model, packed, images), packed.cu_seqlens, ids)
+    model_tokens = placeholder_free_ids(tokens, stray, ids) if bool(stray.any()) else tokens
     position_ids = torch.cat([packed.position_ids.to(device)[None], mrope])[:, None]  # [4, 1, T]
     extra = {}
     if images.pixel_values is not None:
@@ -160,13 +176,14 @@ def forward_packed_vl(
             "pixel_values": images.pixel_values.to(device),
             "image_grid_thw": images.image_grid_thw.to(device),
         }
-    out = model(
-        input_ids=model_tokens[None],
-        position_ids=position_ids,
-        use_cache=False,
-        logits_to_keep=positions,
-        **extra,
-    )
+    with embeddings_read(model, tokens if model_tokens is not tokens else None):
+        out = model(
+            input_ids=model_tokens[None],
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=positions,
+            **extra,
+        )
     log_probs, entropy = log_probs_and_entropy(
         out.logits[0], tokens.index_select(0, positions + 1), temperature, with_entropy
     )

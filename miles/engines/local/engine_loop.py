@@ -30,6 +30,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def deliverable(error: BaseException) -> Exception:
+    """`error` as a request's future can carry it: asyncio futures refuse StopIteration (TypeError inside the
+    callback that copies the result, so the request would wait out its deadline), and a BaseException that is
+    not an Exception (KeyboardInterrupt, SystemExit, GeneratorExit) would be re-raised in the server's event loop.
+    Those are wrapped in a RuntimeError naming them (the original as its cause); any other Exception is as is."""
+    if isinstance(error, Exception) and not isinstance(error, (StopIteration, StopAsyncIteration)):
+        return error
+    wrapped = RuntimeError(f"{type(error).__name__}: {error}" if str(error) else type(error).__name__)
+    wrapped.__cause__ = error
+    return wrapped
+
+
 class EngineLoop:
     """The scheduler thread and its queues; `runner` is a `PoolRunner` or `NoCacheRunner`."""
 
@@ -245,7 +257,7 @@ class EngineLoop:
         try:
             fut.set_result(fn())
         except BaseException as e:  # noqa: BLE001 - delivered to the caller
-            fut.set_exception(e)
+            fut.set_exception(deliverable(e))
 
     def _step(self, batch: Batch) -> None:
         t0 = time.perf_counter()
@@ -274,7 +286,7 @@ class EngineLoop:
         with self._cond:
             self._forget(req)
         if not req.future.done():
-            req.future.set_exception(error)
+            req.future.set_exception(deliverable(error))
 
     def _deliver(self) -> None:
         """Answer finished requests (they leave the in-flight set first: a client's next request with the same

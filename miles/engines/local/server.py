@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from miles.engines.local.control import RefitRefused
 from miles.engines.local.dist_update import GroupRequest
 from miles.engines.local.engine import LocalEngine
+from miles.engines.local.engine_loop import deliverable
 from miles.engines.local.output import GenerateAnswer
 from miles.engines.local.weights import EngineNotReady
 from miles.utils.types import JSON
@@ -156,7 +157,7 @@ def _when_all_done(futs: list[Future[T]]) -> asyncio.Future[list[T]]:
         for f in futs:
             error = f.exception()
             if error is not None:
-                out.set_exception(error)
+                out.set_exception(deliverable(error))
                 return
         out.set_result([f.result() for f in futs])
 

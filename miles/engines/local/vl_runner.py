@@ -6,7 +6,8 @@ decodes them with the checkpoint's image processor and expands each pad to its i
 SGLang's processor does (the same count rule and error).
 
 `VLRunner` runs the HF model itself: per slot, a request's first forward runs its whole sequence with
-`pixel_values`/`image_grid_thw` and the multimodal rotary positions of the model's `get_rope_index`, into an HF
+`pixel_values`/`image_grid_thw` and the multimodal rotary positions of the model's `get_rope_index` over its
+prompt (the tokens after it, a sampled image pad included, are text: miles.utils.vl_positions), into an HF
 `DynamicCache`; later forwards feed only the new tokens with the cache, at text positions shifted by the rope delta
 (`max(position) + 1 - length`), which is how HF's generate continues. Positions are passed explicitly, so the
 model's own `rope_deltas` attribute (one per model, not per request) is never used.
@@ -23,6 +24,14 @@ import torch
 from torch import nn
 
 from miles.engines.local.full_forward import NoCacheRunner
+from miles.utils.vl_positions import (
+    embeddings_read,
+    image_region_end,
+    mrope_positions,
+    placeholder_free_ids,
+    placeholder_ids,
+    stray_placeholder_mask,
+)
 
 if TYPE_CHECKING:
     from miles.engines.local.scheduler import Batch
@@ -104,6 +113,8 @@ class VLRunner(NoCacheRunner):
     def __init__(self, model: nn.Module):
         super().__init__(model)
         self.image_token_id = int(model.config.image_token_id)
+        self.placeholders = placeholder_ids(model.config)
+        self.merge_size = int(model.config.vision_config.spatial_merge_size)
         self.state: dict[int, _SlotState] = {}
 
     def release_kv(self) -> None:
@@ -131,7 +142,7 @@ class VLRunner(NoCacheRunner):
         device = self.model.device
         state = self.state.get(slot)
         new = seq[state.length :] if state is not None else []
-        if state is None or state.req is not req or not new or self.image_token_id in new:
+        if state is None or state.req is not req or not new:
             return self._prefill(slot, req, seq)
         ids = torch.tensor([new], device=device)
         pos = torch.arange(state.length, len(seq), device=device) + state.delta
@@ -142,21 +153,34 @@ class VLRunner(NoCacheRunner):
         return out.logits[0, -1].float()
 
     def _prefill(self, slot: int, req: Any, seq: list[int]) -> torch.Tensor:
+        """The whole of `seq` into a fresh cache: 3-D positions from the request's image region (its prompt), the
+        tokens after it (the outputs, even a sampled image pad) as text (miles.utils.vl_positions)."""
         from transformers import DynamicCache
 
         device = self.model.device
         mm: VLInputs | None = getattr(req, "mm", None)
-        ids = torch.tensor([seq], device=device)
+        ids = torch.tensor(seq, device=device)
         extra: dict[str, torch.Tensor] = {}
-        if mm is not None and self.image_token_id in seq:
+        grid = None
+        pads = 0
+        if mm is not None:
             grid = mm.image_grid_thw.to(device)
-            types = (ids == self.image_token_id).int()
-            pos, _ = self.model.model.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=grid)
+            pads = int((grid.prod(-1) // self.merge_size**2).sum())
             extra = {"pixel_values": mm.pixel_values.to(device), "image_grid_thw": grid}
-        else:
-            pos = torch.arange(len(seq), device=device).expand(3, 1, -1)
+        region_end = image_region_end(ids, self.image_token_id, pads, len(getattr(req, "input_ids", seq)))
+        pos = mrope_positions(self.model.model, ids, region_end, self.image_token_id, grid)
+        starts = torch.tensor([0, len(seq)])
+        stray = stray_placeholder_mask(ids, torch.tensor([region_end]), starts, self.placeholders)
+        model_ids = placeholder_free_ids(ids, stray, self.placeholders) if bool(stray.any()) else ids
         cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, **extra)
+        with embeddings_read(self.model, ids if model_ids is not ids else None):
+            out = self.model(
+                input_ids=model_ids[None],
+                position_ids=pos[:, None],
+                past_key_values=cache,
+                use_cache=True,
+                **extra,
+            )
         delta = int(pos.max()) + 1 - len(seq)
         self.state[slot] = _SlotState(req, cache, len(seq), delta)
         return out.logits[0, -1].float()
