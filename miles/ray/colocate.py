@@ -7,7 +7,8 @@ KV cache. Disaggregated mode keeps both resident, so every step here is a no-op 
 SGLang 0.5.23 resumes only what was released (its scheduler dies with `KeyError: 'weights'` on a resume of a tag
 it never released), so the choreography remembers which tags the engines released. The memory order at start-up
 (`miles.ray.setup.build_system`): colocated engines start first, size their pools on devices the trainers do not
-use yet, and release everything before the trainers load, so the start-up refit resumes what they released;
+use yet, and release everything before the trainers load (the embedded engine on CPU loads while the trainers do,
+and releases everything once both are up), so the start-up refit resumes what they released;
 disaggregated engines hold their freshly loaded weights and the start-up refit resumes nothing. A release waits
 for the engine to be idle (`miles.utils.engine_control_http.EngineMemoryControl.release_memory`).
 

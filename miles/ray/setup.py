@@ -133,8 +133,9 @@ def _engine_urls(fleet: ActorHandle, timeout: float) -> tuple[str, list[str]]:
 def build_system(cfg: Config) -> System:
     """Engines, router, rollout manager and trainers, placed and started; the engines hold the trainer's weights.
 
-    Colocated, the engines start first and release their memory before the trainers load (the memory order:
-    engines sized on free devices, trainers after); disaggregated, engines and trainers start at once.
+    Colocated on GPU, the engines start first and release their memory before the trainers load (the memory
+    order: engines sized on free devices, trainers after); disaggregated, and colocated on CPU (no device memory
+    to hand over), engines and trainers start at once.
 
     Replay debugging leaves a side out: --load-debug-rollout-data starts no engines (and refits nothing),
     --debug-rollout-only starts no trainers (the engines keep the --hf-checkpoint weights)."""
@@ -159,22 +160,18 @@ def _build_train(cfg: Config) -> TrainSystem:
     fleet, rollout = _start_rollout_side(cfg, placement, num_rollout)
     engines: tuple[str, list[str]] | None = None  # (router URL, engine URLs) once the engines answer
     released: list[str] = []  # the memory tags the engines hold released when the choreography starts
-    if cfg.cluster.colocate:
+    concurrent = cfg.cluster.colocate and colocated_engines_load_with_trainers(cfg, use_gpu)
+    if cfg.cluster.colocate and not concurrent:
         # the memory order of colocation: the engines size their memory pools (--sglang-mem-fraction-static is a
         # fraction of the memory free when they start) on devices the trainers do not use yet, give it all back,
         # and only then do the trainers load; disaggregated, both start at once
-        engines = _engine_urls(fleet, timeout)
-        EngineMemoryControl(
-            engines[1], cfg.engine.engine_api_key, float(cfg.rollout.rollout_request_timeout)
-        ).release_memory(list(MEMORY_TAGS))
-        released = list(MEMORY_TAGS)
+        engines, released = _colocated_engines_released(cfg, fleet, timeout)
         phases.done("engines")
-        logger.info(
-            "colocated: %d engine(s) started and released their memory; the trainers load now",
-            len(engines[1]),
-        )
     train_group, critic_group, start = _start_trainers(cfg, placement, num_actor, has_critic, tracker)
     phases.done("trainers")
+    if concurrent:  # the engines (started with the fleet above) loaded while the trainers did
+        engines, released = _colocated_engines_released(cfg, fleet, timeout)
+        phases.done("engines (with the trainers)")
     side = _connect(cfg, fleet, rollout, engines, train_group, start)
     phases.done("engines and rollout manager" if engines is None else "rollout manager")
     choreography = MemoryChoreography(
@@ -205,6 +202,31 @@ def _build_train(cfg: Config) -> TrainSystem:
         engines=side,
         choreography=choreography,
     )
+
+
+def colocated_engines_load_with_trainers(cfg: Config, use_gpu: bool) -> bool:
+    """Whether colocated engines start while the trainers load, instead of first. On GPU no: the engines size
+    their memory pools on devices the trainers do not use yet and give it all back before the trainers load
+    (SGLang's --sglang-mem-fraction-static is a fraction of the memory free when it starts). The embedded engine
+    on CPU yes: there is no device memory to hand over (its pools are host memory, sized by no free-memory
+    fraction, and a release frees nothing the trainers could use), so the two largest start-up phases overlap.
+    SGLang on CPU keeps the GPU order (it sizes its pools on the memory it finds). Either way the engines release
+    everything once both sides are up, so the start-up refit resumes the same tags."""
+    # without GPUs --rollout-engine auto is the embedded engine (`miles.engines.sglang_engine.resolve_engine_kind`)
+    return not use_gpu and cfg.rollout.rollout_engine != "sglang"
+
+
+def _colocated_engines_released(
+    cfg: Config, fleet: ActorHandle, timeout: float
+) -> tuple[tuple[str, list[str]], list[str]]:
+    """Wait for the colocated engines to answer, then release all their memory (the trainers load, or have
+    loaded, on the same devices): ((router URL, engine URLs), the tags released)."""
+    engines = _engine_urls(fleet, timeout)
+    EngineMemoryControl(
+        engines[1], cfg.engine.engine_api_key, float(cfg.rollout.rollout_request_timeout)
+    ).release_memory(list(MEMORY_TAGS))
+    logger.info("colocated: %d engine(s) started and released their memory", len(engines[1]))
+    return engines, list(MEMORY_TAGS)
 
 
 class StartupPhases:

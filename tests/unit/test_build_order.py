@@ -1,6 +1,7 @@
-"""`build_system`'s memory order against fakes of Ray, the engine fleet and the trainers (no processes): colocated,
-the engines start, answer and release all their memory before the trainers load, and the start-up refit resumes
-what they released; disaggregated, the trainers load while the engines start, and nothing is released."""
+"""`build_system`'s memory order against fakes of Ray, the engine fleet and the trainers (no processes): colocated
+on GPU, the engines start, answer and release all their memory before the trainers load, and the start-up refit
+resumes what they released; colocated embedded engines on CPU and disaggregated engines start while the trainers
+load (disaggregated, nothing is released)."""
 
 from __future__ import annotations
 
@@ -124,9 +125,10 @@ def _events(log: Log) -> list[tuple[object, ...]]:
 
 @pytest.mark.parametrize("gpu", [True, False])
 def test_colocated_engines_start_and_release_before_the_trainers_build(monkeypatch, gpu):
+    """On GPU, and with SGLang engines on CPU (they size their pools on the memory they find)."""
     log = Log()
     _install(monkeypatch, log, gpu)
-    system = setup.build_system(_cfg("--colocate"))
+    system = setup.build_system(_cfg("--colocate", "--rollout-engine", "sglang"))
     first = [
         ("start", "EngineFleet"),
         ("engines answer",),
@@ -140,6 +142,24 @@ def test_colocated_engines_start_and_release_before_the_trainers_build(monkeypat
         refit = [("resume", MEMORY_TAGS, URLS), ("refit", "0", URLS)]
     assert _events(log) == first + refit
     assert not system.choreography.released  # the engines hold everything again, ready to generate
+
+
+@pytest.mark.parametrize("engine", ["auto", "local"])
+def test_colocated_embedded_engines_on_cpu_start_with_the_trainers(monkeypatch, engine):
+    """No device memory to hand over: the trainers build while the engines start; the engines release once both
+    are up, so the start-up refit resumes the same tags as in the GPU order."""
+    log = Log()
+    _install(monkeypatch, log, gpu=False)
+    system = setup.build_system(_cfg("--colocate", "--rollout-engine", engine))
+    assert _events(log) == [
+        ("start", "EngineFleet"),
+        ("trainers build", "actor"),  # before the engines are waited for
+        ("engines answer",),
+        ("release", MEMORY_TAGS, URLS),
+        ("resume", MEMORY_TAGS, URLS),
+        ("refit", "0", URLS),
+    ]
+    assert not system.choreography.released
 
 
 def test_colocated_critic_builds_after_the_release_too_and_sleeps(monkeypatch):

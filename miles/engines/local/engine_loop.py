@@ -20,7 +20,6 @@ from miles.engines.local.output import GenerateAnswer, OutputProcessor
 from miles.engines.local.sampling import SamplingParams, request_rng, sample_batch
 from miles.engines.local.scheduler import Batch, Request, Scheduler
 from miles.engines.local.weights import EngineNotReady
-from miles.utils.engine_control_http import PAUSE_MODES
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -185,6 +184,9 @@ class EngineLoop:
         its partial output (finish reason abort); "retract": running requests free their KV cache and go back
         to the queue, to be recomputed after the resume; "in_place": running requests stay, KV cache kept.
         Returns the requests aborted or retracted."""
+        # imported here: the module's httpx (~0.2 s) is for the driver's side; the engine process never needs it
+        from miles.utils.engine_control_http import PAUSE_MODES
+
         if mode is not None and mode not in PAUSE_MODES:
             raise ValueError(f"pause mode {mode!r} not supported; allowed: {', '.join(PAUSE_MODES)}")
         n = 0
