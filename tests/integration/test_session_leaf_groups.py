@@ -102,3 +102,93 @@ def test_a_group_of_another_size_is_refused_without_sessions(tmp_path) -> None:
     done = Sample(tokens=[1, 2], response_length=1, loss_mask=[1], reward=1.0, status=SampleStatus.COMPLETED)
     with pytest.raises(ValueError, match="group 0 has 3 samples; --n-samples-per-prompt is 2$"):
         runner.finish_rollout(RolloutOutput(groups=[[done, done, done]]), 0)
+
+
+def _train_body(rank: int, world: int, argv: list[str], samples_path: str, out: str) -> None:
+    from miles.backends.fsdp_utils import rollout_batch as rb
+    from miles.backends.fsdp_utils.actor import FSDPTrainer
+    from miles.utils.seqlen_balancing import partition_samples_by_dp
+    from miles.utils.types import Sample
+
+    with open(samples_path) as f:
+        samples = [Sample.from_dict(json.loads(line)) for line in f]
+    parts = partition_samples_by_dp(
+        [len(s.tokens) for s in samples], [s.group_index for s in samples], world, balance=False
+    )
+    mine = [samples[i] for i in parts[rank]]
+    trainer = FSDPTrainer(parse_config(argv), rank, world)
+    trainer.init("actor", with_ref=False)
+    batch = rb.RankBatch.from_samples(mine, trainer.ps.device)
+    steps = rb.plan_steps(batch, trainer.config, trainer.ps, trainer.steps_per_rollout)
+    planned = sorted(i for step in steps for pack in step for i in pack.indices)
+    metrics = trainer.train(0, mine)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"n": len(mine), "planned": planned, "mbs": [len(s) for s in steps], **metrics}, f)
+
+
+def test_the_compacting_example_trains_every_leaf_for_a_step(tmp_path) -> None:
+    """The compacting agent (examples/openai_agent) through the session server, the runner and a two-rank FSDP
+    step: a session that called the tool has two leaves (the call, the compacted answer), one that answered
+    at once has one; every leaf is trained, on DP ranks that got 3 and 4 samples."""
+    from examples.openai_agent.build import build
+    from miles.utils.seqlen_balancing import partition_samples_by_dp
+    from tests.integration._util import run_distributed
+
+    art = build(tmp_path / "art", n_train=8, n_eval=1)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(art / "model")
+    call, eos = tok.convert_tokens_to_ids("<tool_call>"), tok.eos_token_id
+    sampled: list[list[int]] = []
+
+    def respond(ids: list[int], sp: dict, rid: str) -> Reply:
+        first_session = rid.startswith("rollout0-0-")  # answers at once: one leaf
+        asks = "calc says" not in tok.decode(ids) and not first_session
+        out = ([call] if asks else tok.encode("42", add_special_tokens=False)) + [eos]
+        sampled.append(out)
+        return Reply(out)
+
+    engine = FakeEngine(respond)
+    argv = (
+        f"--hf-checkpoint {art / 'model'} --prompt-data {art / 'train.jsonl'} --input-key prompt "
+        "--label-key label --apply-chat-template --num-rollout 1 --rollout-batch-size 2 "
+        "--n-samples-per-prompt 2 --global-batch-size 4 --micro-batch-size 1 --actor-num-gpus-per-node 2 "
+        "--colocate --advantage-estimator grpo --lr 1e-3 --use-session-server "
+        f"--agent-function-path examples.openai_agent.compacting:run --run-dir {tmp_path / 'run'}"
+    ).split()
+    cfg = parse_config(argv)
+    runner = RolloutRunner(
+        cfg.data, cfg.rollout, cfg.eval, tok, engine.url, [engine.url], None, concurrency=8,
+        transport=engine.transport,
+    )  # fmt: skip
+    try:
+        samples, _ = runner.generate(0)
+    finally:
+        runner.close()
+    # 1 + 2 leaves in group 0, 2 + 2 in group 1: 7 samples, every sampled token trained exactly once
+    assert [s.group_index for s in samples] == [0, 0, 0, 1, 1, 1, 1]
+    assert sorted(tuple(s.response_ids) for s in samples) == sorted(tuple(x) for x in sampled)
+    for s in samples:
+        assert s.loss_mask == [1] * s.response_length and s.check_consistent() is None
+    extra = [bool(s.metadata.get("session_extra")) for s in samples]
+    assert extra == [False, False, True, False, True, False, True]
+    # a session's leaves share its reward: 0 answering "42" without the tool, 0.7 (or 1.0) with it
+    rewards = [s.reward for s in samples]
+    assert (
+        rewards[0] == 0.0
+        and rewards[1] == rewards[2]
+        and rewards[3] == rewards[4] == rewards[5] == rewards[6]
+    )
+    assert rewards[1] >= 0.7
+    parts = partition_samples_by_dp(
+        [len(s.tokens) for s in samples], [s.group_index for s in samples], 2, False
+    )
+    assert sorted(len(p) for p in parts) == [3, 4]
+    path = tmp_path / "samples.jsonl"
+    path.write_text("".join(json.dumps(s.to_dict()) + "\n" for s in samples))
+    run_distributed(_train_body, 2, argv, str(path), str(tmp_path / "m"), init_pg=False)
+    ranks = [json.loads((tmp_path / f"m.{r}").read_text()) for r in range(2)]
+    # one optimizer step (steps_per_rollout = 4 / 4) over what each rank got; both ran 3 micro-batches
+    assert [r["planned"] for r in ranks] == [list(range(r["n"])) for r in ranks]
+    assert [r["mbs"] for r in ranks] == [[3], [3]]
+    assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in ranks)

@@ -12,9 +12,9 @@ from miles.backends.fsdp_utils.data_packing import plan_variable_micro_batches
 @pytest.mark.parametrize(
     ("n", "steps", "mbs", "others", "want"),
     [
-        (6, 1, 4, [2], [[[0, 1, 2], [3, 4, 5]]]),  # 2 micro-batches of 3: what this rank needs
-        (5, 1, 4, [3], [[[0, 1], [2, 3], [4]]]),  # another rank needs 3: this one splits into 3 too
-        (7, 2, 2, [2, 2], [[[0, 1], [2, 3]], [[4, 5], [6]]]),  # 4 + 3 samples in the two steps
+        (6, 1, 4, [2, -9], [[[0, 1, 2], [3, 4, 5]]]),  # 2 micro-batches of 3: what this rank needs
+        (5, 1, 4, [3, -9], [[[0, 1], [2, 3], [4]]]),  # another rank needs 3: this one splits into 3 too
+        (7, 2, 2, [2, -9, 2, -9], [[[0, 1], [2, 3]], [[4, 5], [6]]]),  # 4 + 3 samples in the two steps
     ],
 )
 def test_variable_plan_cuts_what_the_rank_got(n, steps, mbs, others, want) -> None:
@@ -32,11 +32,13 @@ def test_variable_plan_refuses_too_few_samples() -> None:
         plan_variable_micro_batches(
             [4, 4], num_steps=3, use_dynamic=False, max_tokens_per_gpu=None, micro_batch_size=1
         )
-    with pytest.raises(ValueError, match="agreed on 3 micro-batches but this rank has only 2"):
-        plan_variable_micro_batches(
-            [4, 4], num_steps=1, use_dynamic=False, max_tokens_per_gpu=None, micro_batch_size=1,
-            allreduce_max=lambda local: 3,
-        )  # fmt: skip
+    # another rank needs 3 micro-batches (3 samples, micro-batch size 1) but this one has 2: both run 2
+    replies = iter([3, -2])
+    plan = plan_variable_micro_batches(
+        [4, 4], num_steps=1, use_dynamic=False, max_tokens_per_gpu=None, micro_batch_size=1,
+        allreduce_max=lambda local: max(local, next(replies)),
+    )  # fmt: skip
+    assert plan == [[[0], [1]]]
     dyn = plan_variable_micro_batches(
         [4, 4, 4], num_steps=1, use_dynamic=True, max_tokens_per_gpu=8, micro_batch_size=None
     )

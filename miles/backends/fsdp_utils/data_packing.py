@@ -365,10 +365,12 @@ def plan_variable_micro_batches(
     """`plan_micro_batches` for a rollout whose sample count is not fixed (agent sessions: a group holds every
     picked leaf) and may differ between DP ranks: this rank's samples are cut into `num_steps` contiguous
     optimizer steps of near-equal size (the step trains on what it got; `--global-batch-size` only fixed
-    `num_steps`); each step's micro-batch count is agreed across DP ranks by `allreduce_max` (the maximum of
-    every rank's need: ceil(samples / `micro_batch_size`) static, the minimum that fits
-    `max_tokens_per_gpu * cp_size` tokens dynamic) and the step is split into that many (static: contiguous
-    chunks of near-equal size). ValueError when a rank has fewer samples than a step needs micro-batches."""
+    `num_steps`); each step's micro-batch count is agreed across DP ranks by `allreduce_max` (called twice per
+    step static, once dynamic, in order on every rank) and the step is split into that many. Static: the
+    largest need, ceil(samples / `micro_batch_size`), capped by the smallest rank's step size (every micro-batch
+    holds a sample, so a micro-batch may then exceed `micro_batch_size`), in contiguous chunks of near-equal
+    size. Dynamic: as `plan_micro_batches` (ValueError when a rank has fewer samples than the agreed count).
+    ValueError when this rank has fewer samples than `num_steps`."""
     if num_steps < 1 or len(lengths) < num_steps:
         raise ValueError(
             f"{len(lengths)} samples on this rank cannot fill num_steps={num_steps} optimizer steps"
@@ -384,13 +386,10 @@ def plan_variable_micro_batches(
         raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
     plan = []
     for step in steps:
-        local = -(-len(step) // micro_batch_size)
-        agreed = allreduce_max(local) if allreduce_max is not None else local
-        if agreed > len(step):
-            raise ValueError(
-                f"DP ranks agreed on {agreed} micro-batches but this rank has only {len(step)} samples in the step"
-            )
-        plan.append(_chunks(step, agreed))
+        need = -(-len(step) // micro_batch_size)
+        if allreduce_max is not None:  # no rank can run more micro-batches than it has samples
+            need = min(allreduce_max(need), -allreduce_max(-len(step)))
+        plan.append(_chunks(step, need))
     return plan
 
 
