@@ -8,8 +8,9 @@ session, lr 3e-2. Measured (2 shared CPU cores under load, seed 1, same sizes wi
 raw reward 0.122, 0.109, 0.275, 0.381, 0.400, 0.400, 0.400 as committed (165 s under a load average of 16),
 0.128, 0.131, 0.138, 0.381, 0.400, 0.400, 0.394, 0.400 (wall 121 s, 20 tokens) and 0.141, 0.159,
 0.272, 0.394, 0.400, 0.400, 0.400, 0.400 (32 tokens); log-prob diff <= 3.8e-7. The reward levels off at 0.4:
-every session calls the tool (0.4) with a call turn that runs to the response budget, so no budget is left
-for the answer that would earn the rest (the group's rewards are then equal: no GRPO signal). The gain a
+every session's first turn writes `<tool_call>` (a call: 0.4) and runs to the end of the response budget
+(dumped rollouts: one truncated turn per session), so no budget is left for the answer that would earn the
+rest, and the group's equal rewards give GRPO no signal to leave it. The gain a
 run reaches, about 0.26, is below the issue's 0.3; the assertion asks for 0.2 (a run that does not learn
 stays near its first rollouts' 0.13-0.16).
 """

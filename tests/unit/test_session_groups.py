@@ -43,3 +43,25 @@ def test_variable_plan_refuses_too_few_samples() -> None:
         [4, 4, 4], num_steps=1, use_dynamic=True, max_tokens_per_gpu=8, micro_batch_size=None
     )
     assert sorted(len(mb) for mb in dyn[0]) == [1, 2]
+
+
+def test_session_extras_take_their_episode_reward() -> None:
+    """With a reward function (the agent returned None) only each episode's own sample is scored; its extra
+    leaves, right after it, take that reward."""
+    from miles.rollout.default_rollout import share_session_rewards
+    from miles.utils.types import Sample
+
+    def s(reward: float | None, extra: bool) -> Sample:
+        return Sample(reward=reward, metadata={"session_extra": True} if extra else {})
+
+    group = [
+        s(0.5, False),
+        s(None, True),
+        s(1.0, False),
+        s({"acc": 0.0}, False),
+        s(None, True),
+        s(None, True),
+    ]
+    share_session_rewards(group)
+    assert [x.reward for x in group] == [0.5, 0.5, 1.0, {"acc": 0.0}, {"acc": 0.0}, {"acc": 0.0}]
+    assert group[4].reward is not group[3].reward  # a copy: post-processing one leaf's dict leaves the others
