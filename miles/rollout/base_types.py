@@ -110,12 +110,14 @@ class GenerateFn(Protocol):
     Called once per sample (again in the next rollout for a partial sample that was aborted). The sample's
     `tokens` hold the prompt ids (plus any response generated so far, `response_length` of them). Return the
     sample with the response appended (`Sample.append_tokens`), `status` set, and one `weight_versions` entry
-    per generated segment; its token ids, loss mask and log-probs must agree in length.
+    per generated segment; its token ids, loss mask and log-probs must agree in length. An episode that yields
+    several training samples (`--use-session-server`: a session's picked leaves) returns them as a list, its own
+    first; the group holds them all (`default_rollout.generate_group`).
     """
 
     def __call__(
         self, client: GenerateClient, sample: Sample, sampling: SamplingSettings, ctx: GenerateContext
-    ) -> Awaitable[Sample]: ...
+    ) -> Awaitable[Sample | list[Sample]]: ...
 
 
 @dataclass(frozen=True)

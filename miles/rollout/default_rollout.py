@@ -4,7 +4,8 @@
   1. keep enough prompt groups in flight to fill the batch: whenever kept + in-flight groups are fewer than
      `--rollout-batch-size`, take `--over-sampling-batch-size` more groups: first from the partial-rollout
      buffer, then fresh prompts from the data source;
-  2. each group is generated (the generate function, once per unfinished sample) and scored as a whole; the
+  2. each group is generated (the generate function, once per unfinished sample; an agent session's picked
+     leaves all join the group, see `generate_group`) and scored as a whole; the
      requests of one group go out as one batch request, and those of all the groups taken at once as one batch
      request per engine when the rollout needs every one of them (no group filter, none beyond the batch);
   3. a finished group goes through the group filter (`--dynamic-sampling-filter-path`); a dropped group is
@@ -63,27 +64,50 @@ def _check_generated(sample: object, name: str, index: int, phase: str) -> Sampl
 
 async def generate_group(ctx: RolloutContext, gen_ctx: GenerateContext, group: list[Sample]) -> list[Sample]:
     """Generate every unfinished sample of `group` in place (results checked). The group's requests go out
-    together: in the batch its caller opened (`batching`: several groups), else in one of its own."""
+    together: in the batch its caller opened (`batching`: several groups), else in one of its own. A generate
+    function that returns a list (an agent session's picked leaves, the episode's own first) puts all of them
+    in the group, in that place: the group then holds more samples than it was drawn with."""
+    results: list[list[Sample]] = [[s] for s in group]
 
     async def one(i: int, sample: Sample) -> None:
         if sample.is_finished:
             return
         index = sample.index
         out = await ctx.generate(ctx.client, sample, ctx.settings.sampling, gen_ctx)
-        group[i] = _check_generated(out, ctx.generate_name, index, gen_ctx.phase)
+        outs = out if isinstance(out, list) else [out]
+        if not outs:
+            raise ValueError(
+                f"{gen_ctx.phase}: generate function {ctx.generate_name} returned no sample for {index}"
+            )
+        results[i] = [_check_generated(o, ctx.generate_name, index, gen_ctx.phase) for o in outs]
 
     with contextlib.nullcontext() if batching_open() else batching(object()):
         await asyncio.gather(*(one(i, s) for i, s in enumerate(group)))
+    group[:] = [s for r in results for s in r]
     return group
+
+
+def share_session_rewards(group: list[Sample]) -> None:
+    """Give the extra samples of an agent session (`metadata["session_extra"]`, generated right after the
+    episode's own sample) that sample's reward: the leaves of one session share its reward."""
+    first: Sample | None = None
+    for sample in group:
+        if not sample.metadata.get("session_extra"):
+            first = sample
+        elif sample.reward is None and first is not None:
+            sample.reward = dict(first.reward) if isinstance(first.reward, dict) else first.reward
 
 
 async def _generate_and_score(ctx: RolloutContext, gen_ctx: GenerateContext, group: list[Sample]) -> int:
     """Generate and score one group; returns how many reward calls failed. A group cut short by the end of
-    the rollout (an aborted sample after `stop_new_requests`) is left unscored."""
+    the rollout (an aborted sample after `stop_new_requests`) is left unscored. The reward function scores an
+    agent session's own sample only (see `share_session_rewards`)."""
     await generate_group(ctx, gen_ctx, group)
     if ctx.client.stopped and any(s.status == SampleStatus.ABORTED for s in group):
         return 0
-    return await ctx.scorer.score(group)
+    failed = await ctx.scorer.score([s for s in group if not s.metadata.get("session_extra")])
+    share_session_rewards(group)
+    return failed
 
 
 def group_verdict(ctx: RolloutContext, group: list[Sample]) -> FilterResult:

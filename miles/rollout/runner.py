@@ -4,9 +4,11 @@ The runner talks to the engines only over HTTP (one long-lived generate client: 
 one, else the router; engine URLs for aborts), so tests build it against a real embedded engine process or a
 fake HTTP server. The Ray actor in `miles.ray.rollout_manager`
 wraps one. Each `generate` call runs the whole-rollout function (`--rollout-function-path`, by default
-`miles.rollout.default_rollout.generate_rollout`) on the runner's event loop, checks what it returns, numbers the
-batch (`index`, `group_index`), masks samples that ended aborted, sets the trained rewards, computes the
-`rollout/*` metrics and writes the detail dump, in that order: a failure anywhere leaves no dump behind.
+`miles.rollout.default_rollout.generate_rollout`) on the runner's event loop, checks what it returns (groups
+of `--n-samples-per-prompt` samples; with `--use-session-server` at least that many: every picked leaf of the
+group's sessions), numbers the batch (`index` in batch order, `group_index`), masks samples that ended
+aborted, sets the trained rewards, computes the `rollout/*` metrics and writes the detail dump, in that order:
+a failure anywhere leaves no dump behind.
 """
 
 from __future__ import annotations
@@ -361,11 +363,13 @@ class RolloutRunner:
                 f"--rollout-batch-size is {s.rollout_batch_size}"
             )
         samples: list[Sample] = []
+        sessions = self.seams.agent is not None  # a group holds every picked leaf of its sessions
         for gi, group in enumerate(out.groups):
-            if len(group) != s.n_samples_per_prompt:
+            if len(group) < s.n_samples_per_prompt or (len(group) > s.n_samples_per_prompt and not sessions):
                 raise ValueError(
-                    f"rollout function {name}: group {gi} has {len(group)} samples; "
-                    f"--n-samples-per-prompt is {s.n_samples_per_prompt}"
+                    f"rollout function {name}: group {gi} has {len(group)} samples; --n-samples-per-prompt is "
+                    f"{s.n_samples_per_prompt}"
+                    + (" (at least that many with --use-session-server)" * sessions)
                 )
             for j, sample in enumerate(group):
                 problem = sample.check_consistent() if isinstance(sample, Sample) else "is not a Sample"
@@ -377,7 +381,7 @@ class RolloutRunner:
                     raise ValueError(
                         f"rollout function {name}: group {gi} sample {j} (index {sample.index}) {problem}"
                     )
-                sample.index, sample.group_index = gi * s.n_samples_per_prompt + j, gi
+                sample.index, sample.group_index = len(samples), gi
                 if sample.status == SampleStatus.ABORTED:  # nothing finished to learn from
                     sample.loss_mask = [0] * sample.response_length
                 samples.append(sample)

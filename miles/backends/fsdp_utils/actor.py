@@ -206,7 +206,9 @@ class FSDPTrainer(PolicyBackend):
         old log-probs (only valid when `rb.old_log_probs_from_training_forward` holds)."""
         cfg = self.config
         temperature = cfg.rollout.rollout_temperature
-        settings = rb.step_settings(self.algo.loss, batch, step_packs, self.ps)
+        settings = rb.step_settings(
+            self.algo.loss, batch, step_packs, self.ps, variable=cfg.rollout.use_session_server
+        )
         for mb_index, pack in enumerate(step_packs):
             self.state.sync_gradients(mb_index == len(step_packs) - 1)
             # entropy is always reported; it enters the loss only with --entropy-coef

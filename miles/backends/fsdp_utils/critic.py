@@ -130,7 +130,9 @@ class FSDPCritic(ValueBackend):
         from miles.backends.fsdp_utils.forward import forward_values
 
         cfg = self.config
-        reduction = rb.step_reduction(self.reduction, batch, step_packs, self.state.ps)
+        reduction = rb.step_reduction(
+            self.reduction, batch, step_packs, self.state.ps, variable=cfg.rollout.use_session_server
+        )
         for mb_index, pack in enumerate(step_packs):
             self.state.sync_gradients(mb_index == len(step_packs) - 1)
             values = forward_values(self.model, pack.packed, cp=self.state.cp())

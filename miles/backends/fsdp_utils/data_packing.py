@@ -343,6 +343,56 @@ def _plan_dynamic_step(
     return sorted(micro_batches, key=lambda mb: mb[0]) if alone else micro_batches
 
 
+def _chunks(items: list[int], n: int) -> list[list[int]]:
+    """`items` cut into `n` contiguous chunks whose sizes differ by at most one (larger first)."""
+    q, r = divmod(len(items), n)
+    cuts = [0]
+    for k in range(n):
+        cuts.append(cuts[-1] + q + (k < r))
+    return [items[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+def plan_variable_micro_batches(
+    lengths: Sequence[int],
+    *,
+    num_steps: int,
+    use_dynamic: bool,
+    max_tokens_per_gpu: int | None,
+    micro_batch_size: int | None,
+    cp_size: int = 1,
+    allreduce_max: Callable[[int], int] | None = None,
+) -> list[list[list[int]]]:
+    """`plan_micro_batches` for a rollout whose sample count is not fixed (agent sessions: a group holds every
+    picked leaf) and may differ between DP ranks: this rank's samples are cut into `num_steps` contiguous
+    optimizer steps of near-equal size (the step trains on what it got; `--global-batch-size` only fixed
+    `num_steps`); each step's micro-batch count is agreed across DP ranks by `allreduce_max` (called twice per
+    step static, once dynamic, in order on every rank) and the step is split into that many. Static: the
+    largest need, ceil(samples / `micro_batch_size`), capped by the smallest rank's step size (every micro-batch
+    holds a sample, so a micro-batch may then exceed `micro_batch_size`), in contiguous chunks of near-equal
+    size. Dynamic: as `plan_micro_batches` (ValueError when a rank has fewer samples than the agreed count).
+    ValueError when this rank has fewer samples than `num_steps`."""
+    if num_steps < 1 or len(lengths) < num_steps:
+        raise ValueError(
+            f"{len(lengths)} samples on this rank cannot fill num_steps={num_steps} optimizer steps"
+        )
+    steps = _chunks(list(range(len(lengths))), num_steps)
+    if use_dynamic:
+        if max_tokens_per_gpu is None or max_tokens_per_gpu < 1:
+            raise ValueError(f"use_dynamic needs max_tokens_per_gpu >= 1, got {max_tokens_per_gpu}")
+        return [
+            _plan_dynamic_step(step, lengths, max_tokens_per_gpu * cp_size, allreduce_max) for step in steps
+        ]
+    if micro_batch_size is None or micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
+    plan = []
+    for step in steps:
+        need = -(-len(step) // micro_batch_size)
+        if allreduce_max is not None:  # no rank can run more micro-batches than it has samples
+            need = min(allreduce_max(need), -allreduce_max(-len(step)))
+        plan.append(_chunks(step, need))
+    return plan
+
+
 def dist_allreduce_max(group: ProcessGroup | None = None) -> Callable[[int], int]:
     """An `allreduce_max` for `plan_micro_batches` over a torch.distributed process group (default: world).
 

@@ -47,6 +47,7 @@ from miles.backends.fsdp_utils.data_packing import (
     dist_allreduce_max,
     pack_sequences,
     plan_micro_batches,
+    plan_variable_micro_batches,
 )
 from miles.backends.fsdp_utils.parallel import ParallelState
 from miles.config import AlgoConfig, Config
@@ -154,11 +155,25 @@ class Pack:
 
 
 def plan_steps(batch: RankBatch, cfg: Config, ps: ParallelState, steps_per_rollout: int) -> list[list[Pack]]:
-    """Optimizer steps of `global_batch_size / dp` samples, each a list of packs (agreed across DP ranks)."""
+    """Optimizer steps of `global_batch_size / dp` samples, each a list of packs (agreed across DP ranks); with
+    `--use-session-server` the sample count varies (`plan_variable_micro_batches`: `steps_per_rollout` steps of
+    whatever this rank got)."""
     t = cfg.train
     gbs = t.global_batch_size
     assert gbs is not None, "--global-batch-size is required (validation resolves it)"
     lengths = [len(x) for x in batch.tokens]
+    allreduce_max = dist_allreduce_max(ps.dp_group) if ps.dp_size > 1 else None
+    if cfg.rollout.use_session_server:
+        plan = plan_variable_micro_batches(
+            lengths,
+            num_steps=steps_per_rollout,
+            use_dynamic=t.use_dynamic_batch_size,
+            max_tokens_per_gpu=t.max_tokens_per_gpu,
+            micro_batch_size=t.micro_batch_size,
+            cp_size=ps.cp_size,
+            allreduce_max=allreduce_max,
+        )
+        return _packs(batch, plan)
     expected = steps_per_rollout * gbs // ps.dp_size
     if len(lengths) != expected:
         raise ValueError(
@@ -174,8 +189,12 @@ def plan_steps(batch: RankBatch, cfg: Config, ps: ParallelState, steps_per_rollo
         micro_batch_size=t.micro_batch_size,
         dp_size=ps.dp_size,
         cp_size=ps.cp_size,
-        allreduce_max=dist_allreduce_max(ps.dp_group) if ps.dp_size > 1 else None,
+        allreduce_max=allreduce_max,
     )
+    return _packs(batch, plan)
+
+
+def _packs(batch: RankBatch, plan: list[list[list[int]]]) -> list[list[Pack]]:
     steps = []
     for step in plan:
         packs = []
@@ -306,7 +325,7 @@ def loss_reduction(a: AlgoConfig) -> LossReduction:
 
 
 def step_reduction(
-    reduction: LossReduction, batch: RankBatch, packs: list[Pack], ps: ParallelState
+    reduction: LossReduction, batch: RankBatch, packs: list[Pack], ps: ParallelState, variable: bool = False
 ) -> LossReduction:
     """`reduction` with this optimizer step's denominator: global sample / loss-token counts over the DP group.
 
@@ -315,16 +334,22 @@ def step_reduction(
 
     The sample count needs no collective: every DP rank's step holds the same number of samples (`plan_steps`
     checks the rank's total, `plan_micro_batches` gives each step global_batch_size / dp of them). The loss-token
-    count is all-reduced only for a reduction that reads it (`reduction_counts_tokens`: token_mean).
+    count is all-reduced only for a reduction that reads it (`reduction_counts_tokens`: token_mean). With
+    `variable` (--use-session-server: ranks' steps may hold different sample counts) the sample count is
+    all-reduced too.
     """
     indices = [i for p in packs for i in p.indices]
     num_tokens = 0
     if reduction_counts_tokens(reduction.kind):
         local = float(sum(batch.loss_masks[i].sum() for i in indices))
         num_tokens = int(_all_reduce_sum(torch.tensor([local], dtype=torch.float64), ps.dp_group)[0])
+    num_samples = len(indices) * ps.dp_size
+    if variable:
+        local_n = torch.tensor([float(len(indices))], dtype=torch.float64)
+        num_samples = int(_all_reduce_sum(local_n, ps.dp_group)[0])
     denominator = reduction_denominator(
         reduction.kind,
-        global_num_samples=len(indices) * ps.dp_size,
+        global_num_samples=num_samples,
         global_num_tokens=num_tokens,
         dp_size=ps.dp_size,
         constant=reduction.constant,
@@ -333,10 +358,11 @@ def step_reduction(
 
 
 def step_settings(
-    settings: LossSettings, batch: RankBatch, packs: list[Pack], ps: ParallelState
+    settings: LossSettings, batch: RankBatch, packs: list[Pack], ps: ParallelState, variable: bool = False
 ) -> LossSettings:
     """`settings` with this optimizer step's reduction (`step_reduction`)."""
-    return dataclasses.replace(settings, reduction=step_reduction(settings.reduction, batch, packs, ps))
+    reduction = step_reduction(settings.reduction, batch, packs, ps, variable)
+    return dataclasses.replace(settings, reduction=reduction)
 
 
 @dataclass

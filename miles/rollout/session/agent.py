@@ -11,9 +11,13 @@ request has `--rollout-request-timeout`.
 
 The session's tree (an edited history or `n > 1` gives it several leaves) becomes samples through the sample
 picker and post-processor (`--session-sample-picker-path`, `--session-sample-postprocessor-path`; defaults:
-superseded retries dropped, exactly-once completion masking, see `picking`). A rollout group holds one sample
-per episode, so the returned sample is the first of them (by default the most recent leaf, every token the
-policy sampled in it trained); `metadata["session"]` describes the tree and counts the samples. Its reward is the agent's return value when not None, else the configured reward function's.
+superseded retries dropped, exactly-once completion masking, see `picking`). A training episode returns all
+of them, the episode's own first (by default the most recent leaf): the rollout group of a prompt holds every
+picked leaf of its sessions (`--n-samples-per-prompt` sessions, at least that many samples); the others carry
+`metadata["session_extra"] = True`. An evaluation episode returns the first only (one sample per episode).
+`metadata["session"]` (on the first) describes the tree and counts the samples. The leaves of a session share
+its reward: the agent's return value when not None, else the configured reward function's, which scores the
+first sample only (`default_rollout` copies it to the others).
 An agent that raises or runs past its deadline fails that sample only: status FAILED, reward 0.0 (the
 convention of `--rm-error-as-zero`), the error in `metadata["agent_error"]`, the tokens of its last leaf kept
 when it made a request (else an empty response). When the rollout is ending (the client stopped taking
@@ -89,7 +93,7 @@ async def _run_agent(
 
 async def generate_with_agent(
     client: GenerateClient, sample: Sample, sampling: SamplingSettings, ctx: GenerateContext
-) -> Sample:
+) -> Sample | list[Sample]:
     """Run the agent of `--agent-function-path` for one sample (see the module docstring)."""
     settings = ctx.agent
     if settings is None:
@@ -131,14 +135,20 @@ async def generate_with_agent(
         "turns": len(recorder.nodes[sample.metadata.get("session_leaf", leaves[-1].id)].turns),
         "tree": recorder.tree(),
     }
+    picked = picked[:1] if ctx.evaluation else picked
+    for extra in picked[1:]:
+        extra.metadata["session_extra"] = True
     if reward is not None:
-        sample.reward = check_reward(reward, settings.name, sample)
+        value = check_reward(reward, settings.name, sample)
+        for s in picked:
+            s.reward = dict(value) if isinstance(value, dict) else value
     elif not settings.has_reward_fn:  # that sample's failure (as a crash would be), not the run's
         error = (
             f"agent {settings.name} (--agent-function-path) returned None for sample index {sample.index} and "
             "no reward function is set: return the reward, or set --custom-rm-path, --rm-type or --rm-url"
         )
         logger.warning("%s: %s", ctx.phase, error)
-        sample.status, sample.reward = SampleStatus.FAILED, 0.0
-        sample.metadata["agent_error"] = error
-    return sample
+        for s in picked:
+            s.status, s.reward = SampleStatus.FAILED, 0.0
+            s.metadata["agent_error"] = error
+    return picked if len(picked) > 1 else sample

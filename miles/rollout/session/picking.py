@@ -20,8 +20,8 @@ exactly-once completion masking, keeps loss mask 1 on a sampled token only in th
 (a token is identified by the node that sampled it and its position, `Node.owners`), so a token shared by
 several leaves of the tree (an edited history keeps a prefix) is trained once.
 
-Both are checked at start-up (`miles.rollout.seams.load_agent`). A rollout group holds one sample per episode,
-so the first returned sample is the one trained; `metadata["session"]["samples"]` counts all of them.
+Both are checked at start-up (`miles.rollout.seams.load_agent`). Every returned sample is trained: the rollout
+group of a prompt holds all the samples of its sessions (see `miles.rollout.session.agent`).
 """
 
 from __future__ import annotations
