@@ -3,7 +3,8 @@
 
 Only for disaggregated placement (engines and trainers on different workers): the engines keep generating with
 the previous weights while the trainer steps, so every rollout is at most one policy version old. The refit waits
-for the in-flight generation to finish, so weights never change in the middle of a rollout.
+for the in-flight generation to finish, so weights never change in the middle of a rollout (nor of an agent
+session of --use-session-server: a session lives inside one rollout's generation).
 
 Fully async: the rollout manager's worker keeps samples in flight and buffers finished groups; each step takes a
 batch as soon as one is buffered, trains, and every --update-weights-interval steps pauses the engines
@@ -135,11 +136,6 @@ def _refuse(cfg: Config) -> str | None:
     dbg = cfg.debug
     if dbg.save_debug_rollout_data or dbg.load_debug_rollout_data or dbg.debug_rollout_only:
         return "replay debugging (--*-debug-rollout-data, --debug-rollout-only) runs with miles.train"
-    if cfg.rollout.use_session_server:
-        return (
-            "--use-session-server is built for miles.train only (sessions do not continue across the one-step-off "
-            "loop's refit yet); use miles.train"
-        )
     if cfg.cluster.colocate:
         return (
             "--colocate shares devices between engines and trainers, so generation cannot overlap training; "

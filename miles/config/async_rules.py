@@ -19,7 +19,10 @@ _ASYNC_ONLY = (
 # flags --fully-async does not combine with yet: refused, never ignored
 _CONFLICTS = {
     "colocate": "engines and trainers share devices, so generation cannot go on while the trainer trains",
-    "use_session_server": "agent sessions do not live across the worker's refits yet",
+    "use_session_server": (
+        "agent sessions do not continue across the worker's refits yet (a turn's weight version would change "
+        "mid-episode); the one-step-off driver (without --fully-async) runs them"
+    ),
     "partial_rollout": "the worker always continues aborted samples; the flag has no effect",
     "debug_rollout_only": "the worker needs trainers to refit the engines",
 }

@@ -432,7 +432,6 @@ _SESSION_SERVER_CONFLICTS = {
     "custom_generate_function_path": "the session server is the generate function",
     "generate_execute_tool_function_path": "the agent runs its own tools",
     "partial_rollout": "an agent episode cannot be continued in the next rollout yet",
-    "use_fault_tolerance": "sessions do not move to another engine yet",
 }
 
 

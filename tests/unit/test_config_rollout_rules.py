@@ -71,12 +71,19 @@ def test_valid_combinations_parse() -> None:
         ("--agent-function-path my.agent:run", "runs against the session server; add --use-session-server"),
         ("--use-session-server --agent-function-path agent", "--agent-function-path='agent': expected 'module.path:function'"),
         ("--use-session-server --agent-function-path a.b:run --partial-rollout", "--partial-rollout=True: is not supported with --use-session-server"),
-        ("--use-session-server --agent-function-path a.b:run --use-fault-tolerance", "--use-fault-tolerance=True: is not supported with --use-session-server"),
         ("--use-session-server --agent-function-path a.b:run --custom-generate-function-path a.b:gen", "is not supported with --use-session-server: the session server is the generate function"),
     ],
 )  # fmt: skip
 def test_session_server_rules(extra: str, expected: str) -> None:
     assert any(expected in v for v in violations(extra)), violations(extra)
+
+
+def test_session_server_runs_with_fault_tolerance() -> None:
+    # a turn on an engine that dies is re-sent to another (tests/integration/test_session_engine_death.py)
+    cfg = parse_config(
+        (BASE + " --use-session-server --agent-function-path a.b:run --use-fault-tolerance").split()
+    )
+    assert cfg.rollout.use_session_server and cfg.cluster.use_fault_tolerance
 
 
 def test_session_server_seams_load_the_agent_and_refuse_a_sync_one() -> None:
