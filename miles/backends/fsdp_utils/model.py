@@ -286,6 +286,7 @@ def build_reference_model(
     attn_implementation: str = "sdpa",
     flag: str = "--ref-load (or --hf-checkpoint)",
     tp_mesh: DeviceMesh | None = None,
+    ep_size: int = 1,
 ) -> nn.Module:
     """A frozen FSDP2 copy of ``path`` for reference log-probs: CPUOffloadPolicy, eval mode, no grads.
 
@@ -301,6 +302,7 @@ def build_reference_model(
         reshard_after_forward=True,  # no backward: a gathered layer would stay gathered
         flag=flag,
         tp_mesh=tp_mesh,
+        ep_size=ep_size,
     )
     model.eval()
     model.requires_grad_(False)
