@@ -55,12 +55,12 @@ class _ScaleGrad(torch.autograd.Function):
     """Identity forward; the gradient times ``scale`` backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad * ctx.scale, None
 
 
