@@ -3,7 +3,8 @@ Qwen3-MoE (4 experts, top-2, 2 layers), fp32. EP2 on 2 ranks and DP4 with EP2 on
 pairs of ranks, FSDP2 over the ranks holding the same experts) against a plain HF model that sees every rank's
 pack: log-probs, loss, gradients, the clipped norm and one AdamW step's weights (<= 1e-5); then the same with
 routing replay (R3: other experts than the router's top-k, replayed before dispatch) and the auxiliary loss; the
-refit gathers every expert into the HF names and values of the unsplit model."""
+refit gathers every expert into the HF names and values of the unsplit model; a DCP checkpoint saved with EP
+loads into a model without EP."""
 
 from __future__ import annotations
 
@@ -129,6 +130,17 @@ def _body(rank: int, world: int, ep: int, tmp: str) -> None:
     for name, t in sent.items():
         assert t.shape == ref_sd[name].shape, name
         _close(t, ref_sd[name], f"refit {name}")
+
+    # a DCP checkpoint saved with EP loads into a model without EP (FSDP2 over all ranks), every weight equal
+    from miles.backends.fsdp_utils.checkpoint import load_checkpoint, save_checkpoint
+    from miles.backends.fsdp_utils.model import build_optimizer
+
+    save_checkpoint(os.path.join(tmp, "ckpt"), 0, model, build_optimizer(model.parameters(), lr=LR), None)
+    flat = build_fsdp_model(path, ps.fsdp_mesh)
+    assert load_checkpoint(os.path.join(tmp, "ckpt"), flat, build_optimizer(flat.parameters(), lr=LR), None)
+    flat_params = dict(flat.named_parameters())
+    for n, p in model.named_parameters():
+        assert torch.equal(_full(p.detach()), _full(flat_params[n].detach())), f"EP -> EP1 resume: {n}"
 
 
 def _save(tmp_path) -> None:
