@@ -11,6 +11,7 @@ import re
 from contextlib import suppress
 
 from miles.config.async_rules import fully_async
+from miles.config.ep_rules import expert_parallel
 from miles.config.hybrid_rules import hybrid_models
 from miles.config.schema import FIELDS
 from miles.config.tp_rules import tensor_parallel
@@ -487,6 +488,7 @@ RULES: list[Rule] = [
     _critic,
     _moe,
     tensor_parallel,
+    expert_parallel,
     _lora,
     _rollout_quantization,
     _external_engines,

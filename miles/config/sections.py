@@ -192,6 +192,12 @@ class TrainConfig:
         "innermost mesh dimension, FSDP2 shards over the data-parallel ranks)",
         ge=1,
     )
+    expert_model_parallel_size: int = opt(
+        1,
+        "ranks that split every MoE layer's experts (expert parallelism, Qwen3-MoE; tokens reach their experts by "
+        "all-to-all, FSDP2 shards the experts over the ranks holding the same ones)",
+        ge=1,
+    )
     fsdp_cpu_offload: bool = opt(False, "keep FSDP parameters, gradients and optimizer state on CPU")
     update_weight_buffer_size: int = opt(512 * 1024**2, "bytes per weight-refit bucket", ge=1)
     update_weight_transfer_mode: str = opt(

@@ -5,7 +5,7 @@ head, the optimizer, and the gradient sync and clipping of a sharded step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,7 @@ def apply_fsdp2(
     cpu_offload: bool,
     reshard_after_forward: bool = True,
     per_layer: bool = True,
+    inner_units: Sequence[tuple[nn.Module, DeviceMesh]] = (),
 ) -> nn.Module:
     """Shard every decoder layer, then the root, over the 1-D ``mesh`` (``per_layer=False``: the root only, one
     unit for the whole model, see `per_layer_units`); returns the (same) model. A vision-language model's vision
@@ -77,6 +78,8 @@ def apply_fsdp2(
     kwargs = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for unit in _vision_units(model):
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **kwargs)
+    for unit, unit_mesh in inner_units:  # expert parallelism: each layer's experts over their own mesh
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **{**kwargs, "mesh": unit_mesh})
     for layer in decoder_layers(model) if per_layer else ():
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
@@ -106,6 +109,7 @@ def build_fsdp_model(
     flag: str = "--hf-checkpoint",
     transform: Callable[[nn.Module], None] | None = None,
     tp_mesh: DeviceMesh | None = None,
+    ep_size: int = 1,
 ) -> nn.Module:
     """Build ``path`` sharded with `apply_fsdp2`: every rank builds it with its parameters on the meta device,
     shards it, allocates its own shards and receives the weights tensor by tensor from global rank 0
@@ -122,6 +126,9 @@ def build_fsdp_model(
     ``tp_mesh`` (tensor parallelism, `tensor_parallel.apply_tensor_parallel`): the decoder layers' projections are
     split over it before FSDP2 shards over ``mesh`` (the data-parallel ranks); ``mesh`` x ``tp_mesh`` then covers
     every rank.
+
+    ``ep_size`` (expert parallelism, `expert_parallel.apply_expert_parallel`): each MoE layer's experts are split
+    over groups of ``ep_size`` ranks and sharded by FSDP2 over the ranks holding the same experts.
     """
     tp_size = 1 if tp_mesh is None else tp_mesh.size()
     if mesh.ndim != 1 or mesh.size() * tp_size != dist.get_world_size():
@@ -143,9 +150,17 @@ def build_fsdp_model(
         from miles.backends.fsdp_utils.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, tp_mesh)
+    inner_units: list[tuple[nn.Module, DeviceMesh]] = []
+    if ep_size > 1:
+        from miles.backends.fsdp_utils.expert_parallel import apply_expert_parallel, expert_meshes
+
+        ep_mesh, edp_mesh = expert_meshes(mesh.device_type, ep_size)
+        inner_units = [(unit, edp_mesh) for unit in apply_expert_parallel(model, ep_mesh)]
     shard_device = torch.device("cpu") if cpu_offload else torch.device(device)
     per_layer = per_layer_units(device, cpu_offload, reshard_after_forward)
-    apply_fsdp2(model, mesh, param_dtype, reduce_dtype, cpu_offload, reshard_after_forward, per_layer)
+    apply_fsdp2(
+        model, mesh, param_dtype, reduce_dtype, cpu_offload, reshard_after_forward, per_layer, inner_units
+    )
     model.to_empty(device=shard_device)
     weights.fill(model, mesh)
     return model
@@ -271,6 +286,7 @@ def build_reference_model(
     attn_implementation: str = "sdpa",
     flag: str = "--ref-load (or --hf-checkpoint)",
     tp_mesh: DeviceMesh | None = None,
+    ep_size: int = 1,
 ) -> nn.Module:
     """A frozen FSDP2 copy of ``path`` for reference log-probs: CPUOffloadPolicy, eval mode, no grads.
 
@@ -286,6 +302,7 @@ def build_reference_model(
         reshard_after_forward=True,  # no backward: a gathered layer would stay gathered
         flag=flag,
         tp_mesh=tp_mesh,
+        ep_size=ep_size,
     )
     model.eval()
     model.requires_grad_(False)

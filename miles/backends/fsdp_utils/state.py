@@ -62,6 +62,7 @@ class ModelKwargs(TypedDict):
     reduce_dtype: torch.dtype
     attn_implementation: str
     tp_mesh: DeviceMesh | None  # tensor parallelism (--tensor-model-parallel-size > 1), else None
+    ep_size: int  # expert parallelism (--expert-model-parallel-size)
 
 
 class FSDPState:
@@ -120,6 +121,7 @@ class FSDPState:
             reduce_dtype=torch.float32,
             attn_implementation="sdpa",
             tp_mesh=self.ps.tp_mesh,
+            ep_size=self.config.train.expert_model_parallel_size,
         )
 
     def _build_optimizer(self) -> tuple[torch.optim.Optimizer, LRScheduler]:
