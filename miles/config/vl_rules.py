@@ -6,7 +6,7 @@ and the data source: `--multimodal-keys` fills `Sample.multimodal_data` and expa
 miles.backends.fsdp_utils.vl_train), HF export and the toy image tasks. The whole loop runs and learns on CPU with the
 embedded engine (tests/e2e/test_tiny_vlm_learns.py). Refused here, before Ray starts: context parallelism (its own
 reason), LoRA and explicit SGLang engines with a VL model (not proven end to end), `--freeze-vision-tower` without
-a VL checkpoint. Multi-turn tool images are not built (no flag opts into them).
+a VL checkpoint. Multi-turn tool answers may carry images (miles.rollout.multi_turn).
 """
 
 from __future__ import annotations
