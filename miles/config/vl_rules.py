@@ -5,8 +5,9 @@ and the data source: `--multimodal-keys` fills `Sample.multimodal_data` and expa
 (the VL model built and sharded, `--freeze-vision-tower`, packed VL log-prob / train / reference forwards:
 miles.backends.fsdp_utils.vl_train), HF export and the toy image tasks. The whole loop runs and learns on CPU with the
 embedded engine (tests/e2e/test_tiny_vlm_learns.py). Refused here, before Ray starts: context parallelism (its own
-reason), LoRA and explicit SGLang engines with a VL model (not proven end to end), `--freeze-vision-tower` without
-a VL checkpoint. Multi-turn tool images are not built (no flag opts into them).
+reason), LoRA with a VL model (not proven end to end), `--freeze-vision-tower` without a VL checkpoint. SGLang
+engines are allowed (`auto` picks them on GPU machines): their request shape and refit names are checked against
+SGLang's source, but no run with them was made here (docs/vlm.md). Multi-turn tool answers may carry images (miles.rollout.multi_turn).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from miles.config.values import Values
 
 SUPPORTED_MODALITIES = ("image",)
 _NOT_PROVEN = (
-    "is not proven end to end yet (issue 27: the VL loop is tested with the embedded engine, full fine-tuning, "
-    "single-turn image prompts); see docs/vlm.md"
+    "is not proven end to end yet (issue 27: the VL loop is tested with the embedded engine and full "
+    "fine-tuning); see docs/vlm.md"
 )
 
 
@@ -84,6 +85,11 @@ def vision_language(v: Values) -> None:
     if "multimodal_keys" in v.bad:
         return
     vl_ckpt = is_vl_checkpoint(v["hf_checkpoint"])
+    # a checkpoint without a config.json (not downloaded yet) is named by the pre-flight checks, not here
+    unknown = not (
+        isinstance(v["hf_checkpoint"], str)
+        and os.path.isfile(os.path.join(v["hf_checkpoint"], "config.json"))
+    )
     if keys is None and not vl_ckpt and not v["freeze_vision_tower"]:
         return
     if v["context_parallel_size"] > 1:
@@ -92,17 +98,15 @@ def vision_language(v: Values) -> None:
             "context parallelism is not supported for vision-language models (issue 27): the image features and "
             "3-D rotary position ids of a sequence would be split across ranks; use --context-parallel-size 1",
         )
-    if keys is not None and not vl_ckpt:
+    if keys is not None and not vl_ckpt and not unknown:
         v.fail(
             "multimodal_keys",
             "needs a vision-language --hf-checkpoint (config.json with vision_config), issue 27",
         )
-    if v["freeze_vision_tower"] and not vl_ckpt:
+    if v["freeze_vision_tower"] and not vl_ckpt and not unknown:
         v.fail(
             "freeze_vision_tower",
             "needs a vision-language checkpoint (config.json with vision_config), issue 27",
         )
     if v["lora_rank"]:
         v.fail("lora_rank", f"LoRA on a vision-language model {_NOT_PROVEN}")
-    if v["rollout_engine"] == "sglang":
-        v.fail("rollout_engine", f"SGLang engines serving a vision-language model {_NOT_PROVEN}")

@@ -224,13 +224,18 @@ class VLProcessor:
         messages = self.image_messages(prompt, len(images))
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         mm = self.process_images(images)
-        if mm is not None:
-            counts = (mm.image_grid_thw.prod(-1) // self.merge_size**2).tolist()
-            pieces = text.split(self.image_token)
-            if len(pieces) - 1 != len(counts):
-                raise ValueError(
-                    f"the chat template placed {len(pieces) - 1} image tokens for {len(counts)} images"
-                )
-            text = pieces[0] + "".join(self.image_token * n + p for n, p in zip(counts, pieces[1:]))
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(self.expand_pads(text, mm), add_special_tokens=False)["input_ids"]
         return list(ids), mm
+
+    def expand_pads(self, text: str, mm: MultimodalInputs | None) -> str:
+        """`text` (one image token per image, as the chat template places them) with each image token repeated
+        once per merged patch of its image (`mm`, in order; None: no images, `text` unchanged)."""
+        if mm is None:
+            return text
+        counts = (mm.image_grid_thw.prod(-1) // self.merge_size**2).tolist()
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 != len(counts):
+            raise ValueError(
+                f"the chat template placed {len(pieces) - 1} image tokens for {len(counts)} images"
+            )
+        return pieces[0] + "".join(self.image_token * n + p for n, p in zip(counts, pieces[1:]))

@@ -6,14 +6,16 @@ once per merged patch of each image. SGLang's multimodal processor expands the p
 `input_ids` it decodes them to text and runs the checkpoint's processor, which requires exactly one `<|image_pad|>`
 per image (with `SGLANG_MM_AVOID_RETOKENIZE`, `_expand_input_ids` keeps the ids and expands each single pad, with
 the same rule). So the request carries the prompt with each image's run of pads collapsed to one pad, and the
-images in prompt order:
+images in order:
 
     single:  {"input_ids": [...one pad per image...], "image_data": ["data:image/png;base64,...", ...], ...}
     batch:   {"input_ids": [[...], [...]], "image_data": [[uri, ...], [], ...], ...}   ([] for a text-only prompt)
 
 SGLang (and the embedded engine, `miles.engines.local.vl_runner`) expands the pads again from the images, to the
 same ids the sample holds when its image processor config is the checkpoint's; the answer's `output_ids` follow.
-Only the prompt part of the tokens is collapsed: a partial response (a continued, aborted generation) goes as is.
+The first runs of pads, one per image, are collapsed: the prompt's, then those of multi-turn tool results that
+carry images (`miles.rollout.multi_turn`), whose images follow the prompt's in `multimodal_data`, as a multi-turn
+conversation's images go to SGLang; pads after them (sampled by the policy, in a continued generation) go as is.
 See docs/sglang-contract.md.
 """
 
@@ -24,15 +26,17 @@ from typing import Any
 IMAGE_PAD = "<|image_pad|>"
 
 
-def collapse_image_pads(ids: list[int], pad_id: int) -> tuple[list[int], int]:
-    """`ids` with every run of `pad_id` shortened to one; returns (ids, number of runs)."""
+def collapse_image_pads(ids: list[int], pad_id: int, max_runs: int | None = None) -> tuple[list[int], int]:
+    """`ids` with every run of `pad_id` shortened to one (only the first `max_runs` runs when given: later pads
+    are kept as they are); returns (ids, number of runs shortened)."""
     out: list[int] = []
     runs = 0
+    in_run = False
     for t in ids:
-        if t == pad_id:
-            if out and out[-1] == pad_id:
-                continue
-            runs += 1
+        if t == pad_id and in_run:
+            continue
+        in_run = t == pad_id and (max_runs is None or runs < max_runs)
+        runs += in_run
         out.append(t)
     return out, runs
 
@@ -63,13 +67,12 @@ def engine_prompt(sample: Any, tokenizer: Any) -> tuple[list[int], list[str] | N
     pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
     if pad_id is None or pad_id == tokenizer.unk_token_id:
         raise ValueError(f"sample {sample.index} has images but the tokenizer has no {IMAGE_PAD} token")
-    cut = len(tokens) - int(sample.response_length)
-    prompt, runs = collapse_image_pads(tokens[:cut], pad_id)
+    ids, runs = collapse_image_pads(tokens, pad_id, len(images))
     if runs != len(images):
         raise ValueError(
-            f"sample {sample.index}: its prompt has {runs} runs of {IMAGE_PAD} but {len(images)} images"
+            f"sample {sample.index}: its tokens have {runs} runs of {IMAGE_PAD} but {len(images)} images"
         )
-    return prompt + tokens[cut:], images
+    return ids, images
 
 
 def image_data_field(per_request: list[list[str] | None], single: bool) -> dict[str, Any]:

@@ -66,14 +66,16 @@ REFERENCE_RECIPE: dict[str, list[str]] = {
 }
 
 
-def _script_argv(tmp_path: Path, wandb_key: str = "") -> list[str]:
-    """The exact argv scripts/run-qwen3-4B-fsdp.sh hands to `python3 -m miles.train` (a stand-in prints it)."""
+def _script_argv(
+    tmp_path: Path, wandb_key: str = "", script: str = "scripts/run-qwen3-4B-fsdp.sh"
+) -> list[str]:
+    """The exact argv `script` hands to `python3 -m miles.train` (a stand-in prints it)."""
     shim = tmp_path / "python3"
     shim.write_text('#!/bin/sh\nshift 2\nprintf "%s\\n" "$@"\n')
     shim.chmod(0o755)
     env = {**os.environ, "WANDB_API_KEY": wandb_key, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
     out = subprocess.run(
-        ["bash", "scripts/run-qwen3-4B-fsdp.sh"],
+        ["bash", script],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -117,6 +119,28 @@ def test_qwen3_4b_script_is_the_reference_recipe(tmp_path):
     with_wandb = _flags(_script_argv(tmp_path, wandb_key="k"))
     assert set(with_wandb) - set(REFERENCE_RECIPE) == {"--use-wandb", "--wandb-project", "--wandb-group",
                                                        "--wandb-key"}  # fmt: skip
+
+
+def test_qwen25_vl_3b_script_flags_parse(tmp_path):
+    """The VL GPU recipe (issue 27): every flag parses (VL rules included: its SGLang engines are allowed), the
+    Geo3K layout and the reference's values; --dry-run then refuses only the files this machine lacks."""
+    from miles.config import parse_config
+    from miles.config.vl_rules import parse_multimodal_keys
+
+    script = "scripts/run-qwen2.5-vl-3b-fsdp.sh"
+    argv = _script_argv(tmp_path, script=script)
+    flags = _flags(argv)
+    assert parse_multimodal_keys(flags["--multimodal-keys"][0]) == {"image": "images"}
+    assert flags["--input-key"] == ["problem"] and flags["--label-key"] == ["answer"]
+    assert flags["--hf-checkpoint"] == ["/root/Qwen2.5-VL-3B-Instruct"] and "--rollout-engine" not in flags
+    cfg = yaml.safe_load(parse_config(argv).to_yaml())
+    assert cfg["rollout"]["rollout_batch_size"] == 64 and cfg["rollout"]["rollout_max_response_len"] == 4096
+    assert cfg["engine"]["sglang_args"]["mem_fraction_static"] == "0.6"
+    proc = subprocess.run(["bash", script, "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    if not Path("/root/Qwen2.5-VL-3B-Instruct").is_dir():
+        assert proc.returncode == 2 and "pre-flight check failed" in proc.stderr, proc.stderr
+        assert "invalid configuration" not in proc.stderr
+        assert "/root/Qwen2.5-VL-3B-Instruct" in proc.stderr.split("pre-flight check failed", 1)[1]
 
 
 def test_qwen3_4b_script_passes_dry_run(tmp_path):

@@ -45,6 +45,14 @@ def test_engine_prompt_collapses_only_the_prompt():
     assert ids == [1, START, PAD, END, START, PAD, END, 4, PAD, PAD] and images == [URI_A, URI_B]
 
 
+def test_engine_prompt_collapses_tool_result_images_in_the_response():
+    """A multi-turn sample: one image in the prompt, one in a tool result inside the response, then pads the
+    policy sampled: the two image runs are collapsed (one pad each), the sampled pads go as they are."""
+    tokens = [1, START, PAD, PAD, END, 7, 8, START, PAD, PAD, PAD, END, 9, PAD, PAD]
+    ids, images = engine_prompt(_sample(tokens, [URI_A, URI_B], response_length=10), _Tok())
+    assert ids == [1, START, PAD, END, 7, 8, START, PAD, END, 9, PAD, PAD] and images == [URI_A, URI_B]
+
+
 def test_text_only_sample_goes_unchanged():
     tokens = [1, 2, 3]
     assert engine_prompt(_sample(tokens, None), _Tok()) == ([1, 2, 3], None)
@@ -56,7 +64,7 @@ def test_text_only_sample_goes_unchanged():
 
 
 def test_image_count_mismatch_names_the_sample():
-    with pytest.raises(ValueError, match="sample 3: its prompt has 1 runs"):
+    with pytest.raises(ValueError, match="sample 3: its tokens have 1 runs"):
         engine_prompt(_sample([START, PAD, END], [URI_A, URI_B]), _Tok())
     with pytest.raises(ValueError, match="video"):
         engine_prompt(
