@@ -226,3 +226,22 @@ def test_bad_flags_exit_2_with_every_violation(capsys):
     err = capsys.readouterr().err
     for fragment in ("--num-rollout", "--lr", "--no-such-flag", "--prompt-data"):
         assert fragment in err, fragment
+
+
+def test_qwen3_30b_a3b_script_flags_parse(tmp_path):
+    """The MoE GPU recipe (issue 28): every flag parses with the MoE rules (R3, EP over the 8 training ranks);
+    --dry-run then refuses only the files this machine lacks (the EP/checkpoint checks need its config.json)."""
+    from miles.config import parse_config
+
+    script = "scripts/run-qwen3-30B-A3B-fsdp.sh"
+    argv = _script_argv(tmp_path, script=script)
+    flags = _flags(argv)
+    assert "--use-rollout-routing-replay" in flags and flags["--expert-model-parallel-size"] == ["8"]
+    cfg = yaml.safe_load(parse_config(argv).to_yaml())
+    assert cfg["rollout"]["use_rollout_routing_replay"] is True and cfg["cluster"]["colocate"] is True
+    assert cfg["cluster"]["actor_num_gpus_per_node"] == 8 and cfg["rollout"]["rollout_max_response_len"] == 8192
+    proc = subprocess.run(["bash", script, "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    if not Path("/root/Qwen3-30B-A3B").is_dir():
+        assert proc.returncode == 2 and "pre-flight check failed" in proc.stderr, proc.stderr
+        assert "invalid configuration" not in proc.stderr
+        assert "/root/Qwen3-30B-A3B" in proc.stderr.split("pre-flight check failed", 1)[1]
