@@ -3,7 +3,8 @@
 # engines, on one 8-GPU node (issue 28): rollout routing replay (R3: the engines return each token's experts and
 # the trainer replays them, so the importance ratio does not measure routing noise), expert parallelism over the
 # 8 training ranks (each holds 16 experts of every layer; tokens reach them by all-to-all), and the 4B recipe's
-# GRPO and optimizer values (scripts/run-qwen3-4B-fsdp.sh, the reference miles recipe) otherwise.
+# GRPO and optimizer values (scripts/run-qwen3-4B-fsdp.sh, the reference miles recipe) otherwise, plus --use-tis
+# (truncated importance sampling against the engines' log-probs: R3 removes the routing gap, not the kernels').
 # Expects the model under /root/Qwen3-30B-A3B and the data under /root/dapo-math-17k (download them beforehand;
 # miles never fetches models or data). With R3 the engines are launched with --enable-return-routed-experts.
 # UNTESTED ON GPU HERE: R3, EP and the refit's per-expert names are tested on CPU (gloo, fp32, tiny Qwen3-MoE:
