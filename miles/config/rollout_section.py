@@ -90,7 +90,8 @@ class RolloutConfig:
     )
     generate_max_turns: int = opt(8, "multi-turn: model turns per sample (tool answers in between)", ge=1)
     generate_execute_tool_function_path: str | None = opt(
-        None, "multi-turn: the tool, 'module:function': fn(arguments, sample) -> str, or {\"text\": str, \"images\": [...]} (VL)"
+        None,
+        'multi-turn: the tool, \'module:function\': fn(arguments, sample) -> str, or {"text": str, "images": [...]} (VL)',
     )
     generate_tool_timeout: float = opt(30.0, "multi-turn: seconds one tool call may take", gt=0)
     use_session_server: bool = opt(
