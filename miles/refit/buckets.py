@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from miles.refit.fp8 import quantize_bucket
+from miles.refit.moe_names import split_bucket
 from miles.refit.vl_names import engine_name
 from miles.utils.progress import track
 
@@ -226,7 +227,8 @@ class RefitJob:
 def stream_buckets(
     job: RefitJob, checksums: RefitChecksums | None, send: Callable[[Bucket, int, bool], None]
 ) -> int:
-    """Gather every bucket (collective: every rank calls this), quantize it when the job says so, hash its
+    """Gather every bucket (collective: every rank calls this), quantize it when the job says so, send stacked
+    MoE experts per expert (`miles.refit.moe_names`; after quantizing: they stay unquantized as before), hash its
     tensors into ``checksums`` when given (no second gather), and hand it to ``send(bucket, index, is_last)``;
     only one bucket of full tensors is alive at a time.
     Returns the number of buckets."""
@@ -237,6 +239,7 @@ def stream_buckets(
     for index, bucket in enumerate(progress):
         if job.fp8_scale_format is not None:
             bucket = quantize_bucket(bucket, job.fp8_scale_format)
+        bucket = split_bucket(bucket)  # stacked experts per expert, as SGLang loads them (moe_names)
         if checksums is not None:
             checksums.add_bucket(bucket)
         send(bucket, index, index == len(plan) - 1)

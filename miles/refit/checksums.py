@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from miles.refit.moe_names import split_bucket
 from miles.utils.weight_checksum import tensor_checksum
 
 FUSED = {  # HF linear -> (SGLang's fused linear, block index, blocks)
@@ -125,7 +126,7 @@ class RefitChecksums:
     def add_bucket(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
         start = time.perf_counter()
         with torch.no_grad():
-            for name, t in bucket:
+            for name, t in split_bucket(bucket):  # stacked experts under the per-expert names sent
                 self._add(name, t)
         self.seconds += time.perf_counter() - start
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
+from miles.refit.moe_names import split_stacked
 from miles.refit.vl_names import engine_name
 from miles.utils.types import JSON
 from miles.utils.weight_checksum import device_hash_kind, overall_checksum, tensor_checksum
@@ -368,8 +369,10 @@ class WeightControl:
             if sent:
                 checksums.update(sent)
             else:
-                t = self.weights.get(name)  # named as SGLang's own parameters are (a VL model's: vl_names)
-                checksums[engine_name(name)] = tensor_checksum(t, device_hash_kind(t.device))
+                # under the names a refit sends (a VL model's: vl_names; stacked experts per expert: moe_names)
+                t = self.weights.get(name)
+                for sent_name, part in split_stacked(engine_name(name), t):
+                    checksums[sent_name] = tensor_checksum(part, device_hash_kind(t.device))
         overall = overall_checksum(checksums)
         rank: RankChecksums = {
             "checksums": checksums,

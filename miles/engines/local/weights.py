@@ -2,7 +2,8 @@
 
 Names are those of the HF model's `named_parameters()` (tied weights answer to every alias, e.g. both
 `model.embed_tokens.weight` and `lm_head.weight`; a VL model's also in the spelling SGLang's loaders take,
-`model.X` / `visual.X` for `model.language_model.X` / `model.visual.X`: `miles.refit.vl_names`). After `resume()` every parameter is zero-filled and marked
+`model.X` / `visual.X` for `model.language_model.X` / `model.visual.X`: `miles.refit.vl_names`; a stacked MoE
+expert tensor also as its per-expert pieces, SGLang's names: `miles.refit.moe_names`, assembled in place). After `resume()` every parameter is zero-filled and marked
 *pending*; each loaded tensor clears its mark, and the engine refuses to generate until none is pending, so a refit
 that misses a tensor is caught instead of silently sampling from zeros.
 """
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from miles.refit.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_named
+from miles.refit.moe_names import expert_piece, piece_view
 from miles.refit.vl_names import engine_name
 from miles.utils.weight_checksum import device_hash_kind, tensor_checksum
 
@@ -42,6 +44,8 @@ class WeightStore:
         self.device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
         self.released = False
         self.pending: set[str] = set()
+        # a pending stacked expert tensor -> the (expert, block) pieces loaded since resume (done when all are)
+        self._pieces: dict[str, set[tuple[int, int]]] = {}
         self._listeners: list[Callable[[], None]] = []  # told after every change of parameter data
         # canonical name -> {sent name: checksum} of the FP8 tensors it was last loaded from (weight, scales)
         self.fp8_checksums: dict[str, dict[str, str]] = {}
@@ -99,10 +103,29 @@ class WeightStore:
                 "a refit must send every tensor before generation"
             )
 
+    def _target(self, name: str) -> tuple[str, tuple[int, int, int] | None]:
+        """Canonical name of `name` and, for a per-expert piece of a stacked expert tensor, its
+        ``(expert, block, blocks)`` (`miles.refit.moe_names.expert_piece`); ValueError for an unknown name."""
+        piece = expert_piece(name) if name not in self._canonical else None
+        if piece is None:
+            return self.resolve(name), None
+        stacked, expert, block, blocks = piece
+        canon = self.resolve(stacked)
+        shape, _ = self._meta[canon]
+        if len(shape) != 3 or expert >= shape[0] or shape[1] % blocks:
+            raise ValueError(
+                f"unknown parameter {name!r}: {canon!r} of shape {shape} has no such expert piece"
+            )
+        return canon, (expert, block, blocks)
+
+    def _piece_shape(self, canon: str, piece: tuple[int, int, int] | None) -> tuple[int, ...]:
+        shape, _ = self._meta[canon]
+        return shape if piece is None else (shape[1] // piece[2], shape[2])
+
     def validate(self, name: str, tensor: torch.Tensor) -> str:
         """Check name and shape of an incoming tensor; returns the canonical name."""
-        canon = self.resolve(name)
-        shape, _ = self._meta[canon]
+        canon, piece = self._target(name)
+        shape = self._piece_shape(canon, piece)
         if tuple(tensor.shape) != shape:
             raise ValueError(f"shape mismatch for {name!r}: got {tuple(tensor.shape)}, model has {shape}")
         if not tensor.is_floating_point():
@@ -122,10 +145,9 @@ class WeightStore:
         received: list[tuple[str, torch.Tensor]] = []
         if any(t.dtype == FP8_DTYPE or n.endswith(SCALE_SUFFIX) for n, t in named):
             named, received = dequantize_named(named)
-        items = [(self.validate(n, t), t) for n, t in named]
-        for canon, t in items:
-            self._storage(canon).copy_(t)  # casts, and copies across devices directly
-            self.pending.discard(canon)
+        items = [(self.validate(n, t), n, t) for n, t in named]
+        for canon, name, t in items:
+            self._copy_in(canon, name, t)  # casts, and copies across devices directly
             self.fp8_checksums.pop(canon, None)
         for name, t in received:
             canon = self.resolve(name.removesuffix(SCALE_SUFFIX))
@@ -137,9 +159,26 @@ class WeightStore:
     def load_one(self, name: str, tensor: torch.Tensor) -> None:
         """Copy one (already validated) tensor; used by the streaming distributed path."""
         canon = self.validate(name, tensor)
-        self._storage(canon).copy_(tensor)
-        self.pending.discard(canon)
+        self._copy_in(canon, name, tensor)
         self._changed()
+
+    def _copy_in(self, canon: str, name: str, tensor: torch.Tensor) -> None:
+        """Copy a validated tensor into parameter ``canon`` (a per-expert piece into its view of the stacked
+        tensor); the parameter stops being pending when whole, or when all its pieces have arrived."""
+        _, piece = self._target(name)
+        if piece is None:
+            self._storage(canon).copy_(tensor)
+            self.pending.discard(canon)
+            self._pieces.pop(canon, None)
+            return
+        expert, block, blocks = piece
+        piece_view(self._storage(canon), expert, block, blocks).copy_(tensor)
+        if canon in self.pending:
+            done = self._pieces.setdefault(canon, set())
+            done.add((expert, block))
+            if len(done) == self._meta[canon][0][0] * blocks:
+                self.pending.discard(canon)
+                del self._pieces[canon]
 
     def point_at(self, views: dict[str, torch.Tensor]) -> int:
         """Make every parameter a view of the given tensors (canonical name -> tensor of its shape and dtype),
@@ -160,6 +199,7 @@ class WeightStore:
         for name, view in views.items():
             self._params[name].data = view
         self.pending.clear()
+        self._pieces.clear()
         self.fp8_checksums.clear()
         self._changed()
         return len(views)
@@ -194,6 +234,7 @@ class WeightStore:
                 p.data = torch.zeros(shape, dtype=dtype, device=self.device)
         self.released = False
         self.pending = set(self._params)
+        self._pieces.clear()
         self._changed()
 
     def allocated_bytes(self) -> int:
