@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A tiny vision-language GRPO run on CPU (issue 27): a randomly initialised Qwen2.5-VL-architecture model
-# (miles.tools.tiny_vlm) learns the toy image task "read_digit" (answer the digit drawn in a 56x56 image) through the
+# (miles.tools.tiny_vlm) learns a toy image task (TASK, default "read_digit": answer the digit drawn in a 56x56 image;
+# "bright_dark": answer 1 for a bright image, 0 for a dark one, the same prompt for every row) through the
 # real system: images in the data (--multimodal-keys), in the /generate requests (image_data) and in the packed
 # trainer forward; embedded engines running the VL model; colocated refit under SGLang's VL loader names.
 # ROLLOUT_BATCH_SIZE (prompts per rollout, 8 samples each), MAX_RESPONSE_LEN and LR override the defaults.
@@ -16,15 +17,16 @@ RUN_DIR=${RUN_DIR:-runs/tiny-vlm-$(date -u +%Y%m%d-%H%M%S)}
 if [ ! -f "$ART/model/config.json" ]; then
   python3 -m miles.tools.tiny_vlm --out "$ART/model" --kind "${VLM_KIND:-qwen2_5_vl}" --seed 0 --overwrite
 fi
-if [ ! -f "$ART/read_digit.jsonl" ]; then
-  python3 -m miles.tools.toy_data --task read_digit --out "$ART/read_digit.jsonl" --n 1000 --seed 0
+TASK=${TASK:-read_digit}
+if [ ! -f "$ART/$TASK.jsonl" ]; then
+  python3 -m miles.tools.toy_data --task "$TASK" --out "$ART/$TASK.jsonl" --n 1000 --seed 0
 fi
 FREEZE=()
 [ "${FREEZE_VISION:-0}" = 1 ] && FREEZE=(--freeze-vision-tower)
 
 python3 -m miles.train \
   --hf-checkpoint "$ART/model" \
-  --prompt-data "$ART/read_digit.jsonl" --input-key prompt --label-key label --apply-chat-template --rollout-shuffle \
+  --prompt-data "$ART/$TASK.jsonl" --input-key prompt --label-key label --apply-chat-template --rollout-shuffle \
   --multimodal-keys '{"image": "images"}' "${FREEZE[@]}" \
   --rm-type math \
   --num-rollout "${NUM_ROLLOUT:-40}" --rollout-batch-size "${ROLLOUT_BATCH_SIZE:-16}" --n-samples-per-prompt 8 \
