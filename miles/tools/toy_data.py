@@ -138,7 +138,11 @@ def render_bright_dark(rng: random.Random, size: int = IMAGE_SIZE) -> tuple[obje
     return img, "1" if bright else "0"
 
 
-_RENDER = {"count_shapes": render_count_shapes, "read_digit": render_read_digit, "bright_dark": render_bright_dark}
+_RENDER = {
+    "count_shapes": render_count_shapes,
+    "read_digit": render_read_digit,
+    "bright_dark": render_bright_dark,
+}
 
 
 def make_image_rows(task: str, n: int, seed: int = 0) -> list[dict[str, object]]:
