@@ -24,7 +24,8 @@ data URI (run with `--multimodal-keys '{"image": "images"}'`); the label is agai
     {"prompt": "count", "label": "3", "images": ["data:image/png;base64,..."]}
 
 `count_shapes`: 1-4 filled shapes (circles or squares) on a 56x56 canvas, answer their number; `read_digit`: one
-digit 0-3 drawn large, answer it.
+digit 0-3 drawn large, answer it; `bright_dark`: a bright (answer 1) or dark (answer 0) image, one prompt
+("light?") for every row, so only the image tells the answer (chance 0.5).
 
     python -m miles.tools.toy_data --task count_shapes --out vl.jsonl --n 256
 """
@@ -82,7 +83,9 @@ IMAGE_SIZE = 56  # the tiny VL image processor's smallest image: 4x4 patches, 4 
 IMAGE_TASKS = {
     "count_shapes": "count the 1-4 shapes in the image: 'count' -> '3'",
     "read_digit": "read the digit 0-3 drawn in the image: 'digit' -> '2'",
+    "bright_dark": "is the image bright (1) or dark (0); the same prompt for every row: 'light?' -> '1'",
 }
+_IMAGE_PROMPTS = {"count_shapes": "count", "read_digit": "digit", "bright_dark": "light?"}
 
 
 def render_count_shapes(rng: random.Random, size: int = IMAGE_SIZE) -> tuple[object, str]:
@@ -112,6 +115,36 @@ def render_read_digit(rng: random.Random, size: int = IMAGE_SIZE) -> tuple[objec
     return img, d
 
 
+def render_bright_dark(rng: random.Random, size: int = IMAGE_SIZE) -> tuple[object, str]:
+    """(a PIL image filled with a random bright or dark colour and a smaller shape of any colour, "1"/"0").
+
+    Two classes, chosen with equal odds: a bright background (every channel 170-255) answers "1", a dark one
+    (0-85) answers "0". A smaller shape of a random colour covers at most a ninth of the canvas, so the class
+    is the image's overall brightness, not a single pixel value. The prompt is the same for every row, so the
+    text alone cannot beat chance (0.5 once the answer is "0" or "1"): a reward above it means the model reads
+    the image.
+    """
+    from PIL import Image, ImageDraw
+
+    bright = rng.random() < 0.5
+    lo, hi = (170, 255) if bright else (0, 85)
+    img = Image.new("RGB", (size, size), tuple(rng.randint(lo, hi) for _ in range(3)))
+    side = rng.randint(size // 6, size // 3)
+    x, y = rng.randint(0, size - side), rng.randint(0, size - side)
+    shape_color = tuple(rng.randint(0, 255) for _ in range(3))
+    box = (x, y, x + side - 1, y + side - 1)
+    draw = ImageDraw.Draw(img)
+    (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, fill=shape_color)
+    return img, "1" if bright else "0"
+
+
+_RENDER = {
+    "count_shapes": render_count_shapes,
+    "read_digit": render_read_digit,
+    "bright_dark": render_bright_dark,
+}
+
+
 def make_image_rows(task: str, n: int, seed: int = 0) -> list[dict[str, object]]:
     """`n` rows of the image task `task`, deterministic in `seed`: `{"prompt", "label", "images": [data URI]}`."""
     from miles.rollout.multimodal import image_data_uri
@@ -120,9 +153,7 @@ def make_image_rows(task: str, n: int, seed: int = 0) -> list[dict[str, object]]
         raise ValueError(f"unknown image task {task!r}; choose one of {sorted(IMAGE_TASKS)}")
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    render, prompt = (
-        (render_count_shapes, "count") if task == "count_shapes" else (render_read_digit, "digit")
-    )
+    render, prompt = _RENDER[task], _IMAGE_PROMPTS[task]
     rng = random.Random(seed)
     rows: list[dict[str, object]] = []
     for _ in range(n):

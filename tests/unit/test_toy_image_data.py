@@ -53,4 +53,20 @@ def test_exact_match_reward_and_cli(tmp_path) -> None:
     assert len(lines) == 5 and all(x["prompt"] == "count" and len(x["images"]) == 1 for x in lines)
     with pytest.raises(ValueError, match="unknown image task"):
         make_image_rows("echo", 1)
-    assert set(IMAGE_TASKS) == {"count_shapes", "read_digit"}
+    assert set(IMAGE_TASKS) == {"count_shapes", "read_digit", "bright_dark"}
+
+
+def test_bright_dark_label_is_the_image_brightness_and_prompt_is_constant() -> None:
+    from PIL import Image, ImageStat
+
+    from miles.rollout.multimodal import load_image
+
+    rows = make_image_rows("bright_dark", 60, seed=3)
+    assert {r["prompt"] for r in rows} == {"light?"}  # only the image tells the answer
+    labels = [r["label"] for r in rows]
+    assert 15 < labels.count("1") < 45 and set(labels) == {"0", "1"}
+    for r in rows:
+        img = load_image(r["images"][0], "images")
+        assert isinstance(img, Image.Image) and img.size == (IMAGE_SIZE, IMAGE_SIZE)
+        mean = sum(ImageStat.Stat(img.convert("RGB")).mean) / 3
+        assert (mean > 127) == (r["label"] == "1"), (mean, r["label"])
