@@ -61,8 +61,11 @@ class TensorEntry:
     nbytes: int  # size of the full tensor in the output dtype
 
 
-def hf_tensors(model: RefitSource, dtype: torch.dtype | None) -> list[TensorEntry]:
-    """Persistent tensors of ``model`` in state-dict order, tied tensors once (under their first name)."""
+def hf_tensors(
+    model: RefitSource, dtype: torch.dtype | None, rename: Callable[[str], str] = sent_name
+) -> list[TensorEntry]:
+    """Persistent tensors of ``model`` in state-dict order, tied tensors once (under their first name), named by
+    ``rename`` (default: the names a refit sends; `hf_name` gives transformers' own keys, for an HF export)."""
     entries, seen = [], set()
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) in seen:
@@ -70,7 +73,7 @@ def hf_tensors(model: RefitSource, dtype: torch.dtype | None) -> list[TensorEntr
         seen.add(id(t))
         out_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
         nbytes = t.numel() * out_dtype.itemsize
-        entries.append(TensorEntry(sent_name(name), t, nbytes))
+        entries.append(TensorEntry(rename(name), t, nbytes))
     return entries
 
 
@@ -250,11 +253,12 @@ def stream_buckets(
 def iter_weight_buckets(
     model: RefitSource, bucket_bytes: int, dtype: torch.dtype | None = None
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yield ``[(hf_name, full_tensor), ...]`` buckets of at most ``bucket_bytes`` (cast to ``dtype``).
+    """Yield ``[(hf_name, full_tensor), ...]`` buckets of at most ``bucket_bytes`` (cast to ``dtype``), under
+    transformers' own state-dict keys (what an HF export writes; a refit renames for SGLang's VL loaders).
 
     Collective when the model is sharded: every rank must consume the iterator to the end, in step.
     """
-    for entries in plan_buckets(hf_tensors(model, dtype), bucket_bytes):
+    for entries in plan_buckets(hf_tensors(model, dtype, rename=hf_name), bucket_bytes):
         yield gather_bucket(entries, dtype)
 
 

@@ -123,7 +123,7 @@ def test_section_field_names_are_the_agreed_ones() -> None:
         "update_weight_transfer_mode "
         "update_weight_delta "
         "ref_update_interval "
-        "train_timeout refit_timeout moe_aux_loss_coeff moe_z_loss_coeff use_routing_replay",
+        "train_timeout refit_timeout moe_aux_loss_coeff moe_z_loss_coeff use_routing_replay expert_model_parallel_size",
         "optim": "optimizer lr min_lr lr_decay_style lr_decay_iters lr_warmup_iters lr_warmup_fraction "
         "weight_decay adam_beta1 adam_beta2 adam_eps clip_grad",
         "algo": "advantage_estimator policy_loss custom_advantage_function_path disable_grpo_std_normalization "
