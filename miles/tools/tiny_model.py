@@ -28,7 +28,7 @@ import os
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from miles.tools.toy_data import DEFAULT_TASK, TASKS, tokenizer_corpus
 
@@ -220,6 +220,30 @@ def _portable_tokenizer_config(path: Path) -> None:
     path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+def save_model_dir(model: Any, tok: PreTrainedTokenizerFast, out: Path) -> None:
+    """Save `model` and `tok` as the HF directory `out`: written in `out.tmp`, then put in place of any old `out`
+    (which is removed only once the new one is there), so a failure never leaves a half-written directory. The
+    generation config gets the tokenizer's EOS and pad ids."""
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    _portable_tokenizer_config(tmp / "tokenizer_config.json")
+    if out.exists():
+        old = out.with_name(out.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out)
+
+
 def build_tiny_model(
     out_dir: str | os.PathLike[str],
     task: str = DEFAULT_TASK,
@@ -279,25 +303,7 @@ def build_tiny_model(
         model = tiny_model(config, seed, matrix_std=matrix_std)
         if edit_model is not None:  # sees the RNG as the init left it
             edit_model(model, tok)
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    _portable_tokenizer_config(tmp / "tokenizer_config.json")
-    if out.exists():
-        old = out.with_name(out.name + ".old")
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out)
+    save_model_dir(model, tok, out)
     return out
 
 

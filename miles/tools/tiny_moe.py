@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from miles.tools.tiny_model import _portable_tokenizer_config, build_tokenizer
+from miles.tools.tiny_model import build_tokenizer, save_model_dir
 from miles.tools.toy_data import DEFAULT_TASK, TASKS
 
 if TYPE_CHECKING:
@@ -113,17 +112,7 @@ def build_tiny_moe(
     )
     with torch.random.fork_rng(devices=[]):
         model = tiny_moe_model(config, seed)
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    _portable_tokenizer_config(tmp / "tokenizer_config.json")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    save_model_dir(model, tok, out)
     return out
 
 
