@@ -52,3 +52,20 @@ def char_ids(tok: Any, text: str) -> list[int]:
         ids.extend(tok.encode(rest[0], add_special_tokens=False))
         rest = rest[1:]
     return ids
+
+
+class CharTok:
+    """A tokenizer stand-in for recorder and tree tests: one token per character (id = code point), a chat
+    template `r:content$` per message (`$` is EOS) and `a:` as the generation prompt."""
+
+    eos_token = "$"
+    eos_token_id = ord("$")
+
+    def apply_chat_template(
+        self, messages: list, tools: Any, tokenize: bool, add_generation_prompt: bool
+    ) -> str:
+        text = "".join(f"{m['role'][0]}:{m['content']}$" for m in messages)
+        return text + ("a:" if add_generation_prompt else "")
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": [ord(c) for c in text]}

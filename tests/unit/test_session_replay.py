@@ -8,27 +8,12 @@ under two weight versions (as a fully async run would record them).
 
 from __future__ import annotations
 
-from typing import Any
-
 from miles.rollout.session.chat import normalize_messages
 from miles.rollout.session.picking import build_samples
 from miles.rollout.session.recorder import Session, TurnRecord
 from miles.utils.debug_data import load_rollout, save_rollout
 from miles.utils.types import Sample, SampleStatus
-
-
-class _CharTok:
-    eos_token = "$"
-    eos_token_id = ord("$")
-
-    def apply_chat_template(
-        self, messages: list, tools: Any, tokenize: bool, add_generation_prompt: bool
-    ) -> str:
-        text = "".join(f"{m['role'][0]}:{m['content']}$" for m in messages)
-        return text + ("a:" if add_generation_prompt else "")
-
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
-        return {"input_ids": [ord(c) for c in text]}
+from tests.session_helpers import CharTok
 
 
 def _turn(s: Session, history: list[tuple[str, str]], text: str, version: str, lp: float) -> None:
@@ -42,7 +27,7 @@ def _turn(s: Session, history: list[tuple[str, str]], text: str, version: str, l
 def _session_samples() -> list[Sample]:
     """What generate_with_agent hands the rollout for one episode: the picked leaves, session metadata on the
     first, the others marked as the session's extras."""
-    s = Session("replay", _CharTok())
+    s = Session("replay", CharTok())
     q = [("user", "q")]
     _turn(s, q, "x=1", "3", -0.1234567891234)
     _turn(s, [*q, ("assistant", "x=1"), ("tool", "1")], "ok", "4", -1e-300)

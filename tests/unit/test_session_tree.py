@@ -7,28 +7,13 @@ renders as `<role initial>:<content>$`, the generation prompt as `a:`.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from miles.rollout.session.chat import normalize_messages
 from miles.rollout.session.picking import build_samples, mask_exactly_once, pick_leaves, superseded
 from miles.rollout.session.recorder import Session, TurnRecord
 from miles.utils.types import Sample
-
-
-class CharTok:
-    eos_token = "$"
-    eos_token_id = ord("$")
-
-    def apply_chat_template(
-        self, messages: list, tools: Any, tokenize: bool, add_generation_prompt: bool
-    ) -> str:
-        text = "".join(f"{m['role'][0]}:{m['content']}$" for m in messages)
-        return text + ("a:" if add_generation_prompt else "")
-
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
-        return {"input_ids": [ord(c) for c in text]}
+from tests.session_helpers import CharTok
 
 
 def ids(text: str) -> list[int]:
