@@ -188,8 +188,8 @@ class TrainConfig:
     context_parallel_size: int = opt(1, "ranks that split one sequence (context parallelism)", ge=1)
     tensor_model_parallel_size: int = opt(
         1,
-        "ranks that split every decoder layer's attention heads and MLP (tensor parallelism, dense decoders; "
-        "innermost mesh dimension, FSDP2 shards over the data-parallel ranks)",
+        "ranks that split every decoder layer's attention heads and MLP (tensor parallelism, dense decoders and "
+        "Qwen3-MoE, whose experts stay whole; innermost mesh dimension, FSDP2 shards over the data-parallel ranks)",
         ge=1,
     )
     expert_model_parallel_size: int = opt(

@@ -1,9 +1,11 @@
-"""Validation of tensor parallelism (`--tensor-model-parallel-size`, issue 28, built for dense decoders).
+"""Validation of tensor parallelism (`--tensor-model-parallel-size`, issue 28, built for dense decoders and
+Qwen3-MoE).
 
-Built and tested: dense Qwen3 / Llama-style decoders on a DP x TP mesh (FSDP2 over the data-parallel ranks), the
-refit of full tensors and DCP checkpoints that resume across a changed TP size. Not built or not tested with TP, so
-refused here before Ray starts: context parallelism, LoRA, the PPO critic, MoE (and its losses / routing replay), vision-language
-models. The checkpoint's config.json is read when it is a local directory: the TP size must divide its attention
+Built and tested: dense Qwen3 / Llama-style decoders and Qwen3-MoE (attention split, experts whole on every TP rank,
+with routing replay and the router losses) on a DP x TP mesh (FSDP2 over the data-parallel ranks), the refit of
+full tensors and DCP checkpoints that resume across a changed TP size. Not built or not tested with TP, so refused
+here before Ray starts: context parallelism, LoRA, the PPO critic, MoE models other than Qwen3-MoE (Qwen3-Next's
+linear attention is refused in hybrid_rules.py, expert parallelism in ep_rules.py), vision-language models. The checkpoint's config.json is read when it is a local directory: the TP size must divide its attention
 heads, KV heads and MLP width.
 """
 
@@ -17,6 +19,7 @@ from contextlib import suppress
 from miles.config.values import Skip, Values
 
 _FLAG = "--tensor-model-parallel-size"
+TP_MOE_MODEL_TYPES = ("qwen3_moe",)  # experts kept whole on every TP rank (fsdp_utils/tensor_parallel.py)
 _WITH = "is not supported with --tensor-model-parallel-size > 1 yet (issue 28); allowed: "
 
 
@@ -29,14 +32,6 @@ def tensor_parallel(v: Values) -> None:
             v.fail("context_parallel_size", _WITH + "1")
         if v["lora_rank"] > 0:
             v.fail("lora_rank", _WITH + "0")
-        for name in (
-            "moe_aux_loss_coeff",
-            "moe_z_loss_coeff",
-            "use_rollout_routing_replay",
-            "use_routing_replay",
-        ):
-            if v[name]:
-                v.fail(name, _WITH + "unset (MoE models are not built with TP)")
         if v["advantage_estimator"] == "ppo":  # the critic's value head is not built or tested under TP
             v.fail("advantage_estimator", _WITH + "an estimator without a critic (grpo, ...)")
         if v["multimodal_keys"] or v["freeze_vision_tower"]:
@@ -47,14 +42,19 @@ def tensor_parallel(v: Values) -> None:
 
 def tp_problems(config: Mapping[str, object], tp_size: int) -> list[str]:
     """What keeps a HF decoder config (its config.json as a dict) from `tp_size`-way tensor parallelism; [] if
-    nothing. Dense decoders only: MoE and vision-language models are not built (issue 28)."""
+    nothing. Dense decoders and Qwen3-MoE (`TP_MOE_MODEL_TYPES`); other MoE and vision-language models are not
+    built (issue 28)."""
     if tp_size == 1:
         return []
     problems = []
     if config.get("vision_config") is not None:
         problems.append("vision-language models are not supported with tensor parallelism yet (issue 28)")
-    if any(config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
-        problems.append("MoE models are not supported with tensor parallelism yet (issue 28)")
+    moe = any(config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    if moe and config.get("model_type") not in TP_MOE_MODEL_TYPES:
+        problems.append(
+            f"MoE models of type {config.get('model_type')!r} are not supported with tensor parallelism yet "
+            f"(issue 28); supported MoE types: {TP_MOE_MODEL_TYPES}"
+        )
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = config.get(key)
         if isinstance(value, int) and value % tp_size:

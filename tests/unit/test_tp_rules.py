@@ -47,6 +47,14 @@ def test_tp_problems_of_a_config():
         "must divide the model's num_key_value_heads=1"
     ]
     assert any("MoE" in p for p in tp_problems({**QWEN3, "num_experts": 8}, 2))
+    assert tp_problems({**QWEN3, "num_experts": 8, "model_type": "qwen3_moe"}, 2) == []  # experts kept whole
+    for other in (
+        {"model_type": "mixtral", "num_local_experts": 8},
+        {"model_type": "qwen3_next", "num_experts": 8},
+    ):
+        assert any(
+            "MoE" in p and "issue 28" in p and "qwen3_moe" in p for p in tp_problems({**QWEN3, **other}, 2)
+        )
     assert any("vision-language" in p for p in tp_problems({**QWEN3, "vision_config": {}}, 2))
 
 
@@ -68,8 +76,6 @@ def test_tp_run_validates_and_dp_shrinks(tmp_path):
         ("--tensor-model-parallel-size 3", "--tensor-model-parallel-size"),
         ("--tensor-model-parallel-size 2 --context-parallel-size 2", "--context-parallel-size"),
         ("--tensor-model-parallel-size 2 --lora-rank 4 --lora-target-modules q_proj", "--lora-rank"),
-        ("--tensor-model-parallel-size 2 --moe-aux-loss-coeff 0.01", "--moe-aux-loss-coeff"),
-        ("--tensor-model-parallel-size 2 --use-routing-replay", "--use-routing-replay"),
         ("--tensor-model-parallel-size 2 --advantage-estimator ppo", "--advantage-estimator"),
     ],
 )
@@ -90,3 +96,18 @@ def test_tp_must_divide_the_checkpoint_heads(tmp_path):
         f"--hf-checkpoint {_checkpoint(tmp_path, num_experts=4)} {BASE} --tensor-model-parallel-size 2"
     )
     assert any("MoE" in e and "issue 28" in e for e in errors), errors
+
+
+def test_tp_accepts_qwen3_moe_with_its_losses_and_replay(tmp_path):
+    ckpt = _checkpoint(tmp_path, model_type="qwen3_moe", num_experts=4)
+    cfg = parse_config(
+        shlex.split(
+            f"--hf-checkpoint {ckpt} {BASE} --tensor-model-parallel-size 2 --moe-aux-loss-coeff 0.01 "
+            "--use-rollout-routing-replay --use-routing-replay"
+        )
+    )
+    assert cfg.train.tensor_model_parallel_size == 2
+    errors = _errors(
+        f"--hf-checkpoint {ckpt} {BASE} --tensor-model-parallel-size 2 --expert-model-parallel-size 2"
+    )
+    assert any("--expert-model-parallel-size" in e and "issue 28" in e for e in errors), errors
