@@ -160,4 +160,4 @@ def test_cp2_moe_replay_and_router_losses_equal_cp1(tmp_path):
 @pytest.mark.slow
 def test_ep2_cp2_moe_equals_unsplit(tmp_path):
     _save(tmp_path)
-    run_distributed(_body, 4, 2, 2, str(tmp_path))
+    run_distributed(_body, 4, 2, 2, str(tmp_path), timeout_s=600)  # 4 ranks on 2 cores: ~4 min
