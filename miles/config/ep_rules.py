@@ -2,9 +2,10 @@
 
 Built and tested: Qwen3-MoE decoders (transformers' stacked experts) with each MoE layer's experts split over groups
 of E consecutive training ranks, FSDP2 over the ranks holding the same experts (see
-`miles.backends.fsdp_utils.expert_parallel`), with routing replay and the router losses; the refit gathers full
+`miles.backends.fsdp_utils.expert_parallel`), with routing replay and the router losses, with or without context
+parallelism (the EP groups are consecutive ranks of the row-major (dp, cp) layout); the refit gathers full
 tensors. Refused here before Ray starts: an E that does not divide the training ranks or the model's experts, a
-dense checkpoint, and what is not built or tested with EP: tensor and context parallelism, LoRA, the PPO critic,
+dense checkpoint, and what is not built or tested with EP: tensor parallelism, LoRA, the PPO critic,
 vision-language models. The checkpoint's config.json is read when it is a local directory (the trainer checks the
 built model again).
 """
@@ -34,9 +35,8 @@ def expert_parallel(v: Values) -> None:
                 "expert_model_parallel_size",
                 f"must divide the actor world size {world} (nodes * gpus per node)",
             )
-        for name, allowed in (("tensor_model_parallel_size", 1), ("context_parallel_size", 1)):
-            if v[name] > 1:
-                v.fail(name, _WITH + str(allowed))
+        if v["tensor_model_parallel_size"] > 1:
+            v.fail("tensor_model_parallel_size", _WITH + "1")
         if v["lora_rank"] > 0:
             v.fail("lora_rank", _WITH + "0")
         if v["advantage_estimator"] == "ppo":  # the critic's value head is not built or tested under EP

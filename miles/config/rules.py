@@ -179,22 +179,6 @@ def _critic(v: Values) -> None:
             v.fail("advantage_estimator", "ppo needs a critic; only --train-backend fsdp has one")
 
 
-def _moe(v: Values) -> None:
-    """MoE losses and routing replay are built for DP only (issue 28: context parallelism splits a pack's tokens
-    across ranks, which neither the per-pack router losses nor the replay ids follow yet)."""
-    with suppress(Skip):
-        if v["context_parallel_size"] == 1:
-            return
-        for name in (
-            "moe_aux_loss_coeff",
-            "moe_z_loss_coeff",
-            "use_rollout_routing_replay",
-            "use_routing_replay",
-        ):
-            if v[name]:
-                v.fail(name, "is not supported with --context-parallel-size > 1 yet (issue 28); allowed: 1")
-
-
 def _lora(v: Values) -> None:
     with suppress(Skip):
         if v["lora_rank"] == 0:
@@ -486,7 +470,6 @@ RULES: list[Rule] = [
     _eval_data,
     _algo,
     _critic,
-    _moe,
     tensor_parallel,
     expert_parallel,
     _lora,

@@ -57,12 +57,20 @@ def test_ep_run_validates_and_keeps_dp(tmp_path):
     )
 
 
+@pytest.mark.parametrize("sizes", ["--expert-model-parallel-size 2", "--expert-model-parallel-size 4"])
+def test_ep_with_context_parallelism_validates(tmp_path, sizes):
+    """EP over the (dp, cp) ranks, with R3 and the router losses (issue 28)."""
+    line = f"--hf-checkpoint {_checkpoint(tmp_path)} {BASE} {sizes} --context-parallel-size 2"
+    line += " --use-rollout-routing-replay --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001"
+    cfg = parse_config(shlex.split(line))
+    assert cfg.train.context_parallel_size == 2 and cfg.train.expert_model_parallel_size > 1
+
+
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
         ("--expert-model-parallel-size 3", "must divide the actor world size 4"),
         ("--expert-model-parallel-size 2 --tensor-model-parallel-size 2", "--tensor-model-parallel-size"),
-        ("--expert-model-parallel-size 2 --context-parallel-size 2", "--context-parallel-size"),
         ("--expert-model-parallel-size 2 --lora-rank 8", "--lora-rank"),
         ("--expert-model-parallel-size 2 --advantage-estimator ppo", "--advantage-estimator"),
         ("--expert-model-parallel-size 0", "expert-model-parallel-size"),

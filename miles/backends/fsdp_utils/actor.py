@@ -76,6 +76,7 @@ class FSDPTrainer(PolicyBackend):
             t.moe_z_loss_coeff,
             cfg.rollout.use_rollout_routing_replay,
             t.use_routing_replay,
+            cp=self.state.cp(),
         )
         # read the old log-probs off the training forward when that is provably the same pass (see
         # rb.old_log_probs_from_training_forward); tests switch it off to compare against the separate pass

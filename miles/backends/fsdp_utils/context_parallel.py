@@ -50,6 +50,9 @@ __all__ = [
     "CPShard",
     "all_gather_autograd",
     "cp_attention",
+    "cp_gather_rows",
+    "cp_local_rows",
+    "cp_real_rows",
     "import_ring_kernels",
     "set_cp_kernel",
     "shard_for_cp",
@@ -172,6 +175,31 @@ def all_gather_autograd(x: torch.Tensor, cp: CPContext, dim: int = 0) -> torch.T
     if cp.size == 1:
         return x
     return _AllGather.apply(x, cp, dim)
+
+
+def cp_real_rows(num_tokens: int, cp: CPContext) -> tuple[int, int, int]:
+    """(start, chunk, real) of this rank's chunk of a pack row of `num_tokens` tokens split as `shard_for_cp` splits
+    it: rows [start, start + chunk) of the padded row, of which the first `real` are pack tokens (the rest padding)."""
+    chunk = (num_tokens + (-num_tokens) % cp.size) // cp.size
+    start = cp.rank * chunk
+    return start, chunk, max(0, min(chunk, num_tokens - start))
+
+
+def cp_local_rows(x: torch.Tensor, cp: CPContext, fill: int | float) -> torch.Tensor:
+    """This rank's rows of per-token `x` ([T, ...], one row per pack token), split exactly as `shard_for_cp`
+    splits the tokens; padding rows hold `fill`."""
+    start, chunk, real = cp_real_rows(x.shape[0], cp)
+    out = x.new_full((chunk, *x.shape[1:]), fill)
+    out[:real] = x[start : start + real]
+    return out
+
+
+def cp_gather_rows(x: torch.Tensor, cp: CPContext, num_tokens: int) -> torch.Tensor:
+    """The inverse of `cp_local_rows` (no gradient): every rank's [chunk, ...] rows in rank order, without the
+    padding: [num_tokens, ...] on every rank of the group. Collective over the CP group."""
+    parts = [torch.empty_like(x) for _ in range(cp.size)]
+    dist.all_gather(parts, x.contiguous(), group=cp.group)
+    return torch.cat(parts)[:num_tokens]
 
 
 def _segment_ids(positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,12 @@ Composition with FSDP2 (the scheme, and why it is exact):
   binary for E a power of two, `_ScaleGrad`) makes both the average over all ranks, as with EP1.
 
 The router is untouched: routing replay (R3) and the router losses hook it (`moe.moe_routing`) before dispatch.
+
+With context parallelism (``cp_size`` C) the ranks are numbered row-major over ``(dp, cp)`` (rank = dp_rank * C +
+cp_rank) and the EP groups are still E consecutive ranks: one CP group when E = C, part of one when E < C, E / C
+whole replicas when E > C. Nothing above depends on which samples or which chunk a rank holds: each rank dispatches
+its own chunk's tokens (CP padding included; its outputs are never read), and the gradient argument holds with the
+CP ranks' gradients (each cp_size times its share, see `context_parallel.py`) in place of the data-parallel ones.
 """
 
 from __future__ import annotations

@@ -24,6 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from miles.backends.fsdp_utils.context_parallel import (
+    CPContext,
+    all_gather_autograd,
+    cp_gather_rows,
+    cp_local_rows,
+    cp_real_rows,
+)
 from miles.utils.routed_experts import (
     ROUTER_CLASS_NAMES,
     decode_routed_experts,
@@ -48,6 +55,10 @@ class RoutingCapture:
 
     logits: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [N, E] router logits (autograd)
     experts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [N, K] expert ids used
+    # context parallelism: the forward ran on this rank's chunk of the pack, whose first `real_rows` rows are pack
+    # tokens (the rest CP padding); the router losses then reduce their statistics over `cp`
+    cp: CPContext | None = None
+    real_rows: int | None = None
 
     def stacked_experts(self) -> torch.Tensor:
         """[N, L, K] long: the experts every token was routed to, layer by layer."""
@@ -112,15 +123,28 @@ def router_losses(
     replayed or not) and P_e the summed router probability of e over the T tokens; 1 when perfectly balanced.
     z-loss: per layer the mean over tokens of logsumexp(logits)^2. Every token of the forward counts: a pack
     without context parallelism holds real tokens only. Metrics: `moe/load_max_over_mean` (largest expert load
-    over the mean load, averaged over layers; 1 = balanced) and the two losses."""
+    over the mean load, averaged over layers; 1 = balanced) and the two losses.
+
+    Under context parallelism (`capture.cp`) the CP padding rows are left out and the counts, probability sums,
+    z sums and token counts are summed over the CP group (differentiably: each rank's gradient is cp_size times
+    its share, as for the CP log-probs), so every CP rank gets the unsplit pack's losses."""
     aux, z, imbalance = [], [], []
     for layer in sorted(capture.logits):
-        logits = capture.logits[layer].float()
+        logits = capture.logits[layer][: capture.real_rows].float()
+        experts = capture.experts[layer][: capture.real_rows]
         n = logits.shape[0]
-        counts = torch.bincount(capture.experts[layer].reshape(-1), minlength=num_experts).float()
+        counts = torch.bincount(experts.reshape(-1), minlength=num_experts).float()
         probs_sum = F.softmax(logits, dim=-1).sum(dim=0)
+        z_sq = torch.logsumexp(logits, dim=-1).square()
+        if capture.cp is None:
+            z.append(z_sq.mean())
+        else:
+            stats = torch.cat([counts, probs_sum, z_sq.sum()[None], z_sq.new_tensor([n])])[None]
+            stats = all_gather_autograd(stats, capture.cp).sum(dim=0)
+            counts, probs_sum = stats[:num_experts].detach(), stats[num_experts : 2 * num_experts]
+            n = int(stats[-1])  # token counts are exact in fp32
+            z.append(stats[-2] / n)
         aux.append((counts * probs_sum).sum() * (num_experts / (top_k * n * n)))
-        z.append(torch.logsumexp(logits, dim=-1).square().mean())
         imbalance.append(float(counts.max() / counts.mean()))
     aux_t, z_t = torch.stack(aux).sum(), torch.stack(z).sum()
     metrics = {
@@ -168,8 +192,11 @@ class MoETraining:
         z_loss_coeff: float = 0.0,
         rollout_replay: bool = False,
         routing_replay: bool = False,
+        cp: CPContext | None = None,
     ) -> None:
         self.model = model
+        # context parallelism: each forward sees this rank's chunk of a pack
+        self.cp = cp if cp is not None and cp.size > 1 else None
         self.routers = moe_routers(model)
         asked = {
             "--moe-aux-loss-coeff": aux_loss_coeff > 0,
@@ -219,10 +246,17 @@ class MoETraining:
         replay = None
         if per_sample is not None:
             replay = pack_replay(per_sample, lengths, len(self.routers), self.top_k)
+            if self.cp is not None:  # the replayed experts are split exactly as the pack's tokens
+                replay = cp_local_rows(replay, self.cp, fill=-1)
         with moe_routing(self.model, replay) as capture:
+            if self.cp is not None:
+                capture.cp, capture.real_rows = self.cp, cp_real_rows(sum(lengths), self.cp)[2]
             yield capture
         if self.routing_replay and self.rollout is None and per_sample is None:
-            for i, experts in zip(indices, capture.stacked_experts().cpu().split(lengths)):
+            used = capture.stacked_experts()
+            if self.cp is not None:
+                used = cp_gather_rows(used, self.cp, sum(lengths))
+            for i, experts in zip(indices, used.cpu().split(lengths)):
                 self.recorded[i] = experts
 
     def loss(
