@@ -1,7 +1,7 @@
 """The embedded engine serves Qwen3-MoE with its KV-cache runner (issue 28): greedy tokens, log-probs and routed
 experts (SGLang's layout) equal those of the full-forward runner and of HF's forward, with chunked prefill, several
 requests in flight, a prompt shared by two requests, the off-top-k test aid, layers mixing dense MLPs and MoE
-blocks, and after a refit under SGLang's per-expert names."""
+blocks, after a retract, and after a refit under SGLang's per-expert names."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from miles.engines.local import engine as engine_mod
 from miles.engines.local.engine import LocalEngine, LocalEngineConfig
 from miles.engines.local.full_forward import NoCacheRunner
 from miles.engines.local.model_runner import PoolRunner, supports_kv_cache
-from miles.engines.local.routing_capture import PoolRouting, RecordingRunner
+from miles.engines.local.routing_capture import PoolRouting, RecordingRunner, routing_runner
+from miles.engines.local.sampling import SamplingParams, sample_batch
+from miles.engines.local.scheduler import Request, Scheduler
 from miles.refit.moe_names import split_bucket
 from miles.tools.tiny_model import save_model_dir
 from miles.tools.tiny_moe import build_tiny_moe, tiny_moe_config, tiny_moe_model
@@ -164,3 +166,47 @@ def test_qwen3_next_and_sliding_windows_stay_on_the_full_forward():
     windowed.use_sliding_window, windowed.sliding_window = True, 8
     ok, why = supports_kv_cache(_Model(windowed))  # type: ignore[arg-type]
     assert not ok and why == "sliding-window attention"
+
+
+def _drive(runner: PoolRunner, retract_at: int | None) -> dict[str, Request]:
+    """The engine loop's steps over the real scheduler (3 slots, 4-token chunks); at step `retract_at` every
+    running request is retracted (SGLang's retract-mode pause): its KV cache goes, it prefills prompt + outputs
+    again."""
+    sched = Scheduler(3, 64, set(), lambda ids, skip: "", None, 4)
+    for i, (prompt, n) in enumerate(zip(PROMPTS, MAX_NEW)):
+        params = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+        sched.add(Request(f"r{i}", list(prompt), params, return_routed_experts=True))
+    done: dict[str, Request] = {}
+    step = 0
+    while sched.has_work():
+        if step == retract_at:
+            assert sched.retract_all() == 3
+        step += 1
+        batch = sched.schedule()
+        assert batch is not None
+        rows = batch.sample_rows
+        logits = runner.forward(batch)
+        sched.postprocess(
+            batch, *sample_batch(logits, [r.req.params for r in rows], [r.req.rng for r in rows])
+        )
+        done.update((r.rid, r) for r in sched.pop_finished())
+    return done
+
+
+def test_retracted_requests_record_their_experts_again(models):
+    """A retract drops the KV cache mid-generation; the re-prefill records every position again: the routed
+    experts (and tokens) equal an uninterrupted run's, each position once."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(models["sparse"]).eval()
+    runner = PoolRunner(model, num_slots=3, capacity=64)
+    assert routing_runner(runner, model, True, 3) is runner
+    plain, retracted = _drive(runner, None), _drive(runner, 4)
+    assert plain.keys() == retracted.keys() == {f"r{i}" for i in range(len(PROMPTS))}
+    assert any(r.retractions for r in retracted.values())
+    for rid, req in plain.items():
+        again = retracted[rid]
+        assert again.output_ids == req.output_ids
+        assert req.routed_experts is not None and again.routed_experts is not None
+        assert req.routed_experts.shape == (req.num_tokens - 1, 2, 2)  # the last token is never fed
+        assert torch.equal(again.routed_experts, req.routed_experts)

@@ -387,7 +387,9 @@ class PoolRunner:
         for r, first in same_as:
             last[id(r)] = last[id(first)]
         picked = [last[id(r)] for r in batch.rows if r.sample]
-        picked_t = None if picked == list(range(len(ids))) else torch.tensor(picked, device=dev)
+        picked_t = (
+            None if picked == list(range(len(ids))) else torch.tensor(picked, device=dev, dtype=torch.long)
+        )
         copies = [(first.slot, r.slot, len(r.token_ids)) for r, first in same_as]
         lora = None if self.adapters is None else self.adapters.for_rows(decode, buckets)
         return _Packed(ids_t, positions, kv_index, groups, picked_t, copies, last, lora)
