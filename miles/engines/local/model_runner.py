@@ -3,9 +3,9 @@
 `PoolRunner` drives an HF causal LM of the Llama family (Llama, Qwen2, Qwen3, and Qwen3-MoE, whose sparse MoE
 blocks run as HF's modules on the packed tokens: routing is per token; `routing_capture.py` records it) with its own
 modules (embedding, per-layer norms, q/k/v/o projections, optional q/k norms, rotary embedding, MLP, final norm,
-lm_head) and keeps keys/values in a `KVPool`. The tokens of all rows are packed into one sequence for every matmul (q/k/v in one
-matmul, gate and up one each: two 512x1536 matmuls beat one 512x3072 on CPU; see `fused.py`); attention runs per
-group of rows against the pool in place:
+lm_head) and keeps keys/values in a `KVPool`. The tokens of all rows are packed into one sequence for every matmul
+(q/k/v in one matmul, gate and up one each: two 512x1536 matmuls beat one 512x3072 on CPU; see `fused.py`);
+attention runs per group of rows against the pool in place:
 - decode rows (one new token each) attend over `pool[:length, slots]` in place: on CPU in float32 by the C
   kernel of `cpu_attention.py` (about 2.5x faster than matmuls); else as a view when their slots are contiguous
   (the scheduler keeps them so), with grouped-query heads folded into the query dimension, two batched matmuls
@@ -123,7 +123,7 @@ class _LayerRefs:
     k_norm: nn.Parameter | None
     qk_eps: float
     o_proj: FusedLinear
-    gate: FusedLinear | None  # None: not the SiLU-gated MLP (a MoE block...), `mlp` runs as a module
+    gate: FusedLinear | None  # None: not the SiLU-gated MLP (e.g. a MoE block), `mlp` runs as a module
     up: FusedLinear | None
     down: FusedLinear | None
     mlp: nn.Module
