@@ -692,3 +692,16 @@ def test_fallback_runner_prefill_chunks_with_nothing_to_sample():
     )
     assert len(done["long"].output_ids) == 4
     _check_against_forward(model, done, seen)
+
+
+def test_pool_runner_prefill_chunks_with_nothing_to_sample():
+    """The KV-pool runner, a prompt longer than the prefill chunk alone: forwards where no row samples give no
+    logits (an empty index list must still be an index tensor)."""
+    model = _tiny("qwen3")
+    runner = make_runner(model, num_slots=1, capacity=64)
+    assert isinstance(runner, PoolRunner)
+    done, seen, _ = drive(
+        runner, {0: [_req("long", [(5 * j) % 60 + 1 for j in range(20)], 4)]}, slots=1, chunk=6
+    )
+    assert len(done["long"].output_ids) == 4
+    _check_against_forward(model, done, seen)

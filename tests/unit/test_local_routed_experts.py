@@ -11,6 +11,7 @@ import torch
 from miles.algo.logprobs import compute_log_probs
 from miles.backends.fsdp_utils.moe import moe_routing
 from miles.engines.local.engine import LocalEngine, LocalEngineConfig
+from miles.engines.local.routing_capture import routing_hooks
 from miles.tools.tiny_model import build_word_model
 from miles.tools.tiny_moe import build_tiny_moe
 from miles.utils.routed_experts import decode_routed_experts
@@ -25,7 +26,10 @@ def moe_dir(tmp_path_factory):
 
 
 def _engine(path: str, **kw) -> LocalEngine:
-    eng = LocalEngine(LocalEngineConfig(model_path=path, max_running_requests=4, **kw))
+    # the KV-cache runner serves MoE; its decode kernel compiles in a subprocess (not in tests/unit)
+    eng = LocalEngine(
+        LocalEngineConfig(model_path=path, max_running_requests=4, cpu_decode_kernel=False, **kw)
+    )
     eng.start()
     return eng
 
@@ -50,7 +54,8 @@ def _trainer_view(eng: LocalEngine, tokens: list[int], replay: np.ndarray | None
     if replay is not None:
         rep = torch.full((len(tokens), 2, 2), -1, dtype=torch.long)
         rep[: len(replay)] = torch.as_tensor(replay.reshape(len(replay), 2, 2)).long()
-    hooks = eng.runner.hooks
+    hooks = routing_hooks(eng.runner)
+    assert hooks is not None
     every, hooks.off_top_k_every = (
         hooks.off_top_k_every,
         0,

@@ -133,7 +133,7 @@ def test_embedded_engine_loads_per_expert_names_as_the_stacked_ones(tmp_path) ->
     with torch.no_grad():
         for p in source.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    eng = LocalEngine(LocalEngineConfig(model_path=path, max_running_requests=2))
+    eng = LocalEngine(LocalEngineConfig(model_path=path, max_running_requests=2, cpu_decode_kernel=False))
     eng.start()
     try:
         store = eng.weights

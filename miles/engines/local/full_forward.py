@@ -1,6 +1,12 @@
 """The embedded engine's fallback model runner (`NoCacheRunner`): a full forward of each row's whole sequence per
 step, no KV cache. It serves architectures `model_runner.PoolRunner` does not know (`make_runner` picks it),
-and is the base of the VL runner and of routed-expert capture.
+and is the base of the VL runner and of routed-expert capture for those (`routing_capture.RecordingRunner`).
+
+Qwen3-Next stays here (Qwen3-MoE moved to `PoolRunner`): its gated-delta-net layers carry a conv window and a
+recurrent state per sequence instead of per-position keys/values, so a cache for them is a per-slot state pool
+(updated in place at each step, moved with a slot, dropped at a retract) that `KVPool` does not have, plus a
+per-row recurrent step of transformers' torch fallback on packed tokens. The issue asks for serving, and a full
+forward per step is exact and enough for the tiny runs (it costs O(length^2) per sequence).
 """
 
 from __future__ import annotations

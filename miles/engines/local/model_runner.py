@@ -1,17 +1,19 @@
 """Forward passes of the embedded engine: one batch (prefill chunks and decode tokens together) per call.
 
-`PoolRunner` drives an HF causal LM of the Llama family (Llama, Qwen2, Qwen3) with its own modules (embedding,
-per-layer norms, q/k/v/o projections, optional q/k norms, rotary embedding, MLP, final norm, lm_head) and keeps
-keys/values in a `KVPool`. The tokens of all rows are packed into one sequence for every matmul (q/k/v in one
-matmul, gate and up one each: two 512x1536 matmuls beat one 512x3072 on CPU; see `fused.py`); attention runs per
-group of rows against the pool in place:
+`PoolRunner` drives an HF causal LM of the Llama family (Llama, Qwen2, Qwen3, and Qwen3-MoE, whose sparse MoE
+blocks run as HF's modules on the packed tokens: routing is per token; `routing_capture.py` records it) with its own
+modules (embedding, per-layer norms, q/k/v/o projections, optional q/k norms, rotary embedding, MLP, final norm,
+lm_head) and keeps keys/values in a `KVPool`. The tokens of all rows are packed into one sequence for every matmul
+(q/k/v in one matmul, gate and up one each: two 512x1536 matmuls beat one 512x3072 on CPU; see `fused.py`);
+attention runs per group of rows against the pool in place:
 - decode rows (one new token each) attend over `pool[:length, slots]` in place: on CPU in float32 by the C
   kernel of `cpu_attention.py` (about 2.5x faster than matmuls); else as a view when their slots are contiguous
   (the scheduler keeps them so), with grouped-query heads folded into the query dimension, two batched matmuls
   and a softmax (cheaper than the fused attention op for one query per row);
 - prompt rows (several tokens) are padded to the longest among them and attend causally to their slot's cached
   prefix plus themselves.
-`NoCacheRunner` is the fallback for other architectures: a full forward over each row's whole sequence.
+`NoCacheRunner` is the fallback for other architectures (Qwen3-Next among them, see `full_forward.py`): a full
+forward over each row's whole sequence.
 Both are device-agnostic (the pool lives on the model's device); only the logits of sampling rows come back.
 LoRA adapters (`lora.py`) add their deltas, unmerged, to the projections of the rows that name one.
 
@@ -23,6 +25,7 @@ outweighs its gain): packed at the first forward after every change the store re
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,11 +41,12 @@ from miles.engines.local.scheduler import Batch, BatchRow
 
 if TYPE_CHECKING:
     from miles.engines.local.lora import LoraAdapters, LoraBatch
+    from miles.engines.local.routing_capture import PoolRouting
     from miles.engines.local.weights import WeightStore
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # weights of a projection from which its CPU matmul runs on a oneDNN-packed copy (hidden 512: 2^18 and more, 1.2-1.7x
 # faster per matmul; hidden 64, the quickstart model: 2^13, slower)
 PACK_MIN_ELEMENTS = 1 << 16
@@ -56,6 +60,8 @@ def supports_kv_cache(model: nn.Module) -> tuple[bool, str]:
     layer_types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         return False, f"non-full attention layers {sorted(set(layer_types))}"
+    if not layer_types and getattr(config, "use_sliding_window", False):  # Qwen3-MoE has no layer_types
+        return False, "sliding-window attention"
     inner = getattr(model, "model", None)
     for attr in ("embed_tokens", "layers", "norm", "rotary_emb"):
         if inner is None or not hasattr(inner, attr):
@@ -117,15 +123,17 @@ class _LayerRefs:
     k_norm: nn.Parameter | None
     qk_eps: float
     o_proj: FusedLinear
-    gate: FusedLinear | None  # None: not the SiLU-gated MLP, `mlp` runs as a module
+    gate: FusedLinear | None  # None: not the SiLU-gated MLP (e.g. a MoE block), `mlp` runs as a module
     up: FusedLinear | None
     down: FusedLinear | None
     mlp: nn.Module
     scaling: float
 
     @classmethod
-    def of(cls, layer: nn.Module, silu_mlp: bool) -> _LayerRefs:
+    def of(cls, layer: nn.Module, silu: bool) -> _LayerRefs:
         attn, mlp = layer.self_attn, layer.mlp
+        # per layer: Qwen3-MoE mixes sparse MoE blocks and dense MLPs (`mlp_only_layers`)
+        silu_mlp = silu and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
         q_norm = getattr(attn, "q_norm", None)
         return cls(
             input_norm=_Norm(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
@@ -211,6 +219,7 @@ class _Packed:
     # (source slot, destination slot, tokens) to copy after the layers: prompt rows fed as a copy of an identical
     # row's keys/values instead of their own tokens (see `_shared_prompts`)
     copies: list[tuple[int, int, int]]
+    last: dict[int, int]  # id(row) -> packed index of the row's last token (a shared prompt's: its first's)
     lora: LoraBatch | None = None  # the LoRA adapters of rows that name one (miles.engines.local.lora)
 
 
@@ -258,11 +267,8 @@ class PoolRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.group = self.num_heads // self.kv_heads
         inner = model.model
-        mlp = inner.layers[0].mlp
-        silu_mlp = getattr(cfg, "hidden_act", None) == "silu" and all(
-            hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")
-        )
-        self.layers = [_LayerRefs.of(layer, silu_mlp) for layer in inner.layers]
+        silu = getattr(cfg, "hidden_act", None) == "silu"
+        self.layers = [_LayerRefs.of(layer, silu) for layer in inner.layers]
         self.final_norm = _Norm(inner.norm.weight, inner.norm.variance_epsilon)
         self.lm_head = _Linear(model.lm_head.weight, model.lm_head.bias)
         emb = inner.embed_tokens.weight
@@ -286,6 +292,7 @@ class PoolRunner:
             weights.on_change(self.drop_prepacked)
         self._prepacked = False
         self.adapters: LoraAdapters | None = None  # set by an engine serving LoRA adapters
+        self.routing: PoolRouting | None = None  # MoE: experts recorded or perturbed (routing_capture.py)
         self.decode_attention: cpu_attention.DecodeAttention | None = None
         if decode_kernel and emb.device.type == "cpu" and emb.dtype == torch.float32:
             self.decode_attention = cpu_attention.load_decode_attention(
@@ -344,8 +351,9 @@ class PoolRunner:
             self._rope(packed.positions, hidden) if table is None else table.index_select(0, packed.positions)
         )
         cos, sin_signed = rope[:, :1], rope[:, 1:]  # [N, 1, D] each
-        for li, refs in enumerate(self.layers):
-            hidden = self._layer(li, refs, hidden, cos, sin_signed, packed)
+        with nullcontext() if self.routing is None else self.routing.capture(batch, packed):
+            for li, refs in enumerate(self.layers):
+                hidden = self._layer(li, refs, hidden, cos, sin_signed, packed)
         for src, dst, length in packed.copies:
             self.pool.move(src, dst, length)
         if packed.picked is not None:
@@ -379,10 +387,12 @@ class PoolRunner:
         for r, first in same_as:
             last[id(r)] = last[id(first)]
         picked = [last[id(r)] for r in batch.rows if r.sample]
-        picked_t = None if picked == list(range(len(ids))) else torch.tensor(picked, device=dev)
+        picked_t = (
+            None if picked == list(range(len(ids))) else torch.tensor(picked, device=dev, dtype=torch.long)
+        )
         copies = [(first.slot, r.slot, len(r.token_ids)) for r, first in same_as]
         lora = None if self.adapters is None else self.adapters.for_rows(decode, buckets)
-        return _Packed(ids_t, positions, kv_index, groups, picked_t, copies, lora)
+        return _Packed(ids_t, positions, kv_index, groups, picked_t, copies, last, lora)
 
     def _layer(
         self,
@@ -418,7 +428,7 @@ class PoolRunner:
         hidden = hidden if lora is None else lora.add(li, "o", out, hidden)
         x = refs.post_norm(hidden)
         if refs.gate is None or refs.up is None or refs.down is None:  # all or none
-            return hidden + refs.mlp(x)
+            return hidden + refs.mlp(x[None])[0]  # as a [1, N, hidden] batch: HF's MoE blocks want 3-D
         if lora is not None:  # the adapters' deltas enter before the SiLU and the product: unfused
             y = F.silu(lora.add(li, "gate", x, refs.gate(x))) * lora.add(li, "up", x, refs.up(x))
             return lora.add(li, "down", y, refs.down(y, residual=hidden))

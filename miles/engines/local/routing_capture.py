@@ -6,10 +6,14 @@ runs with `--enable-return-routed-experts`; a request with `return_routed_expert
 0..seqlen-2 of prompt + output: the last sampled token is never fed; `miles.utils.routed_experts`). Without the
 server flag SGLang accepts the request field and returns no `routed_experts` (its capturer does not exist).
 
-Here the same: with `--enable-return-routed-experts`, `RecordingRunner` (the full-forward runner that serves MoE
-models, `NoCacheRunner`) hooks every MoE router of the model (`miles.utils.routed_experts.moe_routers`) and, for
-every request that asked, keeps the experts of each position from the forward that first computed it (a full
-forward recomputes earlier positions; a retracted request's positions are recorded again, as SGLang's are).
+Here the same: with `--enable-return-routed-experts`, hooks on every MoE router of the model
+(`miles.utils.routed_experts.moe_routers`) record, for every request that asked, the experts of each position:
+- the KV-cache runner (`PoolRunner`, which serves Qwen3-MoE; `PoolRouting`) feeds every position of a request
+  once, packed with the other rows' tokens: each row takes its span of the packed tokens (a prompt fed as a copy
+  of an identical row's takes that row's span: same tokens, same positions, same experts);
+- the full-forward runner (`NoCacheRunner`, which serves Qwen3-Next; `RecordingRunner`) recomputes earlier
+  positions at every step: each position is kept from the forward that first computed it.
+Either way a retracted request's positions are recorded again, as SGLang's are.
 
 Test aid (miles-only, `--test-off-top-k-every N`): on positions 0, N, 2N, ... of each sequence every MoE layer
 routes to its 2nd..(k+1)-th best experts instead of its top k, the gate weights recomputed over them from the
@@ -19,26 +23,39 @@ from the trainer's own top-k while the weights are equal, which R3 must absorb.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from miles.engines.local.full_forward import NoCacheRunner
+from miles.engines.local.model_runner import PoolRunner
 from miles.engines.local.scheduler import Batch
 from miles.utils.routed_experts import ROUTER_CLASS_NAMES, moe_routers
 
+if TYPE_CHECKING:
+    from miles.engines.local.model_runner import _Packed
+
 
 def off_top_k(
-    logits: torch.Tensor, ids: torch.Tensor, every: int, norm_topk_prob: bool
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    every: int,
+    norm_topk_prob: bool,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate weights, expert ids) [N, K] when rows 0, every, 2*every, ... of the router's top-k `ids` become its
-    2nd..(K+1)-th best experts; weights: softmax(logits) in fp32 at the ids, renormalised with `norm_topk_prob`."""
+    """(gate weights, expert ids) [N, K] when the rows at positions 0, every, 2*every, ... of the router's top-k
+    `ids` become its 2nd..(K+1)-th best experts; weights: softmax(logits) in fp32 at the ids, renormalised with
+    `norm_topk_prob`. `positions` [N]: each row's position (packed tokens); None: row i is position i."""
     k = ids.shape[-1]
     ranked = logits.float().argsort(dim=-1, descending=True)
+    rows = slice(None, None, every) if positions is None else positions % every == 0
     ids = ids.clone()
-    ids[::every] = ranked[::every, 1 : k + 1].to(ids.dtype)
+    ids[rows] = ranked[rows, 1 : k + 1].to(ids.dtype)
     weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, ids)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -62,13 +79,15 @@ class RoutingHooks:
             )
         self.off_top_k_every = off_top_k_every
         self.forwards: list[list[torch.Tensor]] | None = None  # per model forward: each layer's [N, K] ids
+        self.positions: torch.Tensor | None = None  # [N] of the packed tokens routed now; None: 0..N-1
         for layer, router in enumerate(self.routers):
             router.register_forward_hook(partial(self._hook, layer))
 
     def _hook(self, layer: int, module: nn.Module, args: object, output: tuple) -> tuple:
         logits, weights, ids = output
         if self.off_top_k_every:
-            weights, ids = off_top_k(logits, ids, self.off_top_k_every, bool(module.norm_topk_prob))
+            norm = bool(module.norm_topk_prob)
+            weights, ids = off_top_k(logits, ids, self.off_top_k_every, norm, self.positions)
         if self.forwards is not None:
             if layer == 0:
                 self.forwards.append([])
@@ -106,13 +125,61 @@ class RecordingRunner(NoCacheRunner):
         return logits
 
 
+class PoolRouting:
+    """The routing of `PoolRunner`'s forwards (`PoolRunner.routing`): the off-top-k test aid by the packed tokens'
+    positions, and with `record` each row's experts into `Request.routed_experts` (int32 [positions, L, K])."""
+
+    def __init__(self, hooks: RoutingHooks, record: bool):
+        self.hooks = hooks
+        self.record = record
+
+    @contextmanager
+    def capture(self, batch: Batch, packed: _Packed) -> Iterator[None]:
+        """Around the decoder layers of one forward of `batch`, packed as `packed`."""
+        hooks = self.hooks
+        record = self.record and any(r.req.return_routed_experts for r in batch.rows)
+        hooks.positions, hooks.forwards = packed.positions, [] if record else None
+        try:
+            yield
+            forwards = hooks.forwards
+        finally:
+            hooks.positions = hooks.forwards = None
+        if not forwards:
+            return
+        (layers,) = forwards  # the decoder layers ran once, over every packed token
+        packed_experts = torch.stack(layers, dim=1).to("cpu", torch.int32)  # [packed tokens, L, K]
+        for row in batch.rows:
+            req = row.req
+            if not req.return_routed_experts:
+                continue
+            end = packed.last[id(row)] + 1
+            fed = packed_experts[end - len(row.token_ids) : end]  # positions row.start.. of this request
+            prev = req.routed_experts
+            if prev is None or row.start == 0:
+                req.routed_experts = fed
+            else:  # the KV cache holds positions < row.start, each computed (and recorded) once
+                req.routed_experts = torch.cat([prev[: row.start], fed])
+
+
+def routing_hooks(runner: object) -> RoutingHooks | None:
+    """The routing hooks a runner from `routing_runner` has; None for other runners."""
+    if isinstance(runner, RecordingRunner):
+        return runner.hooks
+    routing = getattr(runner, "routing", None)
+    return None if routing is None else routing.hooks
+
+
 def routing_runner(
-    runner: NoCacheRunner | object, model: nn.Module, record: bool, off_top_k_every: int
-) -> RecordingRunner | None:
-    """The runner replacing `runner` when routed experts are recorded or perturbed; None when neither is asked.
-    ValueError when `runner` is not the full-forward runner (MoE models are served by it)."""
+    runner: NoCacheRunner | PoolRunner, model: nn.Module, record: bool, off_top_k_every: int
+) -> NoCacheRunner | PoolRunner | None:
+    """The runner serving with routed experts recorded or perturbed (the KV-cache runner itself, given its
+    `routing`; a `RecordingRunner` in place of the full-forward runner); None when neither is asked.
+    ValueError when the model has no MoE routers."""
     if not record and not off_top_k_every:
         return None
+    if isinstance(runner, PoolRunner):
+        runner.routing = PoolRouting(RoutingHooks(model, off_top_k_every), record)
+        return runner
     if not isinstance(runner, NoCacheRunner):
         raise ValueError(
             "--enable-return-routed-experts / --test-off-top-k-every: the model has no MoE routers "
