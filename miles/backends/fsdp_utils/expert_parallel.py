@@ -129,6 +129,10 @@ class ExpertParallelExperts(nn.Module):
                 continue
             gate, up = F.linear(rows[idx], gate_up[e]).chunk(2, dim=-1)
             out = out.index_copy(0, idx, F.linear(self.act_fn(gate) * up, down[e]))
+        if rows.shape[0] == 0:
+            # no token for this rank's experts: the output must still depend on the rows and weights, or autograd
+            # skips this rank's side of the all-to-alls' backward (and the weights' gradient) that its peers run
+            out = out + 0.0 * (rows.sum() + gate_up.sum() + down.sum())
         return out
 
 
