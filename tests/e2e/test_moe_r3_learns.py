@@ -16,11 +16,13 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
-# rollouts per run: the MoE runs gained +0.34 by rollout 20 and +0.67 by 30, the Qwen3-Next run +0.47 by 20 (+0.84 by 30)
+# rollouts per run: the MoE runs gained +0.34 by rollout 20 and +0.67 by 30, the Qwen3-Next run +0.47 by 20 (+0.84 by 30).
+# The MoE run without EP learns the same curve (0.07 -> 0.74); it is left out here because EP2 = EP1 is shown step by
+# step in tests/integration/test_expert_parallel*.py, and each run costs minutes of the CI budget.
 @pytest.mark.parametrize(
     ("model", "ep", "num_rollout"),
-    [("moe", 1, 30), ("moe", 2, 30), ("next", 1, 20)],
-    ids=["moe-ep1", "moe-ep2", "next"],
+    [("moe", 2, 30), ("next", 1, 20)],
+    ids=["moe-ep2", "next"],
 )
 def test_tiny_moe_run_with_r3_learns(tmp_path, model, ep, num_rollout):
     from miles.tools.tiny_moe import build_tiny_moe
