@@ -133,7 +133,7 @@ class AsyncGenerationWorker:
             extra["engine_version"] = self.engine_version
         self._wake()
         kept.sort(key=lambda g: g[0].metadata[GROUP_KEY])
-        return kept, _step_metrics(kept, step, counts | Counter(extra))
+        return kept, _step_metrics(kept, step, {**counts, **extra})  # (a Counter union would drop the zeros)
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the worker (JSON-able), as of now: the data cursor, the admission count,
@@ -325,7 +325,7 @@ def _samples(group: list[dict[str, Any]]) -> list[Sample]:
     return [Sample.from_dict(d) for d in group]
 
 
-def _step_metrics(kept: list[list[Sample]], step: int, counts: Counter[str]) -> dict[str, float]:
+def _step_metrics(kept: list[list[Sample]], step: int, counts: dict[str, int]) -> dict[str, float]:
     """`async/*` metrics of one train step: each trained sample's staleness (mean, max, and a histogram:
     `async/staleness/<k>` samples k versions old) and this step's counts (dropped, retried, continued ...)."""
     ages = []
@@ -335,7 +335,7 @@ def _step_metrics(kept: list[list[Sample]], step: int, counts: Counter[str]) -> 
             sample.metadata[STALENESS_KEY] = age = 0 if oldest is None else step - oldest
             ages.append(age)
     metrics = {f"async/{k}": float(v) for k, v in counts.items()}
-    for key in ("dropped_groups", "retried_groups", "continued_samples", "resumed_groups"):
+    for key in ("dropped_groups", "retried_groups", "continued_samples", "resumed_groups", "reward_failed"):
         metrics.setdefault(f"async/{key}", 0.0)
     metrics["async/staleness_mean"] = sum(ages) / len(ages)
     metrics["async/staleness_max"] = float(max(ages))
