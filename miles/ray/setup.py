@@ -344,7 +344,10 @@ def _cpu_threads_env(cfg: Config, placement: Placement, num_actor: int) -> dict[
     if placement.use_gpu:
         return {}
     concurrent = 0 if cfg.cluster.colocate else len(placement.engine_bundles)
-    return {"OMP_NUM_THREADS": str(cpu_trainer_threads(num_actor, concurrent))}
+    threads = str(cpu_trainer_threads(num_actor, concurrent))
+    if cfg.rollout.fully_async:  # the engines generate while the ranks train: they keep their cores
+        return {"OMP_NUM_THREADS": threads, "MILES_CPU_TRAIN_THREADS": threads}
+    return {"OMP_NUM_THREADS": threads}  # (FSDP's set_cpu_threads then shares all cores out, as before)
 
 
 def _start_trainers(
