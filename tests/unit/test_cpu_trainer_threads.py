@@ -22,21 +22,21 @@ def test_cores_are_shared_by_the_ranks_and_the_concurrent_engines(monkeypatch):
 
 def test_fully_async_keeps_the_engines_cores_for_the_engines(monkeypatch):
     """Disaggregated --fully-async on CPU: the engines generate while the rank trains, so the rank takes the cores
-    the engines leave (MILES_CPU_TRAIN_THREADS, which FSDP's set_cpu_threads honours); the other drivers keep
-    sharing every core out (the engines wait while the ranks train)."""
+    the engines leave (MILES_CPU_TRAIN_THREADS, which FSDP's set_cpu_threads honours); the other drivers and
+    bound 0 keep sharing every core out (the engines wait while the ranks train)."""
 
     from miles.ray import setup
 
     monkeypatch.setattr(utils.os, "sched_getaffinity", lambda _: set(range(2)), raising=False)
     placement = SimpleNamespace(use_gpu=False, engine_bundles=[0])
 
-    def env(fully_async: bool, colocate: bool = False) -> dict[str, str]:
-        cfg = SimpleNamespace(
-            cluster=SimpleNamespace(colocate=colocate), rollout=SimpleNamespace(fully_async=fully_async)
-        )
+    def env(fully_async: bool, colocate: bool = False, bound: int | None = None) -> dict[str, str]:
+        rollout = SimpleNamespace(fully_async=fully_async, max_weight_staleness=bound)
+        cfg = SimpleNamespace(cluster=SimpleNamespace(colocate=colocate), rollout=rollout)
         return setup._cpu_threads_env(cfg, placement, 1)
 
-    assert env(True) == {"OMP_NUM_THREADS": "1", "MILES_CPU_TRAIN_THREADS": "1"}
+    assert env(True) == env(True, bound=1) == {"OMP_NUM_THREADS": "1", "MILES_CPU_TRAIN_THREADS": "1"}
+    assert env(True, bound=0) == {"OMP_NUM_THREADS": "1"}  # bound 0: nothing generates during a step
     assert env(False) == {"OMP_NUM_THREADS": "1"}
     assert env(False, colocate=True) == {"OMP_NUM_THREADS": "2"}
 
