@@ -336,28 +336,28 @@ class AsyncGenerationWorker:
 
 
 class PhaseClock:
-    """Time integrals of the worker's state between two `take`s (`timing/async_worker/*`): `tick(state)` when the state changes (the
-    previous state held since the last tick); `take(state)` returns the integrals (`generating_samples`: the
-    time-mean of the samples generating; every other key: seconds) and starts again."""
+    """Time integrals of the worker's state between two `take`s (`timing/async_worker/*`): `tick(state)` when the
+    state changes (the previous state held since the last tick); `take(state)` returns the integrals
+    (`generating_samples`: the time-mean of the samples generating; every other key: seconds) and starts again."""
 
     def __init__(self) -> None:
         self.since = self.start = time.monotonic()
         self.state: dict[str, float] = {}
-        self.sums: Counter[str] = Counter()
+        self.sums: dict[str, float] = {}
 
     def tick(self, state: dict[str, float]) -> None:
         now = time.monotonic()
         for key, value in self.state.items():
-            self.sums[key] += value * (now - self.since)
+            self.sums[key] = self.sums.get(key, 0.0) + value * (now - self.since)
         self.since, self.state = now, state
 
     def take(self, state: dict[str, float]) -> dict[str, float]:
         self.tick(state)
         span = max(self.since - self.start, 1e-9)
         out = dict(self.sums)
-        out["generating_samples"] = self.sums["generating_samples"] / span
+        out["generating_samples"] = self.sums.get("generating_samples", 0.0) / span
         out["span_s"] = span
-        self.start, self.sums = self.since, Counter()
+        self.start, self.sums = self.since, {}
         return out
 
 
