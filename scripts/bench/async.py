@@ -23,7 +23,11 @@ engine and 1 trainer + 2 engines, disaggregated. For each placement and repeat t
   the other two drivers have none and get their values by construction (synchronous 0, one-step-off 1 after the
   first step), marked `*`;
 - reward after the same number of samples: `rollout/raw_reward` of the last step (every driver trains
-  `steps` x batch samples), and the mean over the last quarter of the steps (less noisy).
+  `steps` x batch samples), and the mean over the last quarter of the steps (less noisy);
+- where a steady step's time went (`PHASES`: the trainer's wait for a batch, train, refit and, fully async, the
+  pause / refit / continue split and the generation worker's clock) and each engine's cumulative decode, prefill
+  and retract counters (`ENGINE_STATS`, read from `GET /get_server_info` every `STATS_EVERY_S`), printed under
+  each run's line and kept in report.json.
 The report gives medians [min-max] over repeats and the ratio fully async / synchronous of samples/s.
 `--quick` is a smoke check (fewer steps, 1 repeat, shorter tail). Run it alone on a shared machine:
 `flock /tmp/miles-heavy.lock python scripts/bench/async.py ...`; CPU timings are only indicative.
