@@ -14,6 +14,7 @@ batch as soon as one is buffered, trains, and every --update-weights-interval st
 from __future__ import annotations
 
 import sys
+import time
 from typing import TYPE_CHECKING
 
 from miles.ray.async_faults import AsyncFaults
@@ -114,8 +115,10 @@ def _paused_refit(cfg: Config, system: TrainSystem, faults: AsyncFaults, version
     from miles.ray.utils import ray_get
 
     r, rollout, timeout = cfg.rollout, system.engines.rollout, system.engines.timeout
+    t0 = time.perf_counter()
     restarted = faults.stop_watch()
     ray_get(rollout.pause_generation.remote(r.pause_generation_mode), timeout, "pause")
+    t1 = time.perf_counter()
     # requests held in place keep their KV cache: the update must not flush it
     flush = r.pause_generation_mode != "in_place"
 
@@ -123,9 +126,15 @@ def _paused_refit(cfg: Config, system: TrainSystem, faults: AsyncFaults, version
         return system.choreography.refit(weight_version=str(version), flush_cache=flush) or {}
 
     metrics = faults.refit(str(version), refit, restarted)
+    t2 = time.perf_counter()
     ray_get(rollout.continue_generation.remote(version), timeout, "continue")
     faults.watch()
-    return metrics
+    t3 = time.perf_counter()
+    return metrics | {
+        "timing/async_pause": t1 - t0,
+        "timing/async_refit": t2 - t1,
+        "timing/async_continue": t3 - t2,
+    }
 
 
 def _loop(cfg: Config, system: System) -> None:

@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import logging
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
@@ -76,6 +77,9 @@ class AsyncGenerationWorker:
         self.next_step = start_version  # the train step whose batch is taken next
         self.taken_for_step = 0  # groups already taken for that batch
         self.in_flight = 0  # groups admitted, not yet in the buffer
+        self.waiting_put = 0  # of those, groups done generating that wait for room in the buffer
+        self.pacing_limited = False  # the last admission admitted fewer groups than the free slots held
+        self.clock = PhaseClock()  # where the worker's time went since the last take_batch
         self.admitted = 0  # groups admitted so far: names their requests
         self.retry: deque[list[Sample]] = deque()  # fresh groups to start again (retry handler)
         self.fresh: dict[int, list[Sample]] = {}  # admission number -> the group as admitted (for retry)
@@ -129,11 +133,13 @@ class AsyncGenerationWorker:
         with self._lock:
             self.next_step, self.taken_for_step = step + 1, 0
             counts, self.counts = self.counts, Counter()
+            clock = self.clock.take(self._state())
             extra = {"buffered_groups": len(self.buffer), "in_flight_groups": self.in_flight}
             extra["engine_version"] = self.engine_version
         self._wake()
         kept.sort(key=lambda g: g[0].metadata[GROUP_KEY])
-        return kept, _step_metrics(kept, step, counts | Counter(extra))
+        metrics = _step_metrics(kept, step, {**counts, **extra})  # (a Counter union would drop the zeros)
+        return kept, metrics | {f"timing/async_worker/{k}": v for k, v in clock.items()}
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the worker (JSON-able), as of now: the data cursor, the admission count,
@@ -215,12 +221,25 @@ class AsyncGenerationWorker:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _state(self) -> dict[str, float]:
+        """What the clock integrates over time (under the lock): samples generating, whether some finished group
+        waits for buffer room, whether pacing holds back prompts that slots would admit, whether paused."""
+        generating = (self.in_flight - self.waiting_put) * self.s.group_size
+        return {
+            "generating_samples": float(generating),
+            "buffer_full_s": float(self.waiting_put > 0),
+            "pacing_stall_s": float(self.pacing_limited and not self.paused),
+            "paused_s": float(self.paused),
+            "idle_s": float(generating == 0 and not self.paused),
+        }
+
     def _admit(self) -> list[list[Sample]]:
         """The groups that may start now (retries first, then fresh prompts), prepared and counted in flight."""
         s = self.s
         with self._lock:
             if self.paused or self._stop:
                 return []
+            slots = (s.max_concurrent_samples - self.in_flight * s.group_size) // s.group_size
             room = admission_room(
                 engine_version=self.engine_version,
                 next_step=self.next_step,
@@ -241,7 +260,9 @@ class AsyncGenerationWorker:
                     sample.metadata[GROUP_KEY] = c
                     sample.metadata[ADMIT_VERSION] = self.engine_version
                     sample.metadata["start_rollout_id"] = c // s.batch
+            self.pacing_limited = room < slots
             self.in_flight += len(groups)
+            self.clock.tick(self._state())
             return groups
 
     def _launch(self, ctx: RolloutContext, groups: list[list[Sample]], tasks: set[asyncio.Task]) -> None:
@@ -276,14 +297,23 @@ class AsyncGenerationWorker:
                     self.counts[f"filtered_groups/{verdict.reason or 'filtered'}"] += 1
                     self.fresh.pop(group[0].metadata[GROUP_KEY], None)
             if verdict.keep:
-                await asyncio.to_thread(self.buffer.put, group)
+                with self._lock:
+                    self.waiting_put += 1
+                    self.clock.tick(self._state())
+                try:
+                    await asyncio.to_thread(self.buffer.put, group)
+                finally:
+                    with self._lock:
+                        self.waiting_put -= 1
         finally:
             with self._lock:
                 self.in_flight -= 1
+                self.clock.tick(self._state())
 
     async def _pause(self, mode: str) -> None:
         with self._lock:
             self.paused = True
+            self.clock.tick(self._state())
         self._resumed.clear()
         await self._post_all("pause_generation", {"mode": mode})
 
@@ -291,6 +321,7 @@ class AsyncGenerationWorker:
         await self._post_all("continue_generation", {})
         with self._lock:
             self.paused, self.engine_version = False, version
+            self.clock.tick(self._state())
         self._resumed.set()
         self._wake_event.set()
 
@@ -302,6 +333,32 @@ class AsyncGenerationWorker:
             return_exceptions=True,
         )
         _skip_dead_engines(urls, results, self.s.fault_tolerant, endpoint)
+
+
+class PhaseClock:
+    """Time integrals of the worker's state between two `take`s (`timing/async_worker/*`): `tick(state)` when the
+    state changes (the previous state held since the last tick); `take(state)` returns the integrals
+    (`generating_samples`: the time-mean of the samples generating; every other key: seconds) and starts again."""
+
+    def __init__(self) -> None:
+        self.since = self.start = time.monotonic()
+        self.state: dict[str, float] = {}
+        self.sums: dict[str, float] = {}
+
+    def tick(self, state: dict[str, float]) -> None:
+        now = time.monotonic()
+        for key, value in self.state.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value * (now - self.since)
+        self.since, self.state = now, state
+
+    def take(self, state: dict[str, float]) -> dict[str, float]:
+        self.tick(state)
+        span = max(self.since - self.start, 1e-9)
+        out = dict(self.sums)
+        out["generating_samples"] = self.sums.get("generating_samples", 0.0) / span
+        out["span_s"] = span
+        self.start, self.sums = self.since, {}
+        return out
 
 
 def _skip_dead_engines(urls: list[str], results: list[Any], fault_tolerant: bool, endpoint: str) -> None:
@@ -325,7 +382,7 @@ def _samples(group: list[dict[str, Any]]) -> list[Sample]:
     return [Sample.from_dict(d) for d in group]
 
 
-def _step_metrics(kept: list[list[Sample]], step: int, counts: Counter[str]) -> dict[str, float]:
+def _step_metrics(kept: list[list[Sample]], step: int, counts: dict[str, int]) -> dict[str, float]:
     """`async/*` metrics of one train step: each trained sample's staleness (mean, max, and a histogram:
     `async/staleness/<k>` samples k versions old) and this step's counts (dropped, retried, continued ...)."""
     ages = []
@@ -335,7 +392,7 @@ def _step_metrics(kept: list[list[Sample]], step: int, counts: Counter[str]) -> 
             sample.metadata[STALENESS_KEY] = age = 0 if oldest is None else step - oldest
             ages.append(age)
     metrics = {f"async/{k}": float(v) for k, v in counts.items()}
-    for key in ("dropped_groups", "retried_groups", "continued_samples", "resumed_groups"):
+    for key in ("dropped_groups", "retried_groups", "continued_samples", "resumed_groups", "reward_failed"):
         metrics.setdefault(f"async/{key}", 0.0)
     metrics["async/staleness_mean"] = sum(ages) / len(ages)
     metrics["async/staleness_max"] = float(max(ages))

@@ -23,7 +23,11 @@ engine and 1 trainer + 2 engines, disaggregated. For each placement and repeat t
   the other two drivers have none and get their values by construction (synchronous 0, one-step-off 1 after the
   first step), marked `*`;
 - reward after the same number of samples: `rollout/raw_reward` of the last step (every driver trains
-  `steps` x batch samples), and the mean over the last quarter of the steps (less noisy).
+  `steps` x batch samples), and the mean over the last quarter of the steps (less noisy);
+- where a steady step's time went (`PHASES`: the trainer's wait for a batch, train, refit and, fully async, the
+  pause / refit / continue split and the generation worker's clock) and each engine's cumulative decode, prefill
+  and retract counters (`ENGINE_STATS`, read from `GET /get_server_info` every `STATS_EVERY_S`), printed under
+  each run's line and kept in report.json.
 The report gives medians [min-max] over repeats and the ratio fully async / synchronous of samples/s.
 `--quick` is a smoke check (fewer steps, 1 repeat, shorter tail). Run it alone on a shared machine:
 `flock /tmp/miles-heavy.lock python scripts/bench/async.py ...`; CPU timings are only indicative.
@@ -64,6 +68,14 @@ BENCH_PLACEMENTS = {
     "1+2": "split1+2",
 }  # -> vs_trl.PLACEMENTS (trainers, engines, colocate)
 STALENESS_BY_CONSTRUCTION = {"sync": 0.0, "one_step_off": 1.0}
+STATS_EVERY_S = 1.0  # the poller reads each engine's cumulative counters (/get_server_info) this often
+ENGINE_STATS = ("decode_seconds", "decode_tokens", "prefill_tokens", "retracted_requests")
+# per-step phases of metrics.jsonl averaged over the steady steps (fully async adds the pause / refit / continue
+# split and where its generation worker's time went: docs/async.md "Where the time goes")
+PHASES = ("timing/rollout", "timing/train", "timing/refit", "timing/async_pause", "timing/async_refit",
+          "timing/async_continue", "timing/async_worker/generating_samples", "timing/async_worker/idle_s",
+          "timing/async_worker/buffer_full_s", "timing/async_worker/pacing_stall_s",
+          "timing/async_worker/paused_s")  # fmt: skip
 ENGINE_LINE = re.compile(r"embedded engine serving .* on ([\w.\-]+):(\d+)\s*$")
 
 LONGTAIL = dataclasses.replace(
@@ -143,6 +155,16 @@ def staleness(metrics: list[dict], driver: str, warmup: int) -> tuple[float, flo
     return value, value, False
 
 
+def steady_phases(metrics: list[dict], warmup: int) -> dict[str, float]:
+    """Mean over the steady steps of each of `PHASES` the run logged."""
+    steady = metrics[warmup:]
+    return {
+        k: statistics.fmean(float(m[k]) for m in steady)
+        for k in PHASES
+        if steady and all(k in m for m in steady)
+    }
+
+
 def length_stats(lengths: list[int]) -> dict[str, float]:
     """median, p90, max, and max/median of response lengths."""
     if not lengths:
@@ -157,8 +179,9 @@ def length_stats(lengths: list[int]) -> dict[str, float]:
 class EnginePoller:
     """Polls `GET /get_load` of every engine that has logged its address under `log_dir`, from a thread."""
 
-    def __init__(self, log_dir: Path, interval: float, t0: float, api_key: str) -> None:
-        self.log_dir, self.interval, self.t0 = log_dir, interval, t0
+    def __init__(self, log_dir: Path, interval: float, t0: float, api_key: str, engines: int) -> None:
+        self.log_dir, self.interval, self.t0, self.engines = log_dir, interval, t0, engines
+        self.stats: dict[str, dict] = {}  # engine -> its last /get_server_info internal state (cumulative)
         self.headers = {"Authorization": f"Bearer {api_key}"}
         self.polls: dict[str, list[tuple[float, bool]]] = {}
         self._stop = threading.Event()
@@ -180,18 +203,24 @@ class EnginePoller:
                 out.append(addr)
         return out
 
+    def _get(self, url: str) -> object:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=self.headers), timeout=2) as r:
+            return json.loads(r.read())
+
     def _run(self) -> None:
         addrs: list[str] = []
+        last_stats = 0.0
         while not self._stop.wait(self.interval):
-            if len(addrs) < 2:  # engines come up one by one
+            if len(addrs) < self.engines:  # engines come up one by one (their logs are read until all have)
                 addrs = self._addresses()
+            stats_due = time.time() - last_stats >= STATS_EVERY_S
+            last_stats = time.time() if stats_due else last_stats
             for addr in addrs:
                 try:
-                    with urllib.request.urlopen(
-                        urllib.request.Request(f"{addr}/get_load", headers=self.headers), timeout=2
-                    ) as r:
-                        load = json.loads(r.read())
-                except (OSError, ValueError):
+                    load = self._get(f"{addr}/get_load")
+                    if stats_due:
+                        self.stats[addr] = self._get(f"{addr}/get_server_info")["internal_states"][0]
+                except (OSError, ValueError, KeyError, IndexError, TypeError):
                     continue
                 busy = any(d.get("num_running", 0) > 0 for d in load)
                 self.polls.setdefault(addr, []).append((time.time() - self.t0, busy))
@@ -215,6 +244,8 @@ class Run:
     reward_tail: float = float("nan")
     rewards: list[float] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)  # PHASES: steady-step means
+    engine_stats: dict[str, float] = field(default_factory=dict)  # ENGINE_STATS, summed over engines
     error: str | None = None
 
 
@@ -235,7 +266,8 @@ def run_one(w: Workload, driver: str, placement: str, repeat: int, seed: int, pa
     cmd = driver_command(w, driver, model, data, run_dir, placement, seed, a.fully_async_args.split())
     key = secrets.token_hex(16)  # this run's engine key (MILES_ENGINE_API_KEY), so the poller may ask them
     t0 = time.time()
-    with EnginePoller(run_dir / "logs", a.poll_s, t0, key) as poller:
+    engines = int(placement.split("+")[1])
+    with EnginePoller(run_dir / "logs", a.poll_s, t0, key, engines) as poller:
         env = {**base_env(), "MILES_ENGINE_API_KEY": key}
         proc = run_timed(cmd, env, REPO, timeout_s=a.timeout_s, log_path=run_dir / "output.log")
     rec = Run(driver, placement, repeat, seed, proc.returncode)
@@ -255,6 +287,8 @@ def run_one(w: Workload, driver: str, placement: str, repeat: int, seed: int, pa
     rec.rewards = [float(m.get("rollout/raw_reward", "nan")) for m in metrics]
     tail = rec.rewards[-max(1, w.steps // 4) :]
     rec.reward_last, rec.reward_tail = rec.rewards[-1], statistics.fmean(tail)
+    rec.phases = steady_phases(metrics, w.warmup_steps)
+    rec.engine_stats = {k: sum(float(st.get(k, 0.0)) for st in poller.stats.values()) for k in ENGINE_STATS}
     for f in sorted((run_dir / "details").glob("rollout_*.jsonl")):
         rec.lengths += [json.loads(line)["response_length"] for line in f.read_text().splitlines() if line]
     return rec
@@ -350,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r.samples_per_s:.2f} samples/s, engine busy {r.engine_busy:.2f}, trainer busy "
                     f"{r.trainer_busy:.2f}, staleness {r.staleness_mean:.2f}/{r.staleness_max:.0f}, reward "
                     f"{r.reward_last:.3f}" if r.error is None else f"FAILED: {r.error}"), flush=True)  # fmt: skip
+                if r.error is None:
+                    print("    per step: " + ", ".join(f"{k.removeprefix('timing/')} {v:.3g}" for k, v in
+                          r.phases.items()) + "; engines (run): " + ", ".join(
+                          f"{k} {v:.4g}" for k, v in r.engine_stats.items()), flush=True)  # fmt: skip
     text, summary = format_report(w, runs, a.placement_names)
     print(text, flush=True)
     out = work / "report.json"

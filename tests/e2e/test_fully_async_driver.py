@@ -1,5 +1,6 @@
-"""--fully-async (issue 25): a persistent generation worker, refits under paused requests (abort, in_place), every
-trained sample within --max-weight-staleness, reward up; with bound 0 and interval 1 the synchronous driver's run."""
+"""--fully-async (issue 25): a persistent generation worker, refits under paused requests (abort, in_place,
+retract), every trained sample within --max-weight-staleness, reward up; with bound 0 and interval 1 the
+synchronous driver's run."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def _trained_samples(run_dir) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["abort", "in_place"])
+@pytest.mark.parametrize("mode", ["abort", "in_place", "retract"])
 def test_fully_async_learns_within_the_staleness_bound(tmp_path, mode):
     from miles.train_async import main
 

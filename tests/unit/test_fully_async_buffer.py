@@ -252,3 +252,24 @@ def test_a_fully_async_checkpoint_with_pending_groups_is_refused_by_the_other_dr
     manager.rollout_cfg.fully_async = True
     RolloutManager.load_state_dict(manager, pending)  # type: ignore[arg-type]
     assert manager.async_state == pending["async_worker"]
+
+
+def test_take_batch_reports_counts_of_zero():
+    """Counts that stayed 0 this step (nothing dropped, buffered or in flight) are reported as 0, not left out
+    of metrics.jsonl."""
+    from miles.rollout.async_worker import GROUP_KEY
+
+    worker = _worker()
+    for c in (0, 1):
+        group = [
+            Sample(prompt=f"p{c}", index=j, weight_versions=["5"], metadata={GROUP_KEY: c}) for j in range(2)
+        ]
+        worker.fresh[c] = group
+        worker.buffer.put(group)
+    worker.counts["reward_failed"] += 0
+    kept, metrics = worker.take_batch(5, timeout=1)
+    assert [g[0].metadata[GROUP_KEY] for g in kept] == [0, 1]
+    for key in ("dropped_groups", "retried_groups", "continued_samples", "resumed_groups", "reward_failed",
+                "buffered_groups", "in_flight_groups"):  # fmt: skip
+        assert metrics[f"async/{key}"] == 0.0, key
+    assert metrics["async/engine_version"] == 5.0 and metrics["async/staleness_max"] == 0.0

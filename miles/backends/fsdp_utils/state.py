@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from miles.utils.types import JSON
 
 logger = logging.getLogger(__name__)
+CPU_TRAIN_THREADS_ENV = "MILES_CPU_TRAIN_THREADS"  # set by miles.ray.setup for --fully-async on CPU
 
 
 @dataclass(frozen=True)
@@ -332,10 +333,13 @@ def param_dtype(train_dtype: str, is_cuda: bool) -> torch.dtype:
 
 
 def set_cpu_threads(ps: ParallelState) -> None:
-    """On CPU, split the cores between the training ranks (they run side by side)."""
+    """On CPU, split the cores between the training ranks (they run side by side), or take the driver's
+    MILES_CPU_TRAIN_THREADS (--fully-async leaves the engines' cores to the engines: they generate meanwhile)."""
     if ps.is_cuda:
         return
     cores = os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // max(1, ps.world_size)))
+    torch.set_num_threads(
+        int(os.environ.get(CPU_TRAIN_THREADS_ENV, 0)) or max(1, cores // max(1, ps.world_size))
+    )
     if dist.get_rank() == 0:
         logger.info("CPU training: %d threads per rank", torch.get_num_threads())
