@@ -24,10 +24,12 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import httpx
-
 from miles.utils.hang_dump import expired
+from miles.utils.httpx_import import lean_httpx
 from miles.utils.types import JSON
+
+with lean_httpx():  # not its command-line client's imports (~0.1 s of CPU per process)
+    import httpx
 
 # Endpoints SGLang marks ADMIN_OPTIONAL (sglang/srt/entrypoints/http_server.py): an admin key unlocks them.
 ADMIN_ENDPOINTS = frozenset(
