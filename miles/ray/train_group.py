@@ -17,7 +17,6 @@ import ray
 from miles.ray.colocate import REFIT_SECONDS, RefitAfterTrain
 from miles.ray.placement import Placement
 from miles.ray.utils import get_node_ip, ray_get
-from miles.utils import host_memory
 from miles.utils.net import free_port
 from miles.utils.parallel_dims import ParallelDims
 from miles.utils.types import JSON, Sample
@@ -116,7 +115,6 @@ class TrainWorker:
             if values is None
             else backend.train(rollout_id, samples, values)
         )
-        host_memory.trim()  # the step's freed activations leave the process before the engines' phase
         if refit is None:
             return metrics
         start = time.perf_counter()
