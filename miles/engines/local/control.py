@@ -29,6 +29,7 @@ import torch
 
 from miles.refit.moe_names import split_stacked
 from miles.refit.vl_names import engine_name
+from miles.utils import host_memory
 from miles.utils.types import JSON
 from miles.utils.weight_checksum import device_hash_kind, overall_checksum, tensor_checksum
 
@@ -328,6 +329,7 @@ class WeightControl:
             self.runner.release_kv()  # the pool's storage is freed, not just marked unused
             self.kv_released = True
         self.released_tags.update(tags)
+        host_memory.trim()  # what was freed leaves the process too (malloc keeps it otherwise)
         return None  # SGLang answers 200 with an empty (null) body
 
     def _op_resume_memory_occupation(self, tags: list[str] | None = None) -> None:
