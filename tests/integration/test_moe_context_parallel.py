@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.integration._util import run_distributed
+from tests.integration.test_expert_parallel import _save
 
 VOCAB, TEMPERATURE, LR = 48, 0.9, 1e-3
 LAYERS, EXPERTS, TOP_K = 2, 4, 2
@@ -136,20 +137,6 @@ def _body(rank: int, world: int, cp_size: int, ep: int, tmp: str) -> None:
     ref_opt.step()
     for n, p in model.named_parameters():
         _close(_full(p.detach()), ref_params[n].detach(), f"updated {n}")
-
-
-def _save(tmp_path) -> None:
-    from miles.tools.tiny_moe import build_tiny_moe
-
-    build_tiny_moe(
-        str(tmp_path / "model"),
-        hidden_size=32,
-        num_layers=LAYERS,
-        num_experts=EXPERTS,
-        top_k=TOP_K,
-        vocab_size=VOCAB,
-        initializer_range=0.2,
-    )
 
 
 def test_cp2_moe_replay_and_router_losses_equal_cp1(tmp_path):

@@ -10,10 +10,10 @@ import json
 import os
 
 import numpy as np
-import torch
 
 from miles.utils.types import Sample, SampleStatus
 from tests.integration._util import run_distributed
+from tests.integration.test_expert_parallel_trainer import _assert_same_step, _save
 
 LAYERS, EXPERTS, TOP_K, VOCAB = 2, 4, 2, 48
 
@@ -75,36 +75,5 @@ def _run(tmp_path, world: int) -> dict:
 
 
 def test_moe_tp2_trainer_step_equals_tp1(tmp_path):
-    from miles.tools.tiny_moe import build_tiny_moe
-
-    build_tiny_moe(
-        str(tmp_path / "model"),
-        hidden_size=32,
-        num_layers=LAYERS,
-        num_experts=EXPERTS,
-        top_k=TOP_K,
-        vocab_size=VOCAB,
-        initializer_range=0.2,
-    )
-    tp1, tp2 = _run(tmp_path, 1), _run(tmp_path, 2)
-    keys = [
-        k for k in tp1["metrics"] if k.startswith(("train/loss", "train/grad_norm", "train/moe/", "train/pg"))
-    ]
-    assert "train/moe/aux_loss" in keys and any(k.startswith("train/loss") for k in keys), sorted(
-        tp1["metrics"]
-    )
-    for k in keys:
-        a, b = tp1["metrics"][k], tp2["metrics"][k]
-        assert abs(a - b) <= 1e-5 + 1e-6 * abs(a), (k, a, b)
-    assert tp2["metrics"]["train/first_mb_ppo_kl_abs_max"] == 0.0
-    assert tp1["params"].keys() == tp2["params"].keys()
-    for n in tp1["params"]:
-        a, b = torch.tensor(tp1["params"][n]), torch.tensor(tp2["params"][n])
-        torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=lambda m, n=n: f"updated {n}: {m}")
-    from transformers import AutoModelForCausalLM
-
-    init = dict(
-        AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"), dtype=torch.float32).named_parameters()
-    )
-    moved = [n for n in tp2["params"] if not torch.equal(torch.tensor(tp2["params"][n]), init[n].detach())]
-    assert "model.layers.0.mlp.experts.gate_up_proj" in moved and len(moved) > len(init) // 2, moved
+    _save(tmp_path)
+    _assert_same_step(_run(tmp_path, 1), _run(tmp_path, 2), tmp_path)
