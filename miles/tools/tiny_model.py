@@ -220,10 +220,13 @@ def _portable_tokenizer_config(path: Path) -> None:
     path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def save_model_dir(model: Any, tok: PreTrainedTokenizerFast, out: Path) -> None:
+def save_model_dir(
+    model: Any, tok: PreTrainedTokenizerFast, out: Path, extra: Callable[[Path], None] | None = None
+) -> None:
     """Save `model` and `tok` as the HF directory `out`: written in `out.tmp`, then put in place of any old `out`
     (which is removed only once the new one is there), so a failure never leaves a half-written directory. The
-    generation config gets the tokenizer's EOS and pad ids."""
+    generation config gets the tokenizer's EOS and pad ids; `extra(tmp)` writes any further files (e.g. a VL
+    model's processor files) before the swap."""
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     tmp = out.with_name(out.name + ".tmp")
@@ -233,6 +236,8 @@ def save_model_dir(model: Any, tok: PreTrainedTokenizerFast, out: Path) -> None:
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     _portable_tokenizer_config(tmp / "tokenizer_config.json")
+    if extra is not None:
+        extra(tmp)
     if out.exists():
         old = out.with_name(out.name + ".old")
         if old.exists():

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -29,8 +28,8 @@ from miles.tools.tiny_model import (
     ENDOFTEXT,
     IM_END,
     IM_START,
-    _portable_tokenizer_config,
     build_tokenizer,
+    save_model_dir,
 )
 from miles.tools.toy_data import DEFAULT_TASK
 
@@ -167,20 +166,7 @@ def build_tiny_vlm(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config).float()
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    _portable_tokenizer_config(tmp / "tokenizer_config.json")
-    _write_processor_files(tmp, kind)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    save_model_dir(model, tok, out, extra=lambda tmp: _write_processor_files(tmp, kind))
     return out
 
 
