@@ -4,6 +4,7 @@ the router losses against a loop reference, and SGLang's routed-experts layout."
 from __future__ import annotations
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -153,3 +154,17 @@ def test_routed_experts_layout_round_trip_and_errors():
         model, _ = model_and_samples()
         with moe_routing(model, torch.zeros(3, 5, 2, dtype=torch.long)):
             pass
+
+
+def test_pack_replay_copies_a_read_only_buffer_without_warning():
+    """The engine's routed experts arrive as a read-only buffer (np.frombuffer): pack_replay copies them into its
+    own long tensor, with no "not writable" warning, and the caller's buffer stays untouched."""
+    raw = np.arange(12, dtype=np.int32)
+    ro = np.frombuffer(raw.tobytes(), dtype=np.int32).reshape(3, 4)
+    assert not ro.flags.writeable
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = pack_replay([ro, None], [4, 2], 2, 2)
+    assert out.dtype == torch.long and out.shape == (6, 2, 2)
+    assert out[:3].reshape(3, 4).tolist() == raw.reshape(3, 4).tolist()
+    assert (out[3:] == -1).all()

@@ -168,7 +168,12 @@ def pack_replay(
     for experts, n in zip(per_sample, lengths):
         out = torch.full((n, num_layers, top_k), -1, dtype=torch.long)
         if experts is not None:
-            t = torch.as_tensor(np.asarray(experts) if not torch.is_tensor(experts) else experts).long()
+            # a copy: the engine's rows may be a read-only buffer (torch warns on non-writable arrays)
+            t = (
+                experts.long()
+                if torch.is_tensor(experts)
+                else torch.from_numpy(np.array(experts, dtype=np.int64))
+            )
             t = t.reshape(t.shape[0], num_layers, top_k)
             if t.shape[0] > n:
                 raise ValueError(f"routed experts have {t.shape[0]} rows for a sequence of {n} tokens")
