@@ -124,11 +124,11 @@ class AsyncGenerationWorker:
                 if not stale(group, step, s.max_staleness):
                     kept.append(group)
                     self.taken_for_step += 1
-                elif s.retry:
-                    self.retry.append(fresh)
-                    self.counts["retried_groups"] += 1
-                else:
-                    self.counts["dropped_groups"] += 1
+                else:  # generated, never trained: what the bound costs the engines
+                    self.counts["discarded_tokens"] += sum(smp.response_length for smp in group)
+                    self.counts["retried_groups" if s.retry else "dropped_groups"] += 1
+                    if s.retry:
+                        self.retry.append(fresh)
             self._wake()
         with self._lock:
             self.next_step, self.taken_for_step = step + 1, 0
@@ -392,7 +392,8 @@ def _step_metrics(kept: list[list[Sample]], step: int, counts: dict[str, int]) -
             sample.metadata[STALENESS_KEY] = age = 0 if oldest is None else step - oldest
             ages.append(age)
     metrics = {f"async/{k}": float(v) for k, v in counts.items()}
-    for key in ("dropped_groups", "retried_groups", "continued_samples", "resumed_groups", "reward_failed"):
+    for key in ("dropped_groups", "retried_groups", "discarded_tokens", "continued_samples", "resumed_groups",
+                "reward_failed"):  # fmt: skip
         metrics.setdefault(f"async/{key}", 0.0)
     metrics["async/staleness_mean"] = sum(ages) / len(ages)
     metrics["async/staleness_max"] = float(max(ages))

@@ -269,7 +269,28 @@ def test_take_batch_reports_counts_of_zero():
     worker.counts["reward_failed"] += 0
     kept, metrics = worker.take_batch(5, timeout=1)
     assert [g[0].metadata[GROUP_KEY] for g in kept] == [0, 1]
-    for key in ("dropped_groups", "retried_groups", "continued_samples", "resumed_groups", "reward_failed",
-                "buffered_groups", "in_flight_groups"):  # fmt: skip
+    for key in ("dropped_groups", "retried_groups", "discarded_tokens", "continued_samples", "resumed_groups",
+                "reward_failed", "buffered_groups", "in_flight_groups"):  # fmt: skip
         assert metrics[f"async/{key}"] == 0.0, key
     assert metrics["async/engine_version"] == 5.0 and metrics["async/staleness_max"] == 0.0
+
+
+def test_take_batch_counts_the_tokens_of_groups_beyond_the_bound():
+    """A group staler than --max-weight-staleness is not trained: its response tokens are counted in
+    async/discarded_tokens (with the retried group), the kept groups' are not."""
+    from miles.rollout.async_worker import GROUP_KEY
+
+    worker = _worker()  # bound 1, batch 2, retry
+    for c, version, length in ((0, "3", 7), (1, "5", 4), (2, "4", 9)):  # trained at step 5: staleness 2, 0, 1
+        group = [
+            Sample(prompt=f"p{c}", index=j, weight_versions=[version], response_length=length + j,
+                   metadata={GROUP_KEY: c})
+            for j in range(2)
+        ]  # fmt: skip
+        worker.fresh[c] = group
+        worker.buffer.put(group)
+    kept, metrics = worker.take_batch(5, timeout=1)
+    assert [g[0].metadata[GROUP_KEY] for g in kept] == [1, 2]
+    assert metrics["async/discarded_tokens"] == 7 + 8
+    assert metrics["async/retried_groups"] == 1.0 and metrics["async/dropped_groups"] == 0.0
+    assert [g[0].prompt for g in worker.retry] == ["p0"]
