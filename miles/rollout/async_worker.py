@@ -266,9 +266,13 @@ class AsyncGenerationWorker:
             return groups
 
     def _launch(self, ctx: RolloutContext, groups: list[list[Sample]], tasks: set[asyncio.Task]) -> None:
-        """Start `groups`; those started together share batch requests (one per engine), as the synchronous
-        rollout sends a batch."""
-        with batching(object(), per_engine=True) if groups else contextlib.nullcontext():
+        """Start `groups`. With bound 0 those started together are one version's whole batch, trained together:
+        they share batch requests (one per engine), as the synchronous rollout sends a batch. Otherwise each
+        group's requests go out as their own batch request: an engine answers a batch request only when all its
+        items are done, so a shared one would hold every group's slots until its slowest response ended (the
+        long tail the worker exists to fill)."""
+        together = bool(groups) and self.s.max_staleness == 0
+        with batching(object(), per_engine=True) if together else contextlib.nullcontext():
             for group in groups:
                 task = asyncio.ensure_future(self._run_group(ctx, group))
                 task.add_done_callback(lambda _: self._wake_event.set())

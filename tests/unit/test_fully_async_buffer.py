@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -294,3 +295,37 @@ def test_take_batch_counts_the_tokens_of_groups_beyond_the_bound():
     assert metrics["async/discarded_tokens"] == 7 + 8
     assert metrics["async/retried_groups"] == 1.0 and metrics["async/dropped_groups"] == 0.0
     assert [g[0].prompt for g in worker.retry] == ["p0"]
+
+
+@pytest.mark.parametrize(("bound", "shared"), [(0, True), (1, False), (None, False)])
+def test_groups_share_a_batch_request_only_with_bound_zero(bound, shared):
+    """An engine answers a batch request once all its items are done. With bound 0 the groups started together
+    are one version's batch, trained together, so they share one (as miles.train sends them: the same requests);
+    otherwise each group goes alone, so a long response holds up only its own group's slots."""
+    import asyncio
+
+    from miles.rollout.async_worker import AsyncGenerationWorker, AsyncSettings
+    from miles.rollout.generate_batching import current_batch
+
+    settings = AsyncSettings(
+        batch=2, group_size=2, max_concurrent_samples=4, capacity=4, max_staleness=bound, retry=True
+    )
+    worker = AsyncGenerationWorker(SimpleNamespace(), settings, start_version=0)
+    seen = []
+
+    async def run_group(ctx, group):
+        seen.append(current_batch())
+
+    worker._run_group = run_group
+
+    async def main():
+        worker._wake_event = asyncio.Event()
+        tasks: set[asyncio.Task] = set()
+        worker._launch(None, [[Sample(prompt="a")], [Sample(prompt="b")]], tasks)
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    if shared:
+        assert seen[0] is not None and seen[0] is seen[1] and seen[0].per_engine
+    else:
+        assert seen == [None, None]  # generate_group then opens one batch per group
