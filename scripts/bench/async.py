@@ -68,8 +68,11 @@ BENCH_PLACEMENTS = {
     "1+2": "split1+2",
 }  # -> vs_trl.PLACEMENTS (trainers, engines, colocate)
 STALENESS_BY_CONSTRUCTION = {"sync": 0.0, "one_step_off": 1.0}
-STATS_EVERY_S = 1.0  # the poller reads each engine's cumulative counters (/get_server_info) this often
-ENGINE_STATS = ("decode_seconds", "decode_tokens", "prefill_tokens", "retracted_requests")
+STATS_EVERY_S = 0.25  # the poller reads each engine's cumulative counters (/get_server_info) this often
+ENGINE_STATS = ("decode_seconds", "decode_tokens", "decode_steps", "prefill_tokens", "retracted_requests")
+# what docs/async.md recommends for fully async: a staleness bound (pacing + check) and TIS against the rollout
+# log-probs for the off-policy gap; `--fully-async-args` replaces it
+FULLY_ASYNC_ARGS = "--max-weight-staleness 2 --use-tis"
 # per-step phases of metrics.jsonl averaged over the steady steps (fully async adds the pause / refit / continue
 # split and where its generation worker's time went: docs/async.md "Where the time goes")
 PHASES = ("timing/rollout", "timing/train", "timing/refit", "timing/async_pause", "timing/async_refit",
@@ -93,14 +96,14 @@ LONGTAIL = dataclasses.replace(
     micro_batch_size=32,
     marker_median=12.0,
     marker_sigma=1.0,
-    steps=10,
+    steps=30,
     warmup_steps=2,
 )
 
 
 def quick_workload(w: Workload) -> Workload:
-    """`--quick`: 4 steps (1 warm-up), the tail capped at 96 tokens."""
-    return dataclasses.replace(w, steps=4, warmup_steps=1, max_response_len=96, marker_median=8.0)
+    """`--quick`: 6 steps (1 warm-up), the tail capped at 96 tokens."""
+    return dataclasses.replace(w, steps=6, warmup_steps=1, max_response_len=96, marker_median=8.0)
 
 
 # ------------------------------------------------------------------------------------------------ pure parts
@@ -165,6 +168,38 @@ def steady_phases(metrics: list[dict], warmup: int) -> dict[str, float]:
     }
 
 
+def counter_delta(history: list[tuple[float, dict]], key: str, start: float, end: float) -> float:
+    """How much the cumulative engine counter `key` grew over [start, end], from the (time, counters) readings
+    in `history` (time order), each end linearly interpolated between the readings around it (held flat
+    outside them); NaN without readings."""
+    if not history:
+        return float("nan")
+
+    def at(t: float) -> float:
+        prev = None
+        for ti, stats in history:
+            v = float(stats.get(key, 0.0))
+            if ti >= t:
+                if prev is None or ti == prev[0]:
+                    return v
+                return prev[1] + (v - prev[1]) * (t - prev[0]) / (ti - prev[0])
+            prev = (ti, v)
+        return prev[1] if prev else float("nan")
+
+    return at(end) - at(start)
+
+
+def steady_counts(metrics: list[dict], step_lengths: list[list[int]], warmup: int) -> dict[str, float]:
+    """Over the steady steps: trained samples and response tokens (from --dump-details) and the response tokens
+    of groups generated and never trained (`async/discarded_tokens`, fully async with a bound)."""
+    steady = step_lengths[warmup:]
+    return {
+        "samples": float(sum(len(x) for x in steady)),
+        "tokens": float(sum(sum(x) for x in steady)),
+        "discarded_tokens": sum(float(m.get("async/discarded_tokens", 0.0)) for m in metrics[warmup:]),
+    }
+
+
 def length_stats(lengths: list[int]) -> dict[str, float]:
     """median, p90, max, and max/median of response lengths."""
     if not lengths:
@@ -181,7 +216,8 @@ class EnginePoller:
 
     def __init__(self, log_dir: Path, interval: float, t0: float, api_key: str, engines: int) -> None:
         self.log_dir, self.interval, self.t0, self.engines = log_dir, interval, t0, engines
-        self.stats: dict[str, dict] = {}  # engine -> its last /get_server_info internal state (cumulative)
+        # engine -> its /get_server_info internal states (cumulative counters), with the seconds after t0
+        self.history: dict[str, list[tuple[float, dict]]] = {}
         self.headers = {"Authorization": f"Bearer {api_key}"}
         self.polls: dict[str, list[tuple[float, bool]]] = {}
         self._stop = threading.Event()
@@ -219,7 +255,8 @@ class EnginePoller:
                 try:
                     load = self._get(f"{addr}/get_load")
                     if stats_due:
-                        self.stats[addr] = self._get(f"{addr}/get_server_info")["internal_states"][0]
+                        state = self._get(f"{addr}/get_server_info")["internal_states"][0]
+                        self.history.setdefault(addr, []).append((time.time() - self.t0, state))
                 except (OSError, ValueError, KeyError, IndexError, TypeError):
                     continue
                 busy = any(d.get("num_running", 0) > 0 for d in load)
@@ -244,6 +281,12 @@ class Run:
     reward_tail: float = float("nan")
     rewards: list[float] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
+    step_lengths: list[float] = field(default_factory=list)  # mean trained response length per step
+    resp_len: float = float("nan")  # mean trained response length over the steady steps
+    tokens_per_s: float = float("nan")  # trained response tokens / s over the steady window
+    decode_per_trained: float = float("nan")  # engine decode tokens / trained decode tokens, steady window
+    steady_engine: dict[str, float] = field(default_factory=dict)  # ENGINE_STATS grown in the steady window
+    steady: dict[str, float] = field(default_factory=dict)  # steady_counts
     phases: dict[str, float] = field(default_factory=dict)  # PHASES: steady-step means
     engine_stats: dict[str, float] = field(default_factory=dict)  # ENGINE_STATS, summed over engines
     error: str | None = None
@@ -288,14 +331,29 @@ def run_one(w: Workload, driver: str, placement: str, repeat: int, seed: int, pa
     tail = rec.rewards[-max(1, w.steps // 4) :]
     rec.reward_last, rec.reward_tail = rec.rewards[-1], statistics.fmean(tail)
     rec.phases = steady_phases(metrics, w.warmup_steps)
-    rec.engine_stats = {k: sum(float(st.get(k, 0.0)) for st in poller.stats.values()) for k in ENGINE_STATS}
-    for f in sorted((run_dir / "details").glob("rollout_*.jsonl")):
-        rec.lengths += [json.loads(line)["response_length"] for line in f.read_text().splitlines() if line]
+    rec.engine_stats = {k: sum(float(h[-1][1].get(k, 0.0)) for h in poller.history.values() if h)
+                        for k in ENGINE_STATS}  # fmt: skip
+    rec.steady_engine = {k: sum(counter_delta([(t + shift, st) for t, st in h], k, start, end)
+                                for h in poller.history.values()) for k in ENGINE_STATS}  # fmt: skip
+    per_step = [[json.loads(line)["response_length"] for line in f.read_text().splitlines() if line]
+                for f in sorted((run_dir / "details").glob("rollout_*.jsonl"))]  # fmt: skip
+    rec.lengths = [n for step in per_step for n in step]
+    rec.step_lengths = [statistics.fmean(step) if step else float("nan") for step in per_step]
+    rec.steady = steady_counts(metrics, per_step, w.warmup_steps)
+    if rec.steady["samples"]:
+        rec.resp_len = rec.steady["tokens"] / rec.steady["samples"]
+        rec.tokens_per_s = rec.steady["tokens"] / (end - start)
+        # a response's first token comes from the prefill, the rest from decode steps
+        rec.decode_per_trained = rec.steady_engine["decode_tokens"] / (
+            rec.steady["tokens"] - rec.steady["samples"]
+        )
     return rec
 
 
 # ------------------------------------------------------------------------------------------------ report
-COLUMNS = (("samples/s", "samples_per_s", 3), ("engine busy", "engine_busy", 2), ("trainer busy", "trainer_busy", 2),
+COLUMNS = (("samples/s", "samples_per_s", 3), ("resp tokens/s", "tokens_per_s", 3), ("resp len", "resp_len", 3),
+           ("decode/trained", "decode_per_trained", 3),
+           ("engine busy", "engine_busy", 2), ("trainer busy", "trainer_busy", 2),
            ("stale mean", "staleness_mean", 2), ("stale max", "staleness_max", 2),
            ("reward@last", "reward_last", 2), ("reward last 1/4", "reward_tail", 2))  # fmt: skip
 
@@ -322,13 +380,33 @@ def format_report(w: Workload, runs: list[Run], placements: list[str]) -> tuple[
             cells = [cols[k].fmt(dig) + (star if k.startswith("staleness") else "") for _, k, dig in COLUMNS]
             lines.append(f"   {d:14}" + "".join(f"{c:>22}" for c in cells) + f"  {len(ok)}/{len(rs)}")
             table[d] = {k: dataclasses.asdict(v) for k, v in cols.items()}
-        nan = {"samples_per_s": {"median": float("nan")}}
-        sync = table.get("sync", nan)["samples_per_s"]["median"]
-        fa = table.get("fully_async", nan)["samples_per_s"]["median"]
-        ratio = fa / sync if sync == sync and fa == fa and sync > 0 else float("nan")
-        lines.append(f"   fully async / sync samples/s: {ratio:.2f}x (target >= 1.5x)")
-        out[p] = {"drivers": table, "ratio_fully_async_over_sync": ratio}
+        ratio, tok_ratio = (
+            _ratio(table, "fully_async", "sync", k) for k in ("samples_per_s", "tokens_per_s")
+        )
+        lines.append(f"   fully async / sync samples/s: {ratio:.2f}x (target >= 1.5x); response tokens/s: "
+                     f"{tok_ratio:.2f}x (the same work per sample only if resp len matches)")  # fmt: skip
+        out[p] = {"drivers": table, "ratio_fully_async_over_sync": ratio, "tokens_ratio": tok_ratio}
     return "\n".join(lines), out
+
+
+def _ratio(table: dict, a: str, b: str, key: str) -> float:
+    """median `key` of driver a / that of driver b (NaN when either is missing)."""
+    nan = {key: {"median": float("nan")}}
+    x, y = table.get(a, nan)[key]["median"], table.get(b, nan)[key]["median"]
+    return x / y if x == x and y == y and y > 0 else float("nan")
+
+
+def engine_line(r: Run) -> str:
+    """The engines' steady-window decode work: tokens, steps, mean running requests per decode step, the time
+    per step and per token, prefill tokens, retracts."""
+    e = r.steady_engine
+    steps, toks, secs = e.get("decode_steps", 0.0), e.get("decode_tokens", 0.0), e.get("decode_seconds", 0.0)
+    if not steps or not toks:
+        return "engines (steady): no counters"
+    return (f"engines (steady): {toks:.0f} decode tokens in {steps:.0f} steps, {toks / steps:.1f} running per "
+            f"step, {1e3 * secs / steps:.2f} ms/step, {1e6 * secs / toks:.0f} us/token; prefill "
+            f"{e.get('prefill_tokens', 0):.0f}, retracted {e.get('retracted_requests', 0):.0f}; trained "
+            f"{r.steady.get('tokens', 0):.0f} response tokens, discarded {r.steady.get('discarded_tokens', 0):.0f}")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -341,11 +419,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="override the workload's step count")
     p.add_argument("--seed", type=int, default=1, help="seed of repeat 0; repeat r uses seed + r")
     p.add_argument(
-        "--fully-async-args", default="", help="extra flags for the fully async driver (one string)"
+        "--fully-async-args",
+        default=FULLY_ASYNC_ARGS,
+        help=f"extra flags for the fully async driver (one string; default {FULLY_ASYNC_ARGS!r})",
     )
     p.add_argument("--poll-s", type=float, default=0.05, help="engine /get_load polling interval")
     p.add_argument("--timeout-s", type=float, default=1800, help="per-run timeout")
-    p.add_argument("--quick", action="store_true", help="4 steps, 1 repeat, shorter tail: a smoke check")
+    p.add_argument("--quick", action="store_true", help="6 steps, 1 repeat, shorter tail: a smoke check")
     p.add_argument("--work-dir", default=None, help="default: runs/bench-async-<utc>")
     a = p.parse_args(argv)
     a.placement_names = [x.strip() for x in a.placements.split(",") if x.strip()]
@@ -386,8 +466,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r.reward_last:.3f}" if r.error is None else f"FAILED: {r.error}"), flush=True)  # fmt: skip
                 if r.error is None:
                     print("    per step: " + ", ".join(f"{k.removeprefix('timing/')} {v:.3g}" for k, v in
-                          r.phases.items()) + "; engines (run): " + ", ".join(
-                          f"{k} {v:.4g}" for k, v in r.engine_stats.items()), flush=True)  # fmt: skip
+                          r.phases.items()) + f"; resp tokens/s {r.tokens_per_s:.0f}, resp len {r.resp_len:.1f}, "
+                          f"decode/trained {r.decode_per_trained:.3f}\n    " + engine_line(r), flush=True)  # fmt: skip
     text, summary = format_report(w, runs, a.placement_names)
     print(text, flush=True)
     out = work / "report.json"
