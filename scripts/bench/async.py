@@ -70,7 +70,7 @@ BENCH_PLACEMENTS = {
 STALENESS_BY_CONSTRUCTION = {"sync": 0.0, "one_step_off": 1.0}
 STATS_EVERY_S = 0.25  # the poller reads each engine's cumulative counters (/get_server_info) this often
 ENGINE_STATS = ("decode_seconds", "decode_tokens", "decode_steps", "prefill_tokens", "retracted_requests")
-# what docs/async.md recommends for fully async: a staleness bound (pacing + check) and TIS against the rollout
+# docs/async.md recommends for fully async: a staleness bound (pacing + check) and TIS against the rollout
 # log-probs for the off-policy gap; `--fully-async-args` replaces it
 FULLY_ASYNC_ARGS = "--max-weight-staleness 2 --use-tis"
 # per-step phases of metrics.jsonl averaged over the steady steps (fully async adds the pause / refit / continue
@@ -102,8 +102,9 @@ LONGTAIL = dataclasses.replace(
 
 
 def quick_workload(w: Workload) -> Workload:
-    """`--quick`: 6 steps (1 warm-up), the tail capped at 96 tokens."""
-    return dataclasses.replace(w, steps=6, warmup_steps=1, max_response_len=96, marker_median=8.0)
+    """`--quick`: 6 steps (2 warm-up: the async drivers' first step is slow and lets generation run ahead), the
+    tail capped at 96 tokens."""
+    return dataclasses.replace(w, steps=6, warmup_steps=2, max_response_len=96, marker_median=8.0)
 
 
 # ------------------------------------------------------------------------------------------------ pure parts
@@ -285,6 +286,9 @@ class Run:
     resp_len: float = float("nan")  # mean trained response length over the steady steps
     tokens_per_s: float = float("nan")  # trained response tokens / s over the steady window
     decode_per_trained: float = float("nan")  # engine decode tokens / trained decode tokens, steady window
+    # the same over the whole run (the engines' last counters): above 1 by the work never trained (groups in
+    # flight or buffered at the end, and discarded ones); the steady window's also moves with the work ahead
+    decode_per_trained_run: float = float("nan")
     steady_engine: dict[str, float] = field(default_factory=dict)  # ENGINE_STATS grown in the steady window
     steady: dict[str, float] = field(default_factory=dict)  # steady_counts
     phases: dict[str, float] = field(default_factory=dict)  # PHASES: steady-step means
@@ -340,6 +344,8 @@ def run_one(w: Workload, driver: str, placement: str, repeat: int, seed: int, pa
     rec.lengths = [n for step in per_step for n in step]
     rec.step_lengths = [statistics.fmean(step) if step else float("nan") for step in per_step]
     rec.steady = steady_counts(metrics, per_step, w.warmup_steps)
+    if rec.lengths:
+        rec.decode_per_trained_run = rec.engine_stats["decode_tokens"] / (sum(rec.lengths) - len(rec.lengths))
     if rec.steady["samples"]:
         rec.resp_len = rec.steady["tokens"] / rec.steady["samples"]
         rec.tokens_per_s = rec.steady["tokens"] / (end - start)
@@ -352,7 +358,7 @@ def run_one(w: Workload, driver: str, placement: str, repeat: int, seed: int, pa
 
 # ------------------------------------------------------------------------------------------------ report
 COLUMNS = (("samples/s", "samples_per_s", 3), ("resp tokens/s", "tokens_per_s", 3), ("resp len", "resp_len", 3),
-           ("decode/trained", "decode_per_trained", 3),
+           ("decoded/trained", "decode_per_trained_run", 3),
            ("engine busy", "engine_busy", 2), ("trainer busy", "trainer_busy", 2),
            ("stale mean", "staleness_mean", 2), ("stale max", "staleness_max", 2),
            ("reward@last", "reward_last", 2), ("reward last 1/4", "reward_tail", 2))  # fmt: skip
@@ -406,7 +412,16 @@ def engine_line(r: Run) -> str:
     return (f"engines (steady): {toks:.0f} decode tokens in {steps:.0f} steps, {toks / steps:.1f} running per "
             f"step, {1e3 * secs / steps:.2f} ms/step, {1e6 * secs / toks:.0f} us/token; prefill "
             f"{e.get('prefill_tokens', 0):.0f}, retracted {e.get('retracted_requests', 0):.0f}; trained "
-            f"{r.steady.get('tokens', 0):.0f} response tokens, discarded {r.steady.get('discarded_tokens', 0):.0f}")  # fmt: skip
+            f"{r.steady.get('tokens', 0):.0f} response tokens, discarded "
+            f"{r.steady.get('discarded_tokens', 0):.0f}")  # fmt: skip
+
+
+def detail_lines(r: Run) -> str:
+    """What a run's line is followed by: the steady step's phases, the trained responses, the engines' work."""
+    phases = ", ".join(f"{k.removeprefix('timing/')} {v:.3g}" for k, v in r.phases.items())
+    return (f"    per step: {phases}\n    trained: {r.tokens_per_s:.0f} response tokens/s, mean length "
+            f"{r.resp_len:.1f} (per step: {' '.join(f'{x:.0f}' for x in r.step_lengths)}); decoded/trained "
+            f"{r.decode_per_trained_run:.3f} (run), {r.decode_per_trained:.3f} (steady)\n    {engine_line(r)}")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -465,9 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r.trainer_busy:.2f}, staleness {r.staleness_mean:.2f}/{r.staleness_max:.0f}, reward "
                     f"{r.reward_last:.3f}" if r.error is None else f"FAILED: {r.error}"), flush=True)  # fmt: skip
                 if r.error is None:
-                    print("    per step: " + ", ".join(f"{k.removeprefix('timing/')} {v:.3g}" for k, v in
-                          r.phases.items()) + f"; resp tokens/s {r.tokens_per_s:.0f}, resp len {r.resp_len:.1f}, "
-                          f"decode/trained {r.decode_per_trained:.3f}\n    " + engine_line(r), flush=True)  # fmt: skip
+                    print(detail_lines(r), flush=True)
     text, summary = format_report(w, runs, a.placement_names)
     print(text, flush=True)
     out = work / "report.json"
