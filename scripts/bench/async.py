@@ -1,6 +1,6 @@
 """The three drivers side by side on a long-tailed workload (issue 25, item 6).
 
-    python scripts/bench/async.py [--placements 1+1,1+2] [--repeats 2] [--quick] [--steps N]
+    python scripts/bench/async.py [--placements 1+1,1+2] [--repeats 2] [--quick] [--steps N (default 30)]
 
 One workload, ``longtail``: a tiny untied Qwen3 whose EOS logit is designed (``bench_workloads.schedule_eos``,
 "prompt_timed") so that a response ends after a number of tokens set by the prompt's run of markers; the marker
@@ -9,8 +9,9 @@ report prints the measured median/p90/max from the synchronous runs' `--dump-det
 (`echo 3 3 3 3` -> '3') with miles' math reward; the same prompt file, model, seed and settings for every driver.
 
 Drivers (`DRIVERS`): `python -m miles.train` (synchronous), `python -m miles.train_async` (one-step-off) and
-`python -m miles.train_async --fully-async` (extra flags by `--fully-async-args`). Placements: 1 trainer + 1
-engine and 1 trainer + 2 engines, disaggregated. For each placement and repeat the drivers run A/B/C in turn
+`python -m miles.train_async --fully-async` with `FULLY_ASYNC_ARGS` (a staleness bound and TIS, as docs/async.md
+recommends; `--fully-async-args` replaces them). Placements: 1 trainer + 1 engine and 1 trainer + 2 engines,
+disaggregated. For each placement and repeat the drivers run A/B/C in turn
 (repeat r uses seed `--seed` + r for all three). Per run, over the steady steps (after `warmup_steps`):
 - samples/s: samples trained in the steady steps / the seconds between the end of the last warm-up step and the
   end of the last step (step ends are the driver's `rollout N: reward` lines);
@@ -22,13 +23,18 @@ engine and 1 trainer + 2 engines, disaggregated. For each placement and repeat t
 - staleness mean and max: from `async/staleness_mean` / `async/staleness_max` in metrics.jsonl (fully async);
   the other two drivers have none and get their values by construction (synchronous 0, one-step-off 1 after the
   first step), marked `*`;
+- trained response tokens/s and mean response length over the steady steps (the work per sample grows as the
+  policy learns, at a pace that differs between seeds and drivers), and decoded/trained: the engines' decode
+  tokens over the trained responses' decoded tokens, whole run (above 1 by the work never trained);
 - reward after the same number of samples: `rollout/raw_reward` of the last step (every driver trains
   `steps` x batch samples), and the mean over the last quarter of the steps (less noisy);
 - where a steady step's time went (`PHASES`: the trainer's wait for a batch, train, refit and, fully async, the
   pause / refit / continue split and the generation worker's clock) and each engine's cumulative decode, prefill
-  and retract counters (`ENGINE_STATS`, read from `GET /get_server_info` every `STATS_EVERY_S`), printed under
-  each run's line and kept in report.json.
-The report gives medians [min-max] over repeats and the ratio fully async / synchronous of samples/s.
+  and retract counters (`ENGINE_STATS`, read from `GET /get_server_info` every `STATS_EVERY_S`; their growth
+  over the steady window gives the engines' requests per decode step and time per token), printed under each
+  run's line and kept in report.json.
+The report gives medians [min-max] over repeats and the ratios fully async / synchronous of samples/s and of
+response tokens/s.
 `--quick` is a smoke check (fewer steps, 1 repeat, shorter tail). Run it alone on a shared machine:
 `flock /tmp/miles-heavy.lock python scripts/bench/async.py ...`; CPU timings are only indicative.
 """
