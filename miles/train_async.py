@@ -13,6 +13,7 @@ batch as soon as one is buffered, trains, and every --update-weights-interval st
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -32,6 +33,8 @@ from miles.utils.perf import sample_counts
 if TYPE_CHECKING:
     from miles.config import Config
     from miles.ray.system import System, TrainSystem
+
+OVERLAP_ENV = "MILES_DRIVER_OVERLAPS_TRAINING"  # "1" in this driver's process: read by miles.ray.setup
 
 
 def run_async_loop(cfg: Config, system: System) -> None:
@@ -154,7 +157,17 @@ def _refuse(cfg: Config) -> str | None:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m miles.train_async") -> int:
-    return run_driver(argv, _loop, prog=prog, refuse=_refuse)
+    # tells miles.ray.setup that the engines generate while the ranks train (one-step-off: always; fully async:
+    # unless bound 0), so CPU ranks leave the engines' cores to them; restored after (tests call main in-process)
+    before = os.environ.get(OVERLAP_ENV)
+    os.environ[OVERLAP_ENV] = "1"
+    try:
+        return run_driver(argv, _loop, prog=prog, refuse=_refuse)
+    finally:
+        if before is None:
+            os.environ.pop(OVERLAP_ENV, None)
+        else:
+            os.environ[OVERLAP_ENV] = before
 
 
 def cli() -> None:

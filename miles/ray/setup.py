@@ -345,9 +345,12 @@ def _cpu_threads_env(cfg: Config, placement: Placement, num_actor: int) -> dict[
         return {}
     concurrent = 0 if cfg.cluster.colocate else len(placement.engine_bundles)
     threads = str(cpu_trainer_threads(num_actor, concurrent))
-    # --fully-async: the engines generate while the ranks train, so they keep their cores (not with bound 0: no
-    # prompt starts before the refit after a step, so the engines wait while the ranks train, as in miles.train)
-    if cfg.rollout.fully_async and cfg.rollout.max_weight_staleness != 0:
+    from miles.train_async import OVERLAP_ENV
+
+    # the asynchronous drivers: the engines generate while the ranks train, so they keep their cores (not fully
+    # async with bound 0: no prompt starts before the refit after a step, so the engines wait, as in miles.train)
+    overlaps = cfg.rollout.fully_async or os.environ.get(OVERLAP_ENV) == "1"
+    if overlaps and not (cfg.rollout.fully_async and cfg.rollout.max_weight_staleness == 0):
         return {"OMP_NUM_THREADS": threads, "MILES_CPU_TRAIN_THREADS": threads}
     return {"OMP_NUM_THREADS": threads}  # (FSDP's set_cpu_threads then shares all cores out, as before)
 

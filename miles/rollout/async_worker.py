@@ -124,11 +124,11 @@ class AsyncGenerationWorker:
                 if not stale(group, step, s.max_staleness):
                     kept.append(group)
                     self.taken_for_step += 1
-                elif s.retry:
-                    self.retry.append(fresh)
-                    self.counts["retried_groups"] += 1
-                else:
-                    self.counts["dropped_groups"] += 1
+                else:  # generated, never trained: what the bound costs the engines
+                    self.counts["discarded_tokens"] += sum(smp.response_length for smp in group)
+                    self.counts["retried_groups" if s.retry else "dropped_groups"] += 1
+                    if s.retry:
+                        self.retry.append(fresh)
             self._wake()
         with self._lock:
             self.next_step, self.taken_for_step = step + 1, 0
@@ -266,9 +266,13 @@ class AsyncGenerationWorker:
             return groups
 
     def _launch(self, ctx: RolloutContext, groups: list[list[Sample]], tasks: set[asyncio.Task]) -> None:
-        """Start `groups`; those started together share batch requests (one per engine), as the synchronous
-        rollout sends a batch."""
-        with batching(object(), per_engine=True) if groups else contextlib.nullcontext():
+        """Start `groups`. With bound 0 those started together are one version's whole batch, trained together:
+        they share batch requests (one per engine), as the synchronous rollout sends a batch. Otherwise each
+        group's requests go out as their own batch request: an engine answers a batch request only when all its
+        items are done, so a shared one would hold every group's slots until its slowest response ended (the
+        long tail the worker exists to fill)."""
+        together = bool(groups) and self.s.max_staleness == 0
+        with batching(object(), per_engine=True) if together else contextlib.nullcontext():
             for group in groups:
                 task = asyncio.ensure_future(self._run_group(ctx, group))
                 task.add_done_callback(lambda _: self._wake_event.set())
@@ -392,7 +396,8 @@ def _step_metrics(kept: list[list[Sample]], step: int, counts: dict[str, int]) -
             sample.metadata[STALENESS_KEY] = age = 0 if oldest is None else step - oldest
             ages.append(age)
     metrics = {f"async/{k}": float(v) for k, v in counts.items()}
-    for key in ("dropped_groups", "retried_groups", "continued_samples", "resumed_groups", "reward_failed"):
+    for key in ("dropped_groups", "retried_groups", "discarded_tokens", "continued_samples", "resumed_groups",
+                "reward_failed"):  # fmt: skip
         metrics.setdefault(f"async/{key}", 0.0)
     metrics["async/staleness_mean"] = sum(ages) / len(ages)
     metrics["async/staleness_max"] = float(max(ages))

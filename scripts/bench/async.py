@@ -1,6 +1,6 @@
 """The three drivers side by side on a long-tailed workload (issue 25, item 6).
 
-    python scripts/bench/async.py [--placements 1+1,1+2] [--repeats 2] [--quick] [--steps N]
+    python scripts/bench/async.py [--placements 1+1,1+2] [--repeats 2] [--quick] [--steps N (default 30)]
 
 One workload, ``longtail``: a tiny untied Qwen3 whose EOS logit is designed (``bench_workloads.schedule_eos``,
 "prompt_timed") so that a response ends after a number of tokens set by the prompt's run of markers; the marker
@@ -9,8 +9,9 @@ report prints the measured median/p90/max from the synchronous runs' `--dump-det
 (`echo 3 3 3 3` -> '3') with miles' math reward; the same prompt file, model, seed and settings for every driver.
 
 Drivers (`DRIVERS`): `python -m miles.train` (synchronous), `python -m miles.train_async` (one-step-off) and
-`python -m miles.train_async --fully-async` (extra flags by `--fully-async-args`). Placements: 1 trainer + 1
-engine and 1 trainer + 2 engines, disaggregated. For each placement and repeat the drivers run A/B/C in turn
+`python -m miles.train_async --fully-async` with `FULLY_ASYNC_ARGS` (a staleness bound and TIS, as docs/async.md
+recommends; `--fully-async-args` replaces them). Placements: 1 trainer + 1 engine and 1 trainer + 2 engines,
+disaggregated. For each placement and repeat the drivers run A/B/C in turn
 (repeat r uses seed `--seed` + r for all three). Per run, over the steady steps (after `warmup_steps`):
 - samples/s: samples trained in the steady steps / the seconds between the end of the last warm-up step and the
   end of the last step (step ends are the driver's `rollout N: reward` lines);
@@ -22,13 +23,18 @@ engine and 1 trainer + 2 engines, disaggregated. For each placement and repeat t
 - staleness mean and max: from `async/staleness_mean` / `async/staleness_max` in metrics.jsonl (fully async);
   the other two drivers have none and get their values by construction (synchronous 0, one-step-off 1 after the
   first step), marked `*`;
+- trained response tokens/s and mean response length over the steady steps (the work per sample grows as the
+  policy learns, at a pace that differs between seeds and drivers), and decoded/trained: the engines' decode
+  tokens over the trained responses' decoded tokens, whole run (above 1 by the work never trained);
 - reward after the same number of samples: `rollout/raw_reward` of the last step (every driver trains
   `steps` x batch samples), and the mean over the last quarter of the steps (less noisy);
 - where a steady step's time went (`PHASES`: the trainer's wait for a batch, train, refit and, fully async, the
   pause / refit / continue split and the generation worker's clock) and each engine's cumulative decode, prefill
-  and retract counters (`ENGINE_STATS`, read from `GET /get_server_info` every `STATS_EVERY_S`), printed under
-  each run's line and kept in report.json.
-The report gives medians [min-max] over repeats and the ratio fully async / synchronous of samples/s.
+  and retract counters (`ENGINE_STATS`, read from `GET /get_server_info` every `STATS_EVERY_S`; their growth
+  over the steady window gives the engines' requests per decode step and time per token), printed under each
+  run's line and kept in report.json.
+The report gives medians [min-max] over repeats and the ratios fully async / synchronous of samples/s and of
+response tokens/s.
 `--quick` is a smoke check (fewer steps, 1 repeat, shorter tail). Run it alone on a shared machine:
 `flock /tmp/miles-heavy.lock python scripts/bench/async.py ...`; CPU timings are only indicative.
 """
@@ -68,8 +74,11 @@ BENCH_PLACEMENTS = {
     "1+2": "split1+2",
 }  # -> vs_trl.PLACEMENTS (trainers, engines, colocate)
 STALENESS_BY_CONSTRUCTION = {"sync": 0.0, "one_step_off": 1.0}
-STATS_EVERY_S = 1.0  # the poller reads each engine's cumulative counters (/get_server_info) this often
-ENGINE_STATS = ("decode_seconds", "decode_tokens", "prefill_tokens", "retracted_requests")
+STATS_EVERY_S = 0.25  # the poller reads each engine's cumulative counters (/get_server_info) this often
+ENGINE_STATS = ("decode_seconds", "decode_tokens", "decode_steps", "prefill_tokens", "retracted_requests")
+# docs/async.md recommends for fully async: a staleness bound (pacing + check) and TIS against the rollout
+# log-probs for the off-policy gap; `--fully-async-args` replaces it
+FULLY_ASYNC_ARGS = "--max-weight-staleness 2 --use-tis"
 # per-step phases of metrics.jsonl averaged over the steady steps (fully async adds the pause / refit / continue
 # split and where its generation worker's time went: docs/async.md "Where the time goes")
 PHASES = ("timing/rollout", "timing/train", "timing/refit", "timing/async_pause", "timing/async_refit",
@@ -93,14 +102,15 @@ LONGTAIL = dataclasses.replace(
     micro_batch_size=32,
     marker_median=12.0,
     marker_sigma=1.0,
-    steps=10,
+    steps=30,
     warmup_steps=2,
 )
 
 
 def quick_workload(w: Workload) -> Workload:
-    """`--quick`: 4 steps (1 warm-up), the tail capped at 96 tokens."""
-    return dataclasses.replace(w, steps=4, warmup_steps=1, max_response_len=96, marker_median=8.0)
+    """`--quick`: 6 steps (2 warm-up: the async drivers' first step is slow and lets generation run ahead), the
+    tail capped at 96 tokens."""
+    return dataclasses.replace(w, steps=6, warmup_steps=2, max_response_len=96, marker_median=8.0)
 
 
 # ------------------------------------------------------------------------------------------------ pure parts
@@ -165,6 +175,38 @@ def steady_phases(metrics: list[dict], warmup: int) -> dict[str, float]:
     }
 
 
+def counter_delta(history: list[tuple[float, dict]], key: str, start: float, end: float) -> float:
+    """How much the cumulative engine counter `key` grew over [start, end], from the (time, counters) readings
+    in `history` (time order), each end linearly interpolated between the readings around it (held flat
+    outside them); NaN without readings."""
+    if not history:
+        return float("nan")
+
+    def at(t: float) -> float:
+        prev = None
+        for ti, stats in history:
+            v = float(stats.get(key, 0.0))
+            if ti >= t:
+                if prev is None or ti == prev[0]:
+                    return v
+                return prev[1] + (v - prev[1]) * (t - prev[0]) / (ti - prev[0])
+            prev = (ti, v)
+        return prev[1] if prev else float("nan")
+
+    return at(end) - at(start)
+
+
+def steady_counts(metrics: list[dict], step_lengths: list[list[int]], warmup: int) -> dict[str, float]:
+    """Over the steady steps: trained samples and response tokens (from --dump-details) and the response tokens
+    of groups generated and never trained (`async/discarded_tokens`, fully async with a bound)."""
+    steady = step_lengths[warmup:]
+    return {
+        "samples": float(sum(len(x) for x in steady)),
+        "tokens": float(sum(sum(x) for x in steady)),
+        "discarded_tokens": sum(float(m.get("async/discarded_tokens", 0.0)) for m in metrics[warmup:]),
+    }
+
+
 def length_stats(lengths: list[int]) -> dict[str, float]:
     """median, p90, max, and max/median of response lengths."""
     if not lengths:
@@ -181,7 +223,8 @@ class EnginePoller:
 
     def __init__(self, log_dir: Path, interval: float, t0: float, api_key: str, engines: int) -> None:
         self.log_dir, self.interval, self.t0, self.engines = log_dir, interval, t0, engines
-        self.stats: dict[str, dict] = {}  # engine -> its last /get_server_info internal state (cumulative)
+        # engine -> its /get_server_info internal states (cumulative counters), with the seconds after t0
+        self.history: dict[str, list[tuple[float, dict]]] = {}
         self.headers = {"Authorization": f"Bearer {api_key}"}
         self.polls: dict[str, list[tuple[float, bool]]] = {}
         self._stop = threading.Event()
@@ -219,7 +262,8 @@ class EnginePoller:
                 try:
                     load = self._get(f"{addr}/get_load")
                     if stats_due:
-                        self.stats[addr] = self._get(f"{addr}/get_server_info")["internal_states"][0]
+                        state = self._get(f"{addr}/get_server_info")["internal_states"][0]
+                        self.history.setdefault(addr, []).append((time.time() - self.t0, state))
                 except (OSError, ValueError, KeyError, IndexError, TypeError):
                     continue
                 busy = any(d.get("num_running", 0) > 0 for d in load)
@@ -244,6 +288,15 @@ class Run:
     reward_tail: float = float("nan")
     rewards: list[float] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
+    step_lengths: list[float] = field(default_factory=list)  # mean trained response length per step
+    resp_len: float = float("nan")  # mean trained response length over the steady steps
+    tokens_per_s: float = float("nan")  # trained response tokens / s over the steady window
+    decode_per_trained: float = float("nan")  # engine decode tokens / trained decode tokens, steady window
+    # the same over the whole run (the engines' last counters): above 1 by the work never trained (groups in
+    # flight or buffered at the end, and discarded ones); the steady window's also moves with the work ahead
+    decode_per_trained_run: float = float("nan")
+    steady_engine: dict[str, float] = field(default_factory=dict)  # ENGINE_STATS grown in the steady window
+    steady: dict[str, float] = field(default_factory=dict)  # steady_counts
     phases: dict[str, float] = field(default_factory=dict)  # PHASES: steady-step means
     engine_stats: dict[str, float] = field(default_factory=dict)  # ENGINE_STATS, summed over engines
     error: str | None = None
@@ -288,14 +341,31 @@ def run_one(w: Workload, driver: str, placement: str, repeat: int, seed: int, pa
     tail = rec.rewards[-max(1, w.steps // 4) :]
     rec.reward_last, rec.reward_tail = rec.rewards[-1], statistics.fmean(tail)
     rec.phases = steady_phases(metrics, w.warmup_steps)
-    rec.engine_stats = {k: sum(float(st.get(k, 0.0)) for st in poller.stats.values()) for k in ENGINE_STATS}
-    for f in sorted((run_dir / "details").glob("rollout_*.jsonl")):
-        rec.lengths += [json.loads(line)["response_length"] for line in f.read_text().splitlines() if line]
+    rec.engine_stats = {k: sum(float(h[-1][1].get(k, 0.0)) for h in poller.history.values() if h)
+                        for k in ENGINE_STATS}  # fmt: skip
+    rec.steady_engine = {k: sum(counter_delta([(t + shift, st) for t, st in h], k, start, end)
+                                for h in poller.history.values()) for k in ENGINE_STATS}  # fmt: skip
+    per_step = [[json.loads(line)["response_length"] for line in f.read_text().splitlines() if line]
+                for f in sorted((run_dir / "details").glob("rollout_*.jsonl"))]  # fmt: skip
+    rec.lengths = [n for step in per_step for n in step]
+    rec.step_lengths = [statistics.fmean(step) if step else float("nan") for step in per_step]
+    rec.steady = steady_counts(metrics, per_step, w.warmup_steps)
+    if rec.lengths:
+        rec.decode_per_trained_run = rec.engine_stats["decode_tokens"] / (sum(rec.lengths) - len(rec.lengths))
+    if rec.steady["samples"]:
+        rec.resp_len = rec.steady["tokens"] / rec.steady["samples"]
+        rec.tokens_per_s = rec.steady["tokens"] / (end - start)
+        # a response's first token comes from the prefill, the rest from decode steps
+        rec.decode_per_trained = rec.steady_engine["decode_tokens"] / (
+            rec.steady["tokens"] - rec.steady["samples"]
+        )
     return rec
 
 
 # ------------------------------------------------------------------------------------------------ report
-COLUMNS = (("samples/s", "samples_per_s", 3), ("engine busy", "engine_busy", 2), ("trainer busy", "trainer_busy", 2),
+COLUMNS = (("samples/s", "samples_per_s", 3), ("resp tokens/s", "tokens_per_s", 3), ("resp len", "resp_len", 3),
+           ("decoded/trained", "decode_per_trained_run", 3),
+           ("engine busy", "engine_busy", 2), ("trainer busy", "trainer_busy", 2),
            ("stale mean", "staleness_mean", 2), ("stale max", "staleness_max", 2),
            ("reward@last", "reward_last", 2), ("reward last 1/4", "reward_tail", 2))  # fmt: skip
 
@@ -322,13 +392,42 @@ def format_report(w: Workload, runs: list[Run], placements: list[str]) -> tuple[
             cells = [cols[k].fmt(dig) + (star if k.startswith("staleness") else "") for _, k, dig in COLUMNS]
             lines.append(f"   {d:14}" + "".join(f"{c:>22}" for c in cells) + f"  {len(ok)}/{len(rs)}")
             table[d] = {k: dataclasses.asdict(v) for k, v in cols.items()}
-        nan = {"samples_per_s": {"median": float("nan")}}
-        sync = table.get("sync", nan)["samples_per_s"]["median"]
-        fa = table.get("fully_async", nan)["samples_per_s"]["median"]
-        ratio = fa / sync if sync == sync and fa == fa and sync > 0 else float("nan")
-        lines.append(f"   fully async / sync samples/s: {ratio:.2f}x (target >= 1.5x)")
-        out[p] = {"drivers": table, "ratio_fully_async_over_sync": ratio}
+        ratio, tok_ratio = (
+            _ratio(table, "fully_async", "sync", k) for k in ("samples_per_s", "tokens_per_s")
+        )
+        lines.append(f"   fully async / sync samples/s: {ratio:.2f}x (target >= 1.5x); response tokens/s: "
+                     f"{tok_ratio:.2f}x (the same work per sample only if resp len matches)")  # fmt: skip
+        out[p] = {"drivers": table, "ratio_fully_async_over_sync": ratio, "tokens_ratio": tok_ratio}
     return "\n".join(lines), out
+
+
+def _ratio(table: dict, a: str, b: str, key: str) -> float:
+    """median `key` of driver a / that of driver b (NaN when either is missing)."""
+    nan = {key: {"median": float("nan")}}
+    x, y = table.get(a, nan)[key]["median"], table.get(b, nan)[key]["median"]
+    return x / y if x == x and y == y and y > 0 else float("nan")
+
+
+def engine_line(r: Run) -> str:
+    """The engines' steady-window decode work: tokens, steps, mean running requests per decode step, the time
+    per step and per token, prefill tokens, retracts."""
+    e = r.steady_engine
+    steps, toks, secs = e.get("decode_steps", 0.0), e.get("decode_tokens", 0.0), e.get("decode_seconds", 0.0)
+    if not steps or not toks:
+        return "engines (steady): no counters"
+    return (f"engines (steady): {toks:.0f} decode tokens in {steps:.0f} steps, {toks / steps:.1f} running per "
+            f"step, {1e3 * secs / steps:.2f} ms/step, {1e6 * secs / toks:.0f} us/token; prefill "
+            f"{e.get('prefill_tokens', 0):.0f}, retracted {e.get('retracted_requests', 0):.0f}; trained "
+            f"{r.steady.get('tokens', 0):.0f} response tokens, discarded "
+            f"{r.steady.get('discarded_tokens', 0):.0f}")  # fmt: skip
+
+
+def detail_lines(r: Run) -> str:
+    """What a run's line is followed by: the steady step's phases, the trained responses, the engines' work."""
+    phases = ", ".join(f"{k.removeprefix('timing/')} {v:.3g}" for k, v in r.phases.items())
+    return (f"    per step: {phases}\n    trained: {r.tokens_per_s:.0f} response tokens/s, mean length "
+            f"{r.resp_len:.1f} (per step: {' '.join(f'{x:.0f}' for x in r.step_lengths)}); decoded/trained "
+            f"{r.decode_per_trained_run:.3f} (run), {r.decode_per_trained:.3f} (steady)\n    {engine_line(r)}")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -341,11 +440,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="override the workload's step count")
     p.add_argument("--seed", type=int, default=1, help="seed of repeat 0; repeat r uses seed + r")
     p.add_argument(
-        "--fully-async-args", default="", help="extra flags for the fully async driver (one string)"
+        "--fully-async-args",
+        default=FULLY_ASYNC_ARGS,
+        help=f"extra flags for the fully async driver (one string; default {FULLY_ASYNC_ARGS!r})",
     )
     p.add_argument("--poll-s", type=float, default=0.05, help="engine /get_load polling interval")
     p.add_argument("--timeout-s", type=float, default=1800, help="per-run timeout")
-    p.add_argument("--quick", action="store_true", help="4 steps, 1 repeat, shorter tail: a smoke check")
+    p.add_argument("--quick", action="store_true", help="6 steps, 1 repeat, shorter tail: a smoke check")
     p.add_argument("--work-dir", default=None, help="default: runs/bench-async-<utc>")
     a = p.parse_args(argv)
     a.placement_names = [x.strip() for x in a.placements.split(",") if x.strip()]
@@ -385,9 +486,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r.trainer_busy:.2f}, staleness {r.staleness_mean:.2f}/{r.staleness_max:.0f}, reward "
                     f"{r.reward_last:.3f}" if r.error is None else f"FAILED: {r.error}"), flush=True)  # fmt: skip
                 if r.error is None:
-                    print("    per step: " + ", ".join(f"{k.removeprefix('timing/')} {v:.3g}" for k, v in
-                          r.phases.items()) + "; engines (run): " + ", ".join(
-                          f"{k} {v:.4g}" for k, v in r.engine_stats.items()), flush=True)  # fmt: skip
+                    print(detail_lines(r), flush=True)
     text, summary = format_report(w, runs, a.placement_names)
     print(text, flush=True)
     out = work / "report.json"

@@ -79,3 +79,19 @@ def test_driver_commands(tmp_path: Path) -> None:
 def test_bad_arguments(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
+
+
+def test_counter_delta_interpolates_the_engine_counters() -> None:
+    history = [(1.0, {"decode_tokens": 0}), (2.0, {"decode_tokens": 100}), (4.0, {"decode_tokens": 300})]
+    assert bench.counter_delta(history, "decode_tokens", 1.5, 3.0) == pytest.approx(200 - 50)
+    assert bench.counter_delta(history, "decode_tokens", 0.0, 9.0) == pytest.approx(300)  # flat outside
+    assert math.isnan(bench.counter_delta([], "decode_tokens", 0.0, 1.0))
+
+
+def test_steady_counts_and_the_default_fully_async_flags() -> None:
+    metrics = [{"async/discarded_tokens": 50.0}, {"async/discarded_tokens": 7.0}, {}]
+    counts = bench.steady_counts(metrics, [[100, 100], [3, 5], [10]], 1)
+    assert counts == {"samples": 3.0, "tokens": 18.0, "discarded_tokens": 7.0}
+    a = bench.parse_args([])
+    assert a.fully_async_args.split() == ["--max-weight-staleness", "2", "--use-tis"]
+    assert bench.parse_args(["--fully-async-args", ""]).fully_async_args == ""  # no bound: as before

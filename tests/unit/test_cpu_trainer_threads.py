@@ -41,6 +41,31 @@ def test_fully_async_keeps_the_engines_cores_for_the_engines(monkeypatch):
     assert env(False, colocate=True) == {"OMP_NUM_THREADS": "2"}
 
 
+def test_one_step_off_keeps_the_engines_cores_for_the_engines(monkeypatch):
+    """miles.train_async without --fully-async generates rollout k + 1 while the rank trains on k: its main
+    marks its process (OVERLAP_ENV, restored after), and the setup then keeps the engines' cores for them as
+    with --fully-async; miles.train's process has no mark."""
+    from miles import train_async
+    from miles.ray import setup
+
+    monkeypatch.setattr(utils.os, "sched_getaffinity", lambda _: set(range(2)), raising=False)
+    placement = SimpleNamespace(use_gpu=False, engine_bundles=[0])
+    rollout = SimpleNamespace(fully_async=False, max_weight_staleness=None)
+    cfg = SimpleNamespace(cluster=SimpleNamespace(colocate=False), rollout=rollout)
+    monkeypatch.delenv(train_async.OVERLAP_ENV, raising=False)
+    seen = {}
+
+    def fake_run_driver(argv, loop, prog, refuse):
+        seen["env"] = setup._cpu_threads_env(cfg, placement, 1)
+        return 0
+
+    monkeypatch.setattr(train_async, "run_driver", fake_run_driver)
+    assert train_async.main([]) == 0
+    assert seen["env"] == {"OMP_NUM_THREADS": "1", "MILES_CPU_TRAIN_THREADS": "1"}
+    assert train_async.OVERLAP_ENV not in os.environ  # restored
+    assert setup._cpu_threads_env(cfg, placement, 1) == {"OMP_NUM_THREADS": "1"}  # miles.train
+
+
 def test_set_cpu_threads_honours_the_drivers_count(monkeypatch):
     import torch
 

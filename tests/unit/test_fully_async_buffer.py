@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -269,7 +270,62 @@ def test_take_batch_reports_counts_of_zero():
     worker.counts["reward_failed"] += 0
     kept, metrics = worker.take_batch(5, timeout=1)
     assert [g[0].metadata[GROUP_KEY] for g in kept] == [0, 1]
-    for key in ("dropped_groups", "retried_groups", "continued_samples", "resumed_groups", "reward_failed",
-                "buffered_groups", "in_flight_groups"):  # fmt: skip
+    for key in ("dropped_groups", "retried_groups", "discarded_tokens", "continued_samples", "resumed_groups",
+                "reward_failed", "buffered_groups", "in_flight_groups"):  # fmt: skip
         assert metrics[f"async/{key}"] == 0.0, key
     assert metrics["async/engine_version"] == 5.0 and metrics["async/staleness_max"] == 0.0
+
+
+def test_take_batch_counts_the_tokens_of_groups_beyond_the_bound():
+    """A group staler than --max-weight-staleness is not trained: its response tokens are counted in
+    async/discarded_tokens (with the retried group), the kept groups' are not."""
+    from miles.rollout.async_worker import GROUP_KEY
+
+    worker = _worker()  # bound 1, batch 2, retry
+    for c, version, length in ((0, "3", 7), (1, "5", 4), (2, "4", 9)):  # trained at step 5: staleness 2, 0, 1
+        group = [
+            Sample(prompt=f"p{c}", index=j, weight_versions=[version], response_length=length + j,
+                   metadata={GROUP_KEY: c})
+            for j in range(2)
+        ]  # fmt: skip
+        worker.fresh[c] = group
+        worker.buffer.put(group)
+    kept, metrics = worker.take_batch(5, timeout=1)
+    assert [g[0].metadata[GROUP_KEY] for g in kept] == [1, 2]
+    assert metrics["async/discarded_tokens"] == 7 + 8
+    assert metrics["async/retried_groups"] == 1.0 and metrics["async/dropped_groups"] == 0.0
+    assert [g[0].prompt for g in worker.retry] == ["p0"]
+
+
+@pytest.mark.parametrize(("bound", "shared"), [(0, True), (1, False), (None, False)])
+def test_groups_share_a_batch_request_only_with_bound_zero(bound, shared):
+    """An engine answers a batch request once all its items are done. With bound 0 the groups started together
+    are one version's batch, trained together, so they share one (as miles.train sends them: the same requests);
+    otherwise each group goes alone, so a long response holds up only its own group's slots."""
+    import asyncio
+
+    from miles.rollout.async_worker import AsyncGenerationWorker, AsyncSettings
+    from miles.rollout.generate_batching import current_batch
+
+    settings = AsyncSettings(
+        batch=2, group_size=2, max_concurrent_samples=4, capacity=4, max_staleness=bound, retry=True
+    )
+    worker = AsyncGenerationWorker(SimpleNamespace(), settings, start_version=0)
+    seen = []
+
+    async def run_group(ctx, group):
+        seen.append(current_batch())
+
+    worker._run_group = run_group
+
+    async def main():
+        worker._wake_event = asyncio.Event()
+        tasks: set[asyncio.Task] = set()
+        worker._launch(None, [[Sample(prompt="a")], [Sample(prompt="b")]], tasks)
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    if shared:
+        assert seen[0] is not None and seen[0] is seen[1] and seen[0].per_engine
+    else:
+        assert seen == [None, None]  # generate_group then opens one batch per group
