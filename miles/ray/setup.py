@@ -171,7 +171,9 @@ def _build_train(cfg: Config) -> TrainSystem:
     phases.done("trainers")
     if concurrent:  # the engines (started with the fleet above) loaded while the trainers did
         if engines_in_trainers(cfg, use_gpu):  # or they start now, inside the training ranks' processes
-            ray_get(fleet.host_engines.remote(train_group.workers), timeout, "starting the engines in the ranks")
+            ray_get(
+                fleet.host_engines.remote(train_group.workers), timeout, "starting the engines in the ranks"
+            )
         engines, released = _colocated_engines_released(cfg, fleet, timeout)
         phases.done("engines (with the trainers)")
     side = _connect(cfg, fleet, rollout, engines, train_group, start)

@@ -57,7 +57,9 @@ class TrainWorker:
         from miles.engines.local.in_process import InProcessEngine
 
         if self.engine is not None:
-            raise RuntimeError(f"training worker rank {self.rank}: already serves an engine at {self.engine.url}")
+            raise RuntimeError(
+                f"training worker rank {self.rank}: already serves an engine at {self.engine.url}"
+            )
         self.engine = InProcessEngine(**engine_kwargs)
         return self.engine.launch().url
 

@@ -26,9 +26,7 @@ REQUEST = {
 
 def _tokens(url: str) -> list[tuple[list[int], list[float]]]:
     body = httpx.post(url + "/generate", json=REQUEST, timeout=60).json()
-    return [
-        (b["output_ids"], [lp for lp, *_ in b["meta_info"]["output_token_logprobs"]]) for b in body
-    ]
+    return [(b["output_ids"], [lp for lp, *_ in b["meta_info"]["output_token_logprobs"]]) for b in body]
 
 
 @pytest.fixture(scope="module")

@@ -96,13 +96,13 @@ class InProcessEngine:
         if self.port is None:
             self.port = free_port(self.host if self.host != "0.0.0.0" else "127.0.0.1")
         try:
-            self._start()
+            self._start(self.port)
         except BaseException:
             self.shutdown()  # do not leave a half-started server behind
             raise
         return self
 
-    def _start(self) -> None:
+    def _start(self, port: int) -> None:
         import torch
         import uvicorn
 
@@ -110,7 +110,7 @@ class InProcessEngine:
         from miles.engines.local.engine import LocalEngine
         from miles.engines.local.server import create_app
 
-        argv = [f"--model-path={self.model_path}", f"--host={self.host}", f"--port={self.port}"]
+        argv = [f"--model-path={self.model_path}", f"--host={self.host}", f"--port={port}"]
         args = parse_args(argv + flag_args(self.local_args))
         self._attach_log()
         with torch.random.fork_rng(devices=[]):  # the host's random state stays as it was
@@ -119,9 +119,14 @@ class InProcessEngine:
         if args.num_threads:
             set_thread_count(self.engine, args.num_threads)
         app = create_app(
-            self.engine, args.host, self.port, self.api_key, args.request_timeout, admin_api_key=self.admin_api_key
+            self.engine,
+            args.host,
+            port,
+            self.api_key,
+            args.request_timeout,
+            admin_api_key=self.admin_api_key,
         )
-        config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", log_config=None)
+        config = uvicorn.Config(app, host=self.host, port=port, log_level="warning", log_config=None)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="miles-local-http", daemon=True)
         self._thread.start()
@@ -130,7 +135,9 @@ class InProcessEngine:
             if not self._thread.is_alive():
                 raise RuntimeError(f"embedded engine at {self.url}: its HTTP server stopped while starting")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"embedded engine at {self.url}: no /health within {self.startup_timeout} s")
+                raise TimeoutError(
+                    f"embedded engine at {self.url}: no /health within {self.startup_timeout} s"
+                )
             time.sleep(0.05)
         logger.info("embedded engine serving %s on %s in this process", self.model_path, self.url)
 
