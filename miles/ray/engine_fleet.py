@@ -3,7 +3,10 @@
 `EngineFleet` is a plain class (the driver wraps it with `ray.remote`): it launches one engine Ray actor per
 engine on the placement group (or, with `--rollout-external-engine-addrs`, one `ExternalEngine` actor per running
 engine, which it neither starts nor stops), puts sglang-router in front of them (or registers them with the
-running one of `--sglang-router-ip/--sglang-router-port`) when the run needs a router (`router_needed`). Memory release/resume is posted by the driver itself
+running one of `--sglang-router-ip/--sglang-router-port`) when the run needs a router (`router_needed`). On a
+colocated CPU run with the embedded engine (`engines_in_trainers`) it launches no engine actor: once the training
+ranks are up, `host_engines` has rank i serve engine i from threads of its own process (same HTTP API, own port).
+Memory release/resume is posted by the driver itself
 (`miles.utils.engine_control_http.EngineMemoryControl`), not through this actor.
 Generation does not go through it either: the rollout runner's generate client sends requests to the engines
 directly, reading the router's worker list to learn which engines are admitted, or through the router (see

@@ -47,6 +47,9 @@ def test_same_api_and_tokens_as_its_own_process_and_the_host_keeps_its_threads_a
         t = threading.Thread(target=lambda: seen.setdefault("n", torch.get_num_threads()))
         t.start(), t.join()
         assert seen["n"] == 2  # threads started later get the host's default, not the engine's
+        torch.set_num_threads(2)  # the host sets its count again later (FSDP's set_cpu_threads does)
+        assert eng.engine is not None
+        assert eng.engine.scheduler.call(torch.get_num_threads).result(30) == 1  # the engine keeps its own
         got = _tokens(eng.url)
         with EngineProcess(model_dir, kind="local", local_args=ARGS) as proc:
             assert got == _tokens(proc.url)  # bitwise: same tokens, same log-probs
