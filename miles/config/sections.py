@@ -29,6 +29,11 @@ class ClusterConfig:
     rollout_num_gpus_per_engine: int = opt(1, "GPUs per rollout engine (its tensor-parallel size)", ge=1)
     colocate: bool = opt(False, "run rollout engines on the training GPUs, offloading each side in turn")
     use_fault_tolerance: bool = opt(False, "restart rollout engines that stop answering health checks")
+    cpu_engine_in_trainer: bool = opt(
+        True,
+        "CPU, --colocate, embedded engine: serve each engine from a thread of its training rank's process instead "
+        "of a process of its own (not with --use-fault-tolerance)",
+    )
     rollout_health_check_interval: float = opt(
         30.0, "--use-fault-tolerance: seconds between two health checks of an engine", gt=0
     )

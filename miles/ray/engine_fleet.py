@@ -3,7 +3,10 @@
 `EngineFleet` is a plain class (the driver wraps it with `ray.remote`): it launches one engine Ray actor per
 engine on the placement group (or, with `--rollout-external-engine-addrs`, one `ExternalEngine` actor per running
 engine, which it neither starts nor stops), puts sglang-router in front of them (or registers them with the
-running one of `--sglang-router-ip/--sglang-router-port`) when the run needs a router (`router_needed`). Memory release/resume is posted by the driver itself
+running one of `--sglang-router-ip/--sglang-router-port`) when the run needs a router (`router_needed`). On a
+colocated CPU run with the embedded engine (`engines_in_trainers`) it launches no engine actor: once the training
+ranks are up, `host_engines` has rank i serve engine i from threads of its own process (same HTTP API, own port).
+Memory release/resume is posted by the driver itself
 (`miles.utils.engine_control_http.EngineMemoryControl`), not through this actor.
 Generation does not go through it either: the rollout runner's generate client sends requests to the engines
 directly, reading the router's worker list to learn which engines are admitted, or through the router (see
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from miles.ray.engine_health import HealthMonitor, HealthSettings
 from miles.ray.placement import Placement
@@ -28,6 +31,7 @@ from miles.utils.engine_control_http import health_problem, launch_keys
 if TYPE_CHECKING:
     from miles.config import Config
     from miles.engines.router import Router
+    from miles.utils.types import ActorHandle
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +49,29 @@ def router_needed(config: Config) -> bool:
     )
 
 
+def engines_in_trainers(config: Config, use_gpu: bool) -> bool:
+    """Whether the embedded engines run inside the training ranks' processes (`--cpu-engine-in-trainer`, on by
+    default), engine i in rank i's: on CPU, colocated (engine and rank take turns, so they never compute at the
+    same time), with the embedded engine (`--rollout-engine` auto or local), one CPU worker per engine, no more
+    engines than ranks, in a training run. Never with `--use-fault-tolerance` (restarting an engine must not take
+    its trainer down), external engines, GPUs, SGLang or disaggregated engines: each engine then is a process of
+    its own behind its own Ray actor, as before."""
+    c = config.cluster
+    num_engines = c.rollout_num_gpus if c.rollout_num_gpus is not None else c.actor_world_size
+    return (
+        bool(c.cpu_engine_in_trainer)
+        and not use_gpu
+        and bool(c.colocate)
+        and not c.rollout_external
+        and not c.use_fault_tolerance
+        and config.rollout.rollout_engine in ("auto", "local")
+        and int(c.rollout_num_gpus_per_engine) == 1
+        and num_engines <= c.actor_world_size
+        and not config.debug.debug_rollout_only
+        and config.debug.load_debug_rollout_data is None
+    )
+
+
 class EngineFleet:
     def __init__(self, config: Config, placement: Placement | None, num_rollout_workers: int) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -54,7 +81,15 @@ class EngineFleet:
         self.timeout = float(self.config.rollout.rollout_request_timeout)
         # loading a model is not a request: engine (re)starts wait as long as any other Ray call may take
         self.startup_timeout = float(self.config.train.train_timeout)
-        self._start_engines(placement, num_rollout_workers)
+        self.engines: list[ActorHandle] = []  # one Ray actor per engine of its own process
+        self.hosts: list[ActorHandle] = []  # the training ranks whose processes serve the engines
+        self.engine_urls: list[str] = []
+        # the embedded engines run inside the training ranks: `host_engines` starts them once the ranks are up
+        self.num_hosted = 0
+        if placement is not None and engines_in_trainers(config, placement.use_gpu):
+            self.num_hosted = max(1, num_rollout_workers)
+        else:
+            self._start_engines(placement, num_rollout_workers)
         self.monitor: HealthMonitor | None = None
         c = self.config.cluster
         if c.use_fault_tolerance:
@@ -67,10 +102,14 @@ class EngineFleet:
                 self.engine_urls, settings, self._check_health, self._take_out, self._restart
             )
 
+    def _log_dir(self) -> str:
+        log_dir = os.path.abspath(os.path.join(self.config.log.run_dir, "logs"))
+        os.makedirs(log_dir, exist_ok=True)
+        return log_dir
+
     def _start_engines(self, placement: Placement | None, num_rollout_workers: int) -> None:
         cfg = self.config
-        log_dir = os.path.abspath(os.path.join(cfg.log.run_dir, "logs"))
-        os.makedirs(log_dir, exist_ok=True)
+        log_dir = self._log_dir()
         if cfg.cluster.rollout_external:
             self._use_external_engines()
         else:
@@ -134,7 +173,6 @@ class EngineFleet:
     def _launch_engines(self, placement: Placement, num_rollout_workers: int, log_dir: str) -> None:
         from miles.engines.sglang_engine import (
             ENGINE_ACTOR_RUNTIME_ENV,
-            engine_launch_kwargs,
             make_engine_actor_class,
             resolve_engine_kind,
         )
@@ -149,41 +187,72 @@ class EngineFleet:
         plan = placement.engine_gpus(per_engine)
         for gpus in plan or []:
             logger.info("%s: GPUs %s", gpus.describe(), list(gpus.gpu_ids))
-        local_args = {
-            "max-running-requests": cfg.engine.engine_max_running_requests,
-            "request-timeout": self.timeout,
-            # CPU engines share the machine with the trainer: one intra-op thread each avoids oversubscription
-            "num-threads": 1 if not placement.use_gpu else None,
-        }
         self.engines = []
         for i in range(num_engines):
-            launch = engine_launch_kwargs(
-                kind, i, cfg.rollout.rollout_seed, cfg.cluster.colocate, dict(cfg.engine.sglang_args),
-                {k: v for k, v in local_args.items() if v is not None},
-                return_routed_experts=cfg.rollout.use_rollout_routing_replay,
-            )  # fmt: skip
             self.engines.append(
                 actor_cls.options(
                     **placement.engine_options(i, per_engine),
                     **({"runtime_env": ENGINE_ACTOR_RUNTIME_ENV} if kind == "sglang" else {}),
                 ).remote(
                     gpus=plan[i] if plan is not None else None,
-                    model_path=cfg.model.hf_checkpoint,
                     kind=kind,
-                    host=cfg.engine.engine_host,
                     tp_size=per_engine,
-                    **launch_keys(cfg.engine.engine_api_key),
-                    startup_timeout=self.startup_timeout,
-                    log_path=os.path.join(log_dir, f"engine_{i}.log"),
                     stacks=(hang_dump.stacks_dir_of(cfg.log.run_dir), f"engine{i}-actor"),
-                    **launch,
+                    **self._engine_kwargs(kind, i, placement.use_gpu, log_dir),
                 )
             )
-        self.engine_urls: list[str] = ray_get(
+        self.engine_urls = ray_get(
             [e.launch.remote() for e in self.engines],
             self.startup_timeout,
             f"starting {num_engines} {kind} engine(s)",
         )
+
+    def _engine_kwargs(self, kind: str, index: int, use_gpu: bool, log_dir: str) -> dict[str, Any]:
+        """Engine `index`'s server arguments (`EngineProcess`'s, less kind, tp_size and python): the model, the
+        address, the keys, the deadline, the log and the flags (`engine_launch_kwargs`)."""
+        from miles.engines.sglang_engine import engine_launch_kwargs
+
+        cfg = self.config
+        local_args = {
+            "max-running-requests": cfg.engine.engine_max_running_requests,
+            "request-timeout": self.timeout,
+            # CPU engines share the machine with the trainer: one intra-op thread each avoids oversubscription
+            "num-threads": 1 if not use_gpu else None,
+        }
+        launch = engine_launch_kwargs(
+            kind, index, cfg.rollout.rollout_seed, cfg.cluster.colocate, dict(cfg.engine.sglang_args),
+            {k: v for k, v in local_args.items() if v is not None},
+            return_routed_experts=cfg.rollout.use_rollout_routing_replay,
+        )  # fmt: skip
+        return {
+            "model_path": cfg.model.hf_checkpoint,
+            "host": cfg.engine.engine_host,
+            **launch_keys(cfg.engine.engine_api_key),
+            "startup_timeout": self.startup_timeout,
+            "log_path": os.path.join(log_dir, f"engine_{index}.log"),
+            **launch,
+        }
+
+    def host_engines(self, ranks: list[ActorHandle]) -> None:
+        """`engines_in_trainers`: start engine i inside training rank i's process (`TrainWorker.launch_engine`,
+        the rank on engine i's bundle), then the router if the run needs one; called once, after the ranks'
+        init. The engines speak the same HTTP API on their own ports as engines of their own process do."""
+        if self.engine_urls:
+            raise RuntimeError(f"engines already started: {self.engine_urls}")
+        if len(ranks) < self.num_hosted:
+            raise ValueError(f"{self.num_hosted} engine(s) to host but only {len(ranks)} training rank(s)")
+        log_dir = self._log_dir()
+        self.hosts = list(ranks[: self.num_hosted])
+        calls = []
+        for i, rank in enumerate(self.hosts):
+            kwargs = self._engine_kwargs("local", i, False, log_dir)
+            kwargs.pop("sglang_args"), kwargs.pop("env")  # the embedded engine's flags are `local_args`
+            calls.append(rank.launch_engine.remote(kwargs))
+        self.engine_urls = ray_get(
+            calls, self.startup_timeout, f"starting {len(calls)} embedded engine(s) inside the training ranks"
+        )
+        logger.info("engines %s run inside training ranks 0..%d", self.engine_urls, len(calls) - 1)
+        self._start_router(log_dir)
 
     # ----------------------------------------------------------------------------------------------- queries
     def get_engine_urls(self) -> list[str]:
@@ -243,7 +312,11 @@ class EngineFleet:
             self.monitor.close()
         if self.router is not None:
             self.router.shutdown()
-        ray_get([e.shutdown.remote() for e in self.engines], 60, "stopping engines")
+        ray_get(
+            [e.shutdown.remote() for e in self.engines] + [r.shutdown_engine.remote() for r in self.hosts],
+            60,
+            "stopping engines",
+        )
 
     def kill(self) -> None:
         """Fast teardown (Ctrl-C): SIGKILL every engine and the router."""
@@ -251,4 +324,5 @@ class EngineFleet:
             self.monitor.close()
         if self.router is not None:
             self.router.shutdown(timeout=2)
+        # engines inside training ranks go with their processes (the ranks may be busy: no call to them here)
         ray_get([e.kill.remote() for e in self.engines], 10, "killing engines")

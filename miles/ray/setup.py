@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from miles.ray.colocate import MEMORY_TAGS, MemoryChoreography, TrainerOnly
-from miles.ray.engine_fleet import EngineFleet
+from miles.ray.engine_fleet import EngineFleet, engines_in_trainers
 from miles.ray.placement import Placement, cluster_has_gpus, create_placement
 from miles.ray.rollout_manager import RolloutManager
 from miles.ray.system import (
@@ -170,6 +170,10 @@ def _build_train(cfg: Config) -> TrainSystem:
     train_group, critic_group, start = _start_trainers(cfg, placement, num_actor, has_critic, tracker)
     phases.done("trainers")
     if concurrent:  # the engines (started with the fleet above) loaded while the trainers did
+        if engines_in_trainers(cfg, use_gpu):  # or they start now, inside the training ranks' processes
+            ray_get(
+                fleet.host_engines.remote(train_group.workers), timeout, "starting the engines in the ranks"
+            )
         engines, released = _colocated_engines_released(cfg, fleet, timeout)
         phases.done("engines (with the trainers)")
     side = _connect(cfg, fleet, rollout, engines, train_group, start)

@@ -24,6 +24,7 @@ from miles.utils.types import JSON, Sample
 if TYPE_CHECKING:
     from miles.backends.base import PolicyBackend, ValueBackend, ValueTrainResult
     from miles.config import Config
+    from miles.engines.local.in_process import InProcessEngine
 
 # the critic's values of one rank's samples: one list of floats per sample (per response token)
 SampleValues: TypeAlias = list[list[float]]
@@ -47,6 +48,26 @@ class TrainWorker:
         self.rank = rank
         self.world_size = world_size
         self.backend: PolicyBackend | ValueBackend | None = None  # by the role `init` was given
+        self.engine: InProcessEngine | None = None  # an embedded engine this process serves (`launch_engine`)
+
+    def launch_engine(self, engine_kwargs: dict[str, Any]) -> str:
+        """Serve an embedded engine from threads of this process (`miles.engines.local.in_process`; the fleet's
+        `host_engines`, CPU colocated runs only); returns its URL. Its intra-op threads are its own (its
+        `--num-threads`): this rank's stay as they are."""
+        from miles.engines.local.in_process import InProcessEngine
+
+        if self.engine is not None:
+            raise RuntimeError(
+                f"training worker rank {self.rank}: already serves an engine at {self.engine.url}"
+            )
+        self.engine = InProcessEngine(**engine_kwargs)
+        return self.engine.launch().url
+
+    def shutdown_engine(self) -> None:
+        """Stop the engine this process serves (no-op without one)."""
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
 
     def master_address(self) -> tuple[str, int]:
         return get_node_ip(), free_port("")

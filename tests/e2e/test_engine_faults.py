@@ -85,7 +85,9 @@ def test_fault_tolerance_survives_engine_fault(tiny, fault, capfd):
     _check_completed(run_dir, rows)
 
 
-NO_FT = ["--rollout-request-timeout", "20"]
+# the faults hit the engine's own process: keep it one (a colocated CPU run otherwise serves its engines from the
+# training ranks' processes, and --use-fault-tolerance keeps them separate by itself)
+NO_FT = ["--rollout-request-timeout", "20", "--no-cpu-engine-in-trainer"]
 
 
 @pytest.mark.own_ray  # the fault log's path reaches the Ray workers by environment: they must start after it is set

@@ -20,12 +20,15 @@ class Log(list):
 
 
 class _Ref:
-    def __init__(self, log: Log, actor: str, method: str, value: object) -> None:
+    def __init__(self, log: Log, actor: str, method: str, value: object, args: tuple = ()) -> None:
         self.log, self.actor, self.method, self.value = log, actor, method, value
+        self.args = args
 
     def resolve(self) -> object:
         if (self.actor, self.method) == ("EngineFleet", "get_engine_urls"):
             self.log("engines answer")  # the fleet's constructor returned: every engine is up and healthy
+        if (self.actor, self.method) == ("EngineFleet", "host_engines"):
+            self.log("engines start in the ranks", tuple(self.args))
         return self.value
 
 
@@ -38,7 +41,7 @@ class _Actor:
     def __getattr__(self, method: str) -> object:
         log, name = self.log, self.name
         return type(
-            "M", (), {"remote": lambda _, *a, **k: _Ref(log, name, method, _Actor.VALUES.get(method))}
+            "M", (), {"remote": lambda _, *a, **k: _Ref(log, name, method, _Actor.VALUES.get(method), a)}
         )()
 
 
@@ -64,6 +67,7 @@ def _install(monkeypatch: pytest.MonkeyPatch, log: Log, gpu: bool) -> None:
     class Group:
         def __init__(self, cfg, placement, num_actor, env_vars, role: str = "actor") -> None:
             self.role = role
+            self.workers = [f"{role}-rank{r}" for r in range(num_actor)]
 
         def init(self, with_ref: bool) -> int:
             log("trainers build", self.role)
@@ -146,14 +150,36 @@ def test_colocated_engines_start_and_release_before_the_trainers_build(monkeypat
 
 @pytest.mark.parametrize("engine", ["auto", "local"])
 def test_colocated_embedded_engines_on_cpu_start_with_the_trainers(monkeypatch, engine):
-    """No device memory to hand over: the trainers build while the engines start; the engines release once both
-    are up, so the start-up refit resumes the same tags as in the GPU order."""
+    """--no-cpu-engine-in-trainer: no device memory to hand over, the trainers build while the engines start (in
+    processes of their own); the engines release once both are up, so the start-up refit resumes the same tags as
+    in the GPU order."""
     log = Log()
     _install(monkeypatch, log, gpu=False)
-    system = setup.build_system(_cfg("--colocate", "--rollout-engine", engine))
+    system = setup.build_system(_cfg("--colocate", "--rollout-engine", engine, "--no-cpu-engine-in-trainer"))
     assert _events(log) == [
         ("start", "EngineFleet"),
         ("trainers build", "actor"),  # before the engines are waited for
+        ("engines answer",),
+        ("release", MEMORY_TAGS, URLS),
+        ("resume", MEMORY_TAGS, URLS),
+        ("refit", "0", URLS),
+    ]
+    assert not system.choreography.released
+
+
+@pytest.mark.parametrize("engine", ["auto", "local"])
+def test_colocated_embedded_engines_on_cpu_start_inside_the_built_ranks_by_default(monkeypatch, engine):
+    """The default on CPU: the engines start in the actor ranks' processes once the ranks are built, rank i
+    hosting engine i; then release, resume and refit as when they start beside the trainers."""
+    log = Log()
+    _install(monkeypatch, log, gpu=False)
+    system = setup.build_system(
+        _cfg("--colocate", "--rollout-engine", engine, "--actor-num-gpus-per-node", "2")
+    )
+    assert _events(log) == [
+        ("start", "EngineFleet"),
+        ("trainers build", "actor"),
+        ("engines start in the ranks", (["actor-rank0", "actor-rank1"],)),
         ("engines answer",),
         ("release", MEMORY_TAGS, URLS),
         ("resume", MEMORY_TAGS, URLS),

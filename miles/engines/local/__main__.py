@@ -6,9 +6,13 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 # The keys travel by environment, never on the command line (/proc/<pid>/cmdline is world-readable).
 from miles.engines.sglang_launch import ADMIN_API_KEY_ENV, API_KEY_ENV
+
+if TYPE_CHECKING:
+    from miles.engines.local.engine import LocalEngineConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,6 +103,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def engine_config(args: argparse.Namespace) -> LocalEngineConfig:
+    """The engine's startup options from the parsed flags (`parse_args`)."""
+    from miles.engines.local.engine import LocalEngineConfig
+
+    return LocalEngineConfig(
+        model_path=args.model_path,
+        tokenizer_path=args.tokenizer_path,
+        dtype=args.dtype,
+        device=args.device,
+        max_running_requests=args.max_running_requests,
+        max_total_tokens=args.max_total_tokens,
+        context_length=args.context_length,
+        chunked_prefill_size=None if args.chunked_prefill_size == -1 else args.chunked_prefill_size,
+        random_seed=args.random_seed,
+        weight_version=args.weight_version,
+        update_group_timeout=args.update_group_timeout,
+        cpu_packed_weights=args.cpu_packed_weights,
+        cpu_decode_kernel=args.cpu_decode_kernel,
+        enable_return_routed_experts=args.enable_return_routed_experts,
+        test_off_top_k_every=args.test_off_top_k_every,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     """Load the model and serve until interrupted."""
     args = parse_args(argv)
@@ -111,30 +138,12 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import uvicorn
 
-    from miles.engines.local.engine import LocalEngine, LocalEngineConfig
+    from miles.engines.local.engine import LocalEngine
     from miles.engines.local.server import create_app
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    engine = LocalEngine(
-        LocalEngineConfig(
-            model_path=args.model_path,
-            tokenizer_path=args.tokenizer_path,
-            dtype=args.dtype,
-            device=args.device,
-            max_running_requests=args.max_running_requests,
-            max_total_tokens=args.max_total_tokens,
-            context_length=args.context_length,
-            chunked_prefill_size=None if args.chunked_prefill_size == -1 else args.chunked_prefill_size,
-            random_seed=args.random_seed,
-            weight_version=args.weight_version,
-            update_group_timeout=args.update_group_timeout,
-            cpu_packed_weights=args.cpu_packed_weights,
-            cpu_decode_kernel=args.cpu_decode_kernel,
-            enable_return_routed_experts=args.enable_return_routed_experts,
-            test_off_top_k_every=args.test_off_top_k_every,
-        )
-    )
+    engine = LocalEngine(engine_config(args))
     engine.start()
     app = create_app(
         engine, args.host, args.port, args.api_key, args.request_timeout, admin_api_key=args.admin_api_key
