@@ -37,7 +37,7 @@ assert not reward_problems(cfg.rollout.rm_type, None), "reward"
 assert not rollout_function_problems(cfg), "seams"
 """
 
-TRAINER = "import miles.backends.fsdp_utils.actor"
+TRAINER = "from miles.backends import get_policy_class; get_policy_class('fsdp')"  # as a training rank does
 
 REPORT = "\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))\n"
 
@@ -47,8 +47,9 @@ NOT_NEEDED = {
     # the rollout manager holds no model: no torch (~130 MB and ~1 s of CPU), no transformers model registry
     "rollout manager": ("torch", "transformers.models", "miles.backends", *HTTPX_CLI, *NOT_IN_ANY),
     "driver preflight": ("torch", "ray", "transformers", "miles.backends", *HTTPX_CLI, *NOT_IN_ANY),
-    # the trainer builds a model with transformers, but no rollout or engine code and no optional extras
-    "trainer": ("miles.rollout", "miles.engines", *HTTPX_CLI, *NOT_IN_ANY),
+    # the trainer builds a model with transformers, but no rollout or engine code, no optional extras and not
+    # scipy (transformers' object-detection losses; miles.utils.transformers_import)
+    "trainer": ("miles.rollout", "miles.engines", "scipy", *HTTPX_CLI, *NOT_IN_ANY),
 }
 
 
