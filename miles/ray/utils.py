@@ -113,7 +113,8 @@ def _lean_head() -> Iterator[None]:
     Ray has no ray.init option for either (`ray start --head --no-monitor` is the CLI's), so the head node's two
     start methods are skipped while this block runs; a Ray version without them starts its full head as before.
     The log monitor (worker output to the driver), the dashboard agent and the runtime-env agent (both required
-    by the raylet) stay. Only a cluster miles starts itself is affected: one joined through RAY_ADDRESS is not."""
+    by the raylet) stay; the dashboard agent starts `--minimal` (`_minimal_agent`). Only a cluster miles starts
+    itself is affected: one joined through RAY_ADDRESS is not."""
     from ray._private import node
     from ray._private import utils as ray_utils
 
