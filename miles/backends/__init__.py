@@ -40,7 +40,10 @@ def get_backend_class(name: str, role: str = "actor") -> type:
     if role not in _BACKENDS[name]:
         raise ValueError(f"--train-backend {name!r} has no {role!r} role (has: {sorted(_BACKENDS[name])})")
     module_name, _, cls_name = _BACKENDS[name][role].partition(":")
-    return getattr(importlib.import_module(module_name), cls_name)
+    from miles.utils.transformers_import import lean_transformers
+
+    with lean_transformers():  # transformers' model code without scipy.optimize (~0.5 s of CPU per rank)
+        return getattr(importlib.import_module(module_name), cls_name)
 
 
 def get_policy_class(name: str) -> type[PolicyBackend]:

@@ -113,8 +113,10 @@ def _lean_head() -> Iterator[None]:
     Ray has no ray.init option for either (`ray start --head --no-monitor` is the CLI's), so the head node's two
     start methods are skipped while this block runs; a Ray version without them starts its full head as before.
     The log monitor (worker output to the driver), the dashboard agent and the runtime-env agent (both required
-    by the raylet) stay. Only a cluster miles starts itself is affected: one joined through RAY_ADDRESS is not."""
+    by the raylet) stay; the dashboard agent starts `--minimal` (`_minimal_agent`). Only a cluster miles starts
+    itself is affected: one joined through RAY_ADDRESS is not."""
     from ray._private import node
+    from ray._private import utils as ray_utils
 
     own = {
         name: node.Node.__dict__[name]
@@ -123,15 +125,27 @@ def _lean_head() -> Iterator[None]:
     }
     for name in own:
         setattr(node.Node, name, _skip_head_process)
+    deps_check = getattr(ray_utils, "get_dashboard_dependency_error", None)
+    if deps_check is not None:
+        ray_utils.get_dashboard_dependency_error = _minimal_agent
     try:
         yield
     finally:
         for name, method in own.items():
             setattr(node.Node, name, method)
+        if deps_check is not None:
+            ray_utils.get_dashboard_dependency_error = deps_check
 
 
 def _skip_head_process(self: Any, **_: Any) -> None:
     """Stands in for a head-node start method whose process a local run does not need."""
+
+
+def _minimal_agent() -> ImportError:
+    """Stands in for Ray's check of its dashboard extras while a local head starts: the answer "missing" starts
+    the dashboard agent as `pip install ray` (without `[default]`) would, `--minimal` (no metrics agent, no HTTP
+    server, no gRPC server), and spares the driver importing those extras (aiohttp, grpc, opentelemetry)."""
+    return ImportError("miles starts a local Ray head with a minimal dashboard agent")
 
 
 def get_node_ip() -> str:

@@ -94,15 +94,20 @@ def _script(pid: int) -> str:
         return ""
 
 
-def test_local_ray_starts_no_autoscaler_monitor_or_api_server(local_ray):
+def test_local_ray_starts_no_autoscaler_monitor_or_api_server_and_a_minimal_agent(local_ray):
     from ray._private import node
 
     scripts = [_script(pid) for pid in _descendants(os.getpid())]
     assert any("log_monitor.py" in s for s in scripts), scripts  # worker output still reaches the driver
-    assert any("dashboard/agent.py" in s for s in scripts), scripts  # the raylet needs its agents
+    agents = [s for s in scripts if "dashboard/agent.py" in s]
+    assert agents, scripts  # the raylet needs its agents
+    assert all("--minimal" in s for s in agents), agents  # no metrics agent, HTTP or gRPC server
     assert not [s for s in scripts if "autoscaler/_private/monitor.py" in s or "dashboard/dashboard.py" in s]
     assert node.Node.start_monitor.__name__ == "start_monitor"  # Ray's methods are back after the start
     assert node.Node.start_api_server.__name__ == "start_api_server"
+    from ray._private import utils as ray_utils
+
+    assert ray_utils.get_dashboard_dependency_error.__name__ == "get_dashboard_dependency_error"
     env = {"env_vars": {"MILES_PROBE": "1"}}  # a runtime env still reaches workers (the runtime-env agent)
     probe = local_ray.remote(num_cpus=0, runtime_env=env)(lambda: os.environ.get("MILES_PROBE"))
     assert local_ray.get(probe.remote(), timeout=60) == "1"
