@@ -169,11 +169,10 @@ def pack_replay(
         out = torch.full((n, num_layers, top_k), -1, dtype=torch.long)
         if experts is not None:
             # a copy: the engine's rows may be a read-only buffer (torch warns on non-writable arrays)
-            t = (
-                experts.long()
-                if torch.is_tensor(experts)
-                else torch.from_numpy(np.array(experts, dtype=np.int64))
-            )
+            if isinstance(experts, torch.Tensor):
+                t = experts.long()
+            else:
+                t = torch.from_numpy(np.array(experts, dtype=np.int64))
             t = t.reshape(t.shape[0], num_layers, top_k)
             if t.shape[0] > n:
                 raise ValueError(f"routed experts have {t.shape[0]} rows for a sequence of {n} tokens")
