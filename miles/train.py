@@ -6,6 +6,7 @@ configuration has been validated.
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 from collections.abc import Callable
@@ -192,6 +193,7 @@ def run_driver(
         hang_dump.uninstall()
         ray.shutdown()  # engines, trainers and placement groups started so far go with it
         raise
+    gc.freeze()  # start-up's objects (Ray, torch, the config) live for the run: full GC passes skip them
     interrupted = False
     try:
         loop(cfg, system)

@@ -21,7 +21,8 @@ the train call instead was measured no faster on 2 cores: the engines' work then
 
 Wherever the refit is only "resume what was released, then move the weights" (CPU colocated, and disaggregated
 placement, where nothing is released), the synchronous driver folds it into the train call (`refit_with_train`):
-the trainers refit right after training, their rank 0 resuming the released tags first, which saves a Ray round
+the trainers refit right after training, resuming the released tags first (rank 0, or each engine's own rank through
+a weight window: `miles.refit.session.WeightUpdater.resume_engines`), which saves a Ray round
 trip and the driver's resume call per step. The separate refit call stays where the driver has work between the
 two (colocated GPU: the trainers sleep between the weights and the KV cache; a checkpoint due this step), with
 the one-step-off driver (it waits for the in-flight rollout before refitting) and for the start-up refit.
@@ -39,8 +40,9 @@ REFIT_SECONDS = "timing/refit_in_train_call"
 
 @dataclass(frozen=True)
 class RefitAfterTrain:
-    """A refit the trainers run at the end of their train call: rank 0 resumes `resume_tags` on every engine (in
-    one call; none when nothing was released), then the weights move to `engine_urls` as `weight_version`."""
+    """A refit the trainers run at the end of their train call: `resume_tags` are resumed on every engine first
+    (none when nothing was released; see `WeightUpdater.resume_engines`), then the weights move to `engine_urls` as
+    `weight_version`."""
 
     engine_urls: list[str]
     weight_version: str

@@ -6,6 +6,7 @@ and engine URLs. Samples leave it as `Sample` records (Ray pickles them), never 
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import TYPE_CHECKING
 
@@ -52,6 +53,10 @@ class RolloutManager:
             ),
             lora_adapters=cfg.lora.lora_rank > 0 and cfg.lora.lora_refit == "adapter",
         )
+        # what start-up built (modules, tokenizer, the prompt data) lives as long as the process: out of the
+        # cyclic GC's reach, a full collection no longer walks it (~140k objects on the quickstart, one full
+        # collection every ~20 rollouts, each a stall of tens of ms in the middle of a rollout)
+        gc.freeze()
 
     def connect(self, router_url: str, engine_urls: list[str]) -> None:
         """The engines (and their router) to generate with: before the first rollout."""

@@ -116,8 +116,9 @@ class Refitter:
     ) -> int:
         """Refit ``engine_urls`` with ``source``'s weights (cast to the refitter's dtype) as ``version``: every
         engine, or (fault tolerance) the engines that were restarted since the last refit, whose transport (update
-        group, window mapping) is new. ``resume_tags``: rank 0 first resumes them on every engine, all ranks
-        raising its error, so none refits alone. ``flush_cache``: False when the engines hold requests paused
+        group, window mapping) is new. ``resume_tags``: first resumed on every engine (by rank 0, or through a
+        weight window by the rank serving each engine, `WeightUpdater.resume_engines`), all ranks raising the
+        error, so none refits alone. ``flush_cache``: False when the engines hold requests paused
         in place (`--pause-generation-mode in_place`: SGLang fails a flushing update then). Returns the number
         of buckets."""
         urls = [u.rstrip("/") for u in engine_urls]
@@ -126,7 +127,7 @@ class Refitter:
         transport = self.transport
         if resume_tags:
             tags = list(resume_tags)
-            transport.run_agreed(self.rank == 0, lambda: self._engine_memory(urls).resume_memory(tags))
+            transport.resume_engines(urls, lambda targets: self._engine_memory(targets).resume_memory(tags))
         if urls != transport.engine_urls:
             transport.engines_restarted(urls)
         return transport.update(

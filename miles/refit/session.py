@@ -106,6 +106,12 @@ class WeightUpdater(ABC):
         self.checks = RefitChecksums(spec, wanted)
         return self.checks
 
+    def resume_engines(self, targets: list[str], resume: Callable[[list[str]], None]) -> None:
+        """Before the next `update` moves any weight: ``resume(urls)`` gives ``targets`` back the memory they
+        released. Here rank 0 resumes every target at once and every rank raises its error, so none refits
+        alone; a transport may resume each engine from the rank that serves it instead (`miles.refit.window`)."""
+        self.run_agreed(self.rank == 0, lambda: resume(targets))
+
     def engines_restarted(self, urls: list[str]) -> None:
         """Engines that were restarted (new processes); by default nothing to redo (checked to be ours)."""
         self.targets(urls)

@@ -7,7 +7,8 @@ rank serving that engine, mapped by every training rank and reused at every refi
 its own FSDP2 shards straight into their views in every targeted window (the engine's fused q/k/v and gate/up
 blocks included; no all-gather, no full tensor, each byte written once from the shard), the ranks agree that all
 wrote, then each engine's rank posts one `/update_weights_from_window`, and the engine points its parameters at
-the views without copying; the ranks agree again that every engine loaded. Both agreements go through a flag per
+the views without copying; the ranks agree again that every engine loaded. A colocated step's resume of the
+engines' released memory (`resume_engines`) goes first, each engine's from the rank that serves it. Both agreements go through a flag per
 rank in shared memory (`HostFlags`: the ranks share the host anyway, and a gloo collective costs a millisecond or
 more on a busy 2-core machine), over gloo where the memory model does not order plain stores (not x86). That
 one call is the whole refit on the engine: its own weight-update session (no begin/end round trips), and its
@@ -41,6 +42,7 @@ import tempfile
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -196,6 +198,14 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
         self.windows: dict[str, TrainerWindow] = {}
         # the per-refit agreements (x86 hosts with more than one rank; None: over gloo), made with the windows
         self.flags: HostFlags | None = None
+        # what `resume_engines` asked for, run by the next push
+        self._resume: Callable[[list[str]], None] | None = None
+
+    def resume_engines(self, targets: list[str], resume: Callable[[list[str]], None]) -> None:
+        """Each engine is resumed by the rank that serves it, first thing in the next `push` (one call per rank,
+        side by side, no thread and no collective of its own); an error is raised on every rank at the push's
+        first agreement, before any engine loads."""
+        self._resume = resume
 
     def _ensure_window(self, url: str, model: RefitSource, dtype: torch.dtype | None) -> None:
         if self.window is not None:
@@ -251,20 +261,27 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
         """Write every tensor into the targeted engines' windows (every rank its own rows) and load them with one
         call per engine, inside a weight-update session; verify versions (and checksums with ``check_equal``).
         Returns the number of buckets of the plan (the window needs none: nothing is gathered)."""
-        if any(u not in self.windows for u in targets):
+        url = self.url_if_targeted(targets)
+        resume, self._resume = self._resume, None
+        error: str | None = None
+        try:
+            if resume is not None and url:
+                resume([url])
+        except Exception as exc:  # noqa: BLE001 - reported to every rank at the first agreement below
+            error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        if any(u not in self.windows for u in targets):  # the same on every rank: the windows map together
+            self.raise_together(error)  # a failed resume first (the layouts of released engines mean nothing)
             self._map_windows(targets, job.model, job.dtype)
         entries = hf_tensors(job.model, job.dtype)
         n_buckets = len(plan_buckets(entries, job.bucket_bytes))
-        error: str | None = None
         try:
             destinations = [self.windows[u].views for u in targets]
             with torch.no_grad():
                 for dst, src in row_copies(entries, job.dtype, destinations, self.rank, self.world_size):
                     dst.copy_(src)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-        self._agree(error)  # also the agreement that every rank wrote its rows
-        url = self.url_if_targeted(targets)
+            error = error or f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        self._agree(error)  # also the agreement that every rank wrote its rows (and resumed its engine)
         error = None
         try:
             if url:

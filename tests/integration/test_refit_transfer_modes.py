@@ -81,12 +81,18 @@ def _body(rank: int, world: int, model_dir: str, urls: list[str], pids: list[int
         return {k: v.clone() for k, v in get_model_state_dict(trainer.model, options=opts).items()}
 
     def refit(targets: list[str], version: str) -> None:
+        # the first refit reads each engine's window layout, which an engine answers right only while it holds
+        # its weights: resumed before it (as a run's start-up refit does); later ones resume inside the refit,
+        # each engine from the rank serving it
+        first = trainer._refitter is None
         if colocated and rank == 0:  # a colocated step: the engines gave their weights back for training
             for url in targets:
                 _post(url, "release_memory_occupation", {"tags": ["weights"]})
-                _post(url, "resume_memory_occupation", {"tags": ["weights"]})
+                if first:
+                    _post(url, "resume_memory_occupation", {"tags": ["weights"]})
         dist.barrier()
-        trainer.update_weights(targets, weight_version=version)
+        resume = ["weights"] if colocated and not first else []
+        trainer.update_weights(targets, weight_version=version, resume_tags=resume)
         state = full_state()
         if rank == 0:
             for url in targets:
@@ -130,6 +136,7 @@ def _failure_body(rank: int, world: int, model_dir: str, urls: list[str]) -> Non
     from miles.backends.fsdp_utils.parallel import init_distributed
     from miles.refit.session import RefitSetup
     from miles.refit.window import HOST_FLAGS_SUPPORTED, WindowWeightUpdater
+    from miles.utils.engine_control_http import EngineMemoryControl
 
     ps = init_distributed("gloo", timeout_s=120)
     model = build_fsdp_model(model_dir, ps.fsdp_mesh, device=torch.device("cpu"))
@@ -160,13 +167,31 @@ def _failure_body(rank: int, world: int, model_dir: str, urls: list[str]) -> Non
     if rank == 0:
         for url in urls:
             _assert_engine_equals(url, state, "v3")
+        _post(urls[0], "release_memory_occupation", {"tags": ["weights"]})  # engine 1 keeps its weights
+    dist.barrier()
+    # each rank resumes its own engine: engine 1 refuses (nothing released), every rank raises before any load
+    updater.resume_engines(
+        urls, lambda targets: EngineMemoryControl(targets, None, 30).resume_memory(["weights"])
+    )
+    pattern = rf"weight update failed: rank 1: EngineStatusError: engine {urls[1]}, resume_memory_occupation"
+    with pytest.raises(RuntimeError, match=pattern):
+        refit("v4")
+    if rank == 0:
+        for url in urls:
+            assert httpx.get(f"{url}/model_info", timeout=30).json()["weight_version"] == "v3", url
+    refit("v5")  # engine 0 was resumed by rank 0's call; no resume pending
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        for url in urls:
+            _assert_engine_equals(url, state, "v5")
     dist.barrier()
 
 
 def test_window_refit_failure_raises_on_every_rank_and_the_next_refit_works(two_tiny_engines):
     """Rank 1's engine call fails in the second of three window refits: every rank raises naming rank 1 (the
     agreement after the loads, through the host's flags on x86), and the third refit, rounds still in step, leaves
-    both engines equal to the trainer bit for bit."""
+    both engines equal to the trainer bit for bit. Then rank 1's resume of its engine fails (each rank resumes its
+    own): every rank raises naming it before any engine loads, and the next refit works again."""
     model_dir, procs = two_tiny_engines
     run_distributed(_failure_body, 2, model_dir, [p.url for p in procs], init_pg=False)
 

@@ -175,7 +175,46 @@ def test_a_release_flushes_until_the_engine_is_idle_then_releases(monkeypatch):
     eh.EngineMemoryControl(["http://e0:1", "http://e1:1"], "k", 5.0).release_memory(["weights"])
     for host, flushes in (("e0", 3), ("e1", 1)):
         mine = [p for h, p in seen if h == host]
-        assert mine == ["/flush_cache"] * flushes + ["/release_memory_occupation"], mine
+        # asked what it is first: not the embedded engine (no "engine" in its answer), so the flush goes first
+        assert mine == ["/server_info"] + ["/flush_cache"] * flushes + ["/release_memory_occupation"], mine
+
+
+def test_an_engine_that_refuses_a_busy_release_is_asked_to_release_first(monkeypatch):
+    """The embedded engine (GET /server_info names it; asked once per engine) refuses a release while busy instead
+    of dying as SGLang does: the release goes first, and only a refusal (400) waits for idle before the next
+    try. Any other error is raised; an engine that does not say what it is gets the flush first."""
+    seen: list[tuple[str, str]] = []
+    busy = {"e0": 0, "e1": 1, "e2": 0}  # e1: its first release is refused, its first flush answers 400 too
+    kinds = {"e0": {"engine": "miles-local"}, "e1": {"engine": "miles-local"}, "e2": {"version": "0.5.23"}}
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        host, path = req.url.host, req.url.path
+        seen.append((host, path))
+        if path == "/server_info":
+            return httpx.Response(200, json=kinds[host])
+        if path in ("/flush_cache", "/release_memory_occupation") and busy[host] > 0:
+            if path == "/flush_cache":
+                busy[host] -= 1
+            return httpx.Response(
+                400, json={"error": {"message": "should be called only when server is idle."}}
+            )
+        return httpx.Response(200)
+
+    monkeypatch.setattr(eh, "_CLIENT", _client(handler))
+    monkeypatch.setattr(eh, "FLUSH_RETRY_S", 0.01)
+    control = eh.EngineMemoryControl(["http://e0:1", "http://e1:1", "http://e2:1"], "k", 5.0)
+    for _ in range(2):
+        control.release_memory(["weights"])
+    by_host = {h: [p for hh, p in seen if hh == h] for h in busy}
+    release, flush, info = "/release_memory_occupation", "/flush_cache", "/server_info"
+    assert by_host["e0"] == [info, release, release], by_host
+    assert by_host["e1"] == [info, release, flush, flush, release, release], by_host
+    assert by_host["e2"] == [info, flush, release, flush, release], by_host  # SGLang: flush first, always
+    monkeypatch.setattr(eh, "_CLIENT", _client(lambda req: httpx.Response(500, text="boom")))
+    control._refuses_busy = {"http://e0:1": True}
+    with pytest.raises(eh.EngineStatusError, match="engine http://e0:1, release_memory_occupation"):
+        control.engine_urls = ["http://e0:1"]
+        control.release_memory(["weights"])
 
 
 def test_wait_until_idle_ends_at_its_deadline_naming_the_engine_and_its_last_answer(monkeypatch):

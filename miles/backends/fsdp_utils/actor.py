@@ -291,8 +291,8 @@ class FSDPTrainer(PolicyBackend):
         flush_cache: bool = True,
     ) -> dict[str, float]:
         """Refit ``engine_urls`` (all engines, or the restarted ones) through `miles.refit`, the model awake
-        meanwhile. ``resume_tags``: rank 0 resumes them on every engine before the weights move, all ranks
-        raising its error; ``flush_cache`` False under an in_place pause (see `PolicyBackend.update_weights`)."""
+        meanwhile. ``resume_tags``: resumed on every engine before the weights move
+        (`WeightUpdater.resume_engines`), all ranks raising the error; ``flush_cache`` False under an in_place pause (see `PolicyBackend.update_weights`)."""
         was_offloaded = self.state.offloaded
         if was_offloaded:
             self.wake_up()
