@@ -17,7 +17,6 @@ at the ~1.4 us per page fault measured on this machine).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import sys
 
@@ -26,8 +25,8 @@ import sys
 def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    try:  # this process's own symbols (libc's among them): no `find_library`, which runs ldconfig in a subprocess
+        libc = ctypes.CDLL(None)
     except OSError:
         return None
     return libc if hasattr(libc, "malloc_trim") else None
