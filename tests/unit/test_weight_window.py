@@ -150,3 +150,27 @@ def test_window_refusals(engine, tmp_path):
             window.check_covers([(name, (1, 2, 3))])
     finally:
         window.close()
+
+
+def test_layout_asked_while_released_is_the_allocated_one(tmp_path):
+    """A layout first asked while the weights are released describes the allocated shapes (not the empty
+    placeholders of the released fused blocks), so the trainer's first window after a release fits."""
+    path = build_word_model(tmp_path, tie_word_embeddings=True)
+    engines = []
+    for release_first in (False, True):
+        eng = LocalEngine(
+            LocalEngineConfig(model_path=str(path), max_running_requests=2, max_total_tokens=40)
+        )
+        eng.start()
+        engines.append(eng)
+        if release_first:
+            _op(eng, "release_memory_occupation")
+    try:
+        allocated, released = (
+            WindowLayout.from_json(_op(e, "weight_window_layout")["layout"]) for e in engines
+        )
+        assert all(e.shape[0] > 0 for e in released.entries)
+        assert released.digest() == allocated.digest()
+    finally:
+        for eng in engines:
+            eng.stop()

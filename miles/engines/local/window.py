@@ -45,9 +45,9 @@ def plan_layout(
         if any(n is None or n in placed for n in names):
             continue  # not parameters of this store, or shared with another group: laid out plainly below
         start = align_elements(size, dtype.itemsize)
-        for name, w, row in zip(names, group.weights, group.offsets, strict=True):
+        for name, row in zip(names, group.offsets, strict=True):
             assert name is not None  # row blocks of one [out, in] buffer: the trainer writes plain copies
-            rows = (w.shape[0], group.in_features)
+            rows = (shapes[name][0], group.in_features)  # allocated rows (the weight is empty while released)
             entries.append(WindowEntry(name, start + row * group.in_features, rows, (group.in_features, 1)))
             placed.add(name)
         size = start + group.in_features * group.out_features
@@ -55,7 +55,7 @@ def plan_layout(
             start = align_elements(size, dtype.itemsize)
             for b, col in zip(group.biases, group.offsets, strict=True):
                 name = by_id[id(b)]
-                entries.append(WindowEntry(name, start + col, (b.shape[0],), (1,)))
+                entries.append(WindowEntry(name, start + col, (shapes[name][0],), (1,)))
                 placed.add(name)
             size = start + group.out_features
     for name in params:
