@@ -41,11 +41,9 @@ MiB = 1024 * 1024
 
 
 class _Mallinfo2(ctypes.Structure):
-    _fields_ = [
-        (n, ctypes.c_size_t)
-        for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                  "keepcost")  # fmt: skip
-    ]
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]  # fmt: skip
 
 
 def malloc_bytes() -> tuple[int, int] | None:
@@ -110,7 +108,9 @@ def instrument(trainer, log: PhaseLog) -> None:
     from miles.backends.fsdp_utils import actor, model
 
     actor.forward_pack = log.wrap(actor.forward_pack, "forward")
-    trainer.algo = type(trainer.algo)(**{**trainer.algo.__dict__, "loss_fn": log.wrap(trainer.algo.loss_fn, "loss")})
+    trainer.algo = type(trainer.algo)(
+        **{**trainer.algo.__dict__, "loss_fn": log.wrap(trainer.algo.loss_fn, "loss")}
+    )
     torch.Tensor.backward = log.wrap(torch.Tensor.backward, "backward")
     model.clip_grad_norm_sharded = log.wrap(model.clip_grad_norm_sharded, "clip")
     trainer.optimizer.step = log.wrap(trainer.optimizer.step, "optimizer")
@@ -143,10 +143,19 @@ def child(a: argparse.Namespace) -> None:
         out["steps"].append({"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0})
         if a.torch_memory and last and a.rank == 0:
             table = prof.key_averages(group_by_input_shape=True).table(
-                sort_by="self_cpu_memory_usage", row_limit=25, max_name_column_width=40, max_shapes_column_width=60
+                sort_by="self_cpu_memory_usage",
+                row_limit=25,
+                max_name_column_width=40,
+                max_shapes_column_width=60,
             )
             print(table, file=sys.stderr)
     out["rows"] = log.rows
+    if a.malloc_info and a.rank == 0:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.fopen.restype = ctypes.c_void_p
+        f = libc.fopen(a.malloc_info.encode(), b"w")
+        libc.malloc_info(0, ctypes.c_void_p(f))
+        libc.fclose(ctypes.c_void_p(f))
     print(json.dumps(out), flush=True)
     torch.distributed.destroy_process_group()
 
@@ -155,10 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="compute", choices=sorted(WORKLOADS))
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--steps", type=int, default=2, help="train steps (the first one allocates everything anew)")
+    p.add_argument(
+        "--steps", type=int, default=2, help="train steps (the first one allocates everything anew)"
+    )
     p.add_argument("--torch-memory", action="store_true", help="torch profiler allocations of the last step")
     p.add_argument("--model-dir", default=None, help="reuse this built model (built there when missing)")
-    p.add_argument("--env", action="append", default=[], help="NAME=VALUE for the ranks (e.g. MALLOC_* tunables)")
+    p.add_argument(
+        "--env", action="append", default=[], help="NAME=VALUE for the ranks (e.g. MALLOC_* tunables)"
+    )
+    p.add_argument(
+        "--malloc-info", default=None, help="rank 0 writes glibc's malloc_info XML here at the end"
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -181,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, __file__, "--child", "--rank", str(rank), "--model-dir", a.model_dir,
                "--workload", a.workload, "--ranks", str(a.ranks), "--steps", str(a.steps)]  # fmt: skip
         cmd += ["--torch-memory"] if a.torch_memory else []
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        cmd += ["--malloc-info", a.malloc_info] if a.malloc_info else []
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     outs = [p.communicate(timeout=1800) for p in procs]
     for rank, (proc, (_, err)) in enumerate(zip(procs, outs)):
         if proc.returncode != 0:
@@ -191,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         print(err[err.find("-----") :])
     r = json.loads(outs[0][0].strip().splitlines()[-1])
     print(f"rank 0 of {a.ranks}, workload {a.workload}; MiB (peak: highest RSS during the phase)")
-    print(f"{'step':>4} {'phase':<22} {'s':>6} {'rss':>7} {'peak':>7} {'anon':>7} {'m.used':>7} {'m.free':>7}")
+    print(
+        f"{'step':>4} {'phase':<22} {'s':>6} {'rss':>7} {'peak':>7} {'anon':>7} {'m.used':>7} {'m.free':>7}"
+    )
     for row in r["rows"]:
         if row["phase"].startswith("(before") and row["phase"] != "(before forward)":
             continue
