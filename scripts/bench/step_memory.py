@@ -120,7 +120,7 @@ def child(a: argparse.Namespace) -> None:
     import torch
 
     w = get_workload(a.workload)
-    trainer = miles_trainer(a.model_dir, w, a.rank, a.ranks)
+    trainer = miles_trainer(a.model_dir, w, a.rank, a.ranks, a.flag)
     log = PhaseLog()
     if a.rank == 0:
         instrument(trainer, log)
@@ -175,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--malloc-info", default=None, help="rank 0 writes glibc's malloc_info XML here at the end"
     )
+    p.add_argument(
+        "--flag",
+        action="append",
+        default=[],
+        help="an extra miles flag (repeat; e.g. --flag=--gradient-checkpointing)",
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -197,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, __file__, "--child", "--rank", str(rank), "--model-dir", a.model_dir,
                "--workload", a.workload, "--ranks", str(a.ranks), "--steps", str(a.steps)]  # fmt: skip
         cmd += ["--torch-memory"] if a.torch_memory else []
+        cmd += [f"--flag={f}" for f in a.flag]
         cmd += ["--malloc-info", a.malloc_info] if a.malloc_info else []
         procs.append(
             subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -91,9 +92,9 @@ def _vocab(model_dir: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ children
-def miles_trainer(model_dir: str, w: Workload, rank: int, world: int):
+def miles_trainer(model_dir: str, w: Workload, rank: int, world: int, extra: Sequence[str] = ()):
     """Rank `rank` of `world` as `miles.train` runs it: an initialised `FSDPTrainer` with the flags `vs_trl.py`
-    passes (one gloo group; RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment)."""
+    passes and `extra` (one gloo group; RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment)."""
     from miles.backends.fsdp_utils.actor import FSDPTrainer
     from miles.config import parse_config
 
@@ -104,7 +105,7 @@ def miles_trainer(model_dir: str, w: Workload, rank: int, world: int):
             "--advantage-estimator", "grpo", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
             "--optimizer", "adam", "--lr", str(w.lr), "--lr-decay-style", "constant", "--clip-grad", "1.0",
             "--actor-num-nodes", "1", "--actor-num-gpus-per-node", str(world), "--colocate",
-            "--train-backend", "fsdp", "--run-dir", tempfile.mkdtemp(prefix="train-step-"), "--seed", "1"]  # fmt: skip
+            "--train-backend", "fsdp", "--run-dir", tempfile.mkdtemp(prefix="train-step-"), "--seed", "1", *extra]  # fmt: skip
     trainer = FSDPTrainer(parse_config(argv), rank, world)
     trainer.init("actor", with_ref=False)
     return trainer
