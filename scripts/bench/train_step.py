@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -91,32 +92,43 @@ def _vocab(model_dir: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ children
-def miles_child(a: argparse.Namespace, w: Workload) -> None:
-    import torch
-
+def miles_trainer(model_dir: str, w: Workload, rank: int, world: int, extra: Sequence[str] = ()):
+    """Rank `rank` of `world` as `miles.train` runs it: an initialised `FSDPTrainer` with the flags `vs_trl.py`
+    passes and `extra` (one gloo group; RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment)."""
     from miles.backends.fsdp_utils.actor import FSDPTrainer
     from miles.config import parse_config
-    from miles.utils.types import Sample, SampleStatus
 
-    world = a.ranks
-    argv = ["--hf-checkpoint", a.model_dir, "--prompt-data", "unused.jsonl", "--num-rollout", "100",
+    argv = ["--hf-checkpoint", model_dir, "--prompt-data", "unused.jsonl", "--num-rollout", "100",
             "--rollout-batch-size", str(w.n_prompts), "--n-samples-per-prompt", str(w.n_samples),
             "--rollout-max-response-len", str(w.max_response_len), "--rollout-temperature", "1.0",
             "--global-batch-size", str(w.samples_per_step), "--micro-batch-size", str(w.micro_batch_size),
             "--advantage-estimator", "grpo", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
             "--optimizer", "adam", "--lr", str(w.lr), "--lr-decay-style", "constant", "--clip-grad", "1.0",
             "--actor-num-nodes", "1", "--actor-num-gpus-per-node", str(world), "--colocate",
-            "--train-backend", "fsdp", "--run-dir", tempfile.mkdtemp(prefix="train-step-"), "--seed", "1"]  # fmt: skip
-    trainer = FSDPTrainer(parse_config(argv), a.rank, world)
+            "--train-backend", "fsdp", "--run-dir", tempfile.mkdtemp(prefix="train-step-"), "--seed", "1", *extra]  # fmt: skip
+    trainer = FSDPTrainer(parse_config(argv), rank, world)
     trainer.init("actor", with_ref=False)
-    vocab = _vocab(a.model_dir)
+    return trainer
+
+
+def rank_samples(w: Workload, model_dir: str, step: int, rank: int, world: int) -> list:
+    """Rank `rank`'s share of step `step`'s synthetic batch (the driver's round-robin split), as `Sample`s."""
+    from miles.utils.types import Sample, SampleStatus
+
+    rows = synthetic_batch(w, _vocab(model_dir), seed=step)
+    mine = [r for i, r in enumerate(rows) if i % world == rank]
+    return [Sample(index=i, group_index=r["group"], tokens=r["tokens"], response_length=r["response_length"],
+                   loss_mask=[1] * r["response_length"], reward=r["reward"], status=SampleStatus.COMPLETED)
+            for i, r in enumerate(mine)]  # fmt: skip
+
+
+def miles_child(a: argparse.Namespace, w: Workload) -> None:
+    import torch
+
+    trainer = miles_trainer(a.model_dir, w, a.rank, a.ranks)
     times, cpu = [], []
     for step in range(a.warmup + a.steps):
-        rows = synthetic_batch(w, vocab, seed=step)
-        mine = [r for i, r in enumerate(rows) if i % world == a.rank]  # the driver's round-robin split
-        samples = [Sample(index=i, group_index=r["group"], tokens=r["tokens"], response_length=r["response_length"],
-                          loss_mask=[1] * r["response_length"], reward=r["reward"], status=SampleStatus.COMPLETED)
-                   for i, r in enumerate(mine)]  # fmt: skip
+        samples = rank_samples(w, a.model_dir, step, a.rank, a.ranks)
         last = step == a.warmup + a.steps - 1
         prof = torch.profiler.profile() if a.torch_profile and last else contextlib.nullcontext()
         t0, c0 = time.perf_counter(), time.process_time()
