@@ -106,10 +106,6 @@ class FSDPState:
 
             frozen = freeze_vision_tower(self.model)
             logger.info("%s: --freeze-vision-tower: %d vision parameters frozen", spec.role, frozen)
-        if not ps.is_cuda and not cfg.model.gradient_checkpointing:
-            from miles.backends.fsdp_utils.recompute import recompute_mlp_activations
-
-            recompute_mlp_activations(self.model)  # same numbers, ~20% fewer activations kept (recompute.py)
         self.model.train()
         self.defer_grad_sync = default_defer_gradient_sync(ps.device, cfg.train.fsdp_cpu_offload)
         self.steps_per_rollout = cfg.train.steps_per_rollout  # derived once, at validation
