@@ -50,6 +50,7 @@ def test_same_api_and_tokens_as_its_own_process_and_the_host_keeps_its_threads_a
         torch.set_num_threads(2)  # the host sets its count again later (FSDP's set_cpu_threads does)
         assert eng.engine is not None
         assert eng.engine.scheduler.call(torch.get_num_threads).result(30) == 1  # the engine keeps its own
+        assert not eng.engine.config.trim_after_release  # a trim would return the rank's freed memory too
         got = _tokens(eng.url)
         with EngineProcess(model_dir, kind="local", local_args=ARGS) as proc:
             assert got == _tokens(proc.url)  # bitwise: same tokens, same log-probs

@@ -62,6 +62,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "prefill; one more copy of those weights in memory)",
     )
     p.add_argument(
+        "--trim-after-release",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="give the process's free heap pages back to the OS after /release_memory_occupation (glibc "
+        "malloc_trim); an engine served from a training rank's process turns it off: the trim would also return "
+        "the rank's freed activations, which its next step then faults in again",
+    )
+    p.add_argument(
         "--cpu-decode-kernel",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -121,6 +129,7 @@ def engine_config(args: argparse.Namespace) -> LocalEngineConfig:
         update_group_timeout=args.update_group_timeout,
         cpu_packed_weights=args.cpu_packed_weights,
         cpu_decode_kernel=args.cpu_decode_kernel,
+        trim_after_release=args.trim_after_release,
         enable_return_routed_experts=args.enable_return_routed_experts,
         test_off_top_k_every=args.test_off_top_k_every,
     )

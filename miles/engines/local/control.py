@@ -329,7 +329,8 @@ class WeightControl:
             self.runner.release_kv()  # the pool's storage is freed, not just marked unused
             self.kv_released = True
         self.released_tags.update(tags)
-        host_memory.trim()  # what was freed leaves the process too (malloc keeps it otherwise)
+        if self.config.trim_after_release:
+            host_memory.trim()  # what was freed leaves the process too (malloc keeps it otherwise)
         return None  # SGLang answers 200 with an empty (null) body
 
     def _op_resume_memory_occupation(self, tags: list[str] | None = None) -> None:

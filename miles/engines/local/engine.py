@@ -162,6 +162,9 @@ class LocalEngineConfig:
     # CPU, float32: decode attention by a C kernel compiled on first use (see cpu_attention.py); the matmul path
     # when off, or when no compiler is found (logged)
     cpu_decode_kernel: bool = True
+    trim_after_release: bool = (
+        True  # malloc_trim after a memory release (off inside a training rank's process)
+    )
     enable_return_routed_experts: bool = False  # SGLang's flag: MoE routing per token (routing_capture.py)
     test_off_top_k_every: int = 0  # test aid: route positions 0, N, 2N.. off the top-k (routing_capture.py)
 
