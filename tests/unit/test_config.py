@@ -98,7 +98,7 @@ def test_reference_launch_line_passes(reference_argv: list[str]) -> None:
 def test_section_field_names_are_the_agreed_ones() -> None:
     expected = {
         "cluster": "actor_num_nodes actor_num_gpus_per_node rollout_num_gpus rollout_num_gpus_per_engine colocate "
-        "use_fault_tolerance rollout_health_check_interval rollout_health_check_timeout "
+        "use_fault_tolerance cpu_engine_in_trainer rollout_health_check_interval rollout_health_check_timeout "
         "rollout_health_check_first_wait train_env_vars rollout_external rollout_external_engine_addrs",
         "model": "hf_checkpoint attn_implementation gradient_checkpointing freeze_vision_tower fused_elementwise train_dtype",
         "checkpoint": "load ref_load save save_interval keep_last save_hf save_hf_interval",
