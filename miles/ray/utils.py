@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -61,7 +62,7 @@ def init_ray(min_cpus: int, env_vars: dict[str, str] | None = None) -> bool:
         return True
     num_cpus = max(min_cpus, os.cpu_count() or 1)
     logger.info("starting a local Ray instance with %d logical CPUs, listening on loopback only", num_cpus)
-    with _loopback_node(), _lean_head():
+    with _loopback_node(), _lean_head() as lean:
         ray.init(
             num_cpus=num_cpus,
             include_dashboard=False,
@@ -70,6 +71,8 @@ def init_ray(min_cpus: int, env_vars: dict[str, str] | None = None) -> bool:
             logging_level=logging.WARNING,
             _node_ip_address=LOOPBACK,
         )
+    if "start_log_monitor" in lean:
+        _forward_worker_logs()
     return True
 
 
@@ -105,36 +108,123 @@ def _loopback_node() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _lean_head() -> Iterator[None]:
-    """Start a local head without the two Ray helper processes a single-node run has no use for: the autoscaler
-    monitor (the cluster is one fixed node) and the API server that `include_dashboard=False` still starts (it then
-    loads only Ray's usage-stats module). Together ~125 MB of PSS and two processes on the CPU quickstart.
+def _lean_head() -> Iterator[list[str]]:
+    """Start a local head without the Ray helper processes a single-node run has no use for: the autoscaler
+    monitor (the cluster is one fixed node), the API server that `include_dashboard=False` still starts (it then
+    loads only Ray's usage-stats module), the log monitor (run on a thread of the driver, `_forward_worker_logs`)
+    and Ray's dashboard agent: the raylet needs an agent to start and to persist its ports, and gets
+    `agent_stub.py` (`_with_agent_stub`), which persists what the `--minimal` agent does (no metrics agent,
+    HTTP or gRPC server; the driver then also skips importing aiohttp, grpc and opentelemetry, `_minimal_agent`).
+    Together ~260 MB of PSS, four processes and ~1.5 CPU-s of start-up on the CPU quickstart. The runtime-env
+    agent stays (the raylet asks it for every runtime env).
 
-    Ray has no ray.init option for either (`ray start --head --no-monitor` is the CLI's), so the head node's two
-    start methods are skipped while this block runs; a Ray version without them starts its full head as before.
-    The log monitor (worker output to the driver), the dashboard agent and the runtime-env agent (both required
-    by the raylet) stay; the dashboard agent starts `--minimal` (`_minimal_agent`). Only a cluster miles starts
-    itself is affected: one joined through RAY_ADDRESS is not."""
-    from ray._private import node
+    Ray has no ray.init option for these (`ray start --head --no-monitor` is the CLI's), so the head node's start
+    methods are skipped while this block runs; a Ray version without one of these hooks starts that process as
+    before. Only a cluster miles starts itself is affected: one joined through RAY_ADDRESS is not. Yields the
+    start methods skipped."""
+    from ray._private import node, services
     from ray._private import utils as ray_utils
 
-    own = {
-        name: node.Node.__dict__[name]
-        for name in ("start_monitor", "start_api_server")
-        if name in node.Node.__dict__
-    }
+    skipped = ["start_monitor", "start_api_server"]
+    if _log_monitor_class() is not None:  # the driver runs it on a thread instead (`_forward_worker_logs`)
+        skipped.append("start_log_monitor")
+    own = {name: node.Node.__dict__[name] for name in skipped if name in node.Node.__dict__}
     for name in own:
         setattr(node.Node, name, _skip_head_process)
     deps_check = getattr(ray_utils, "get_dashboard_dependency_error", None)
     if deps_check is not None:
         ray_utils.get_dashboard_dependency_error = _minimal_agent
+    start_process = getattr(services, "start_ray_process", None)
+    if start_process is not None:
+        services.start_ray_process = _with_agent_stub(start_process)
     try:
-        yield
+        yield list(own)  # the head's start methods skipped
     finally:
         for name, method in own.items():
             setattr(node.Node, name, method)
         if deps_check is not None:
             ray_utils.get_dashboard_dependency_error = deps_check
+        if start_process is not None:
+            services.start_ray_process = start_process
+
+
+AGENT_FLAG = "--dashboard_agent_command="
+
+
+def _with_agent_stub(start_process: Callable[..., Any]) -> Callable[..., Any]:
+    """`services.start_ray_process`, but the raylet's dashboard agent is `miles/ray/agent_stub.py` (a bare
+    interpreter that persists the ports the minimal agent persists, -1 each, and waits for the raylet) instead of
+    Ray's `dashboard/agent.py`. A raylet command without that flag or script starts as it is."""
+    import ray as ray_pkg
+
+    agent = os.path.join(os.path.dirname(ray_pkg.__file__), "dashboard", "agent.py")
+    stub = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent_stub.py")
+
+    def start(command: list[str], process_type: str, *args: Any, **kwargs: Any) -> Any:
+        if process_type == "raylet" and os.path.exists(stub):
+            command = [a.replace(agent, stub, 1) if a.startswith(AGENT_FLAG) else a for a in command]
+        return start_process(command, process_type, *args, **kwargs)
+
+    return start
+
+
+def _log_monitor_class() -> type | None:
+    """Ray's `LogMonitor` when it has the steps `_forward_worker_logs` runs, else None (its own process stays)."""
+    try:
+        from ray._private.log_monitor import LogMonitor
+    except ImportError:
+        return None
+    steps = (
+        "should_update_filenames",
+        "update_log_filenames",
+        "open_closed_files",
+        "check_log_files_and_publish_updates",
+    )
+    return LogMonitor if all(hasattr(LogMonitor, s) for s in steps) else None
+
+
+def _forward_worker_logs() -> None:
+    """Ray's log monitor (it tails the workers' output files and publishes new lines; the driver prints them with
+    `log_to_driver`) on a daemon thread of the driver instead of a process of its own (~50 MB PSS, ~0.5 CPU-s
+    of start-up): the same loop as Ray's, one pass every 0.1 s while nothing new was written. It ends with the
+    Ray instance it was started for (`ray.shutdown`). The workers write their log files themselves."""
+    import threading
+
+    from ray._private import worker
+    from ray._raylet import GcsClient
+
+    node = worker._global_node
+    monitor_cls = _log_monitor_class()
+    assert node is not None and monitor_cls is not None
+    monitor = monitor_cls(node.node_ip_address, node._logs_dir, GcsClient(address=node.gcs_address), _alive)
+
+    def run() -> None:
+        updated = 0.0
+        while worker._global_node is node:
+            try:
+                if monitor.should_update_filenames(updated):  # Ray's back-pressure on globbing many files
+                    monitor.update_log_filenames()
+                    updated = time.time()
+                monitor.open_closed_files()
+                published = monitor.check_log_files_and_publish_updates()
+            except Exception:  # Ray stopping under it (files moved, GCS gone): the instance's end
+                if worker._global_node is node:
+                    logger.exception("forwarding the Ray workers' output to the driver failed; it stops")
+                return
+            if not published:
+                time.sleep(0.1)
+
+    threading.Thread(target=run, name="miles-ray-log-monitor", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _skip_head_process(self: Any, **_: Any) -> None:

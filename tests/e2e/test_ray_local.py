@@ -94,23 +94,37 @@ def _script(pid: int) -> str:
         return ""
 
 
-def test_local_ray_starts_no_autoscaler_monitor_or_api_server_and_a_minimal_agent(local_ray):
-    from ray._private import node
+def test_local_ray_starts_no_autoscaler_monitor_api_server_log_monitor_or_dashboard_agent(local_ray, capsys):
+    import threading
+    import time
+
+    from ray._private import node, services
 
     scripts = [_script(pid) for pid in _descendants(os.getpid())]
-    assert any("log_monitor.py" in s for s in scripts), scripts  # worker output still reaches the driver
-    agents = [s for s in scripts if "dashboard/agent.py" in s]
-    assert agents, scripts  # the raylet needs its agents
-    assert all("--minimal" in s for s in agents), agents  # no metrics agent, HTTP or gRPC server
+    assert not [s for s in scripts if "log_monitor.py" in s], scripts  # a thread of the driver instead
+    assert not [s for s in scripts if "dashboard/agent.py" in s], scripts
+    assert [s for s in scripts if "miles/ray/agent_stub.py" in s], scripts  # the raylet's stand-in agent
+    assert [s for s in scripts if "runtime_env/agent/main.py" in s], scripts  # runtime envs need this one
     assert not [s for s in scripts if "autoscaler/_private/monitor.py" in s or "dashboard/dashboard.py" in s]
-    assert node.Node.start_monitor.__name__ == "start_monitor"  # Ray's methods are back after the start
-    assert node.Node.start_api_server.__name__ == "start_api_server"
+    for name in ("start_monitor", "start_api_server", "start_log_monitor"):  # Ray's own, back after the start
+        assert getattr(node.Node, name).__name__ == name
+    assert services.start_ray_process.__name__ == "start_ray_process"
     from ray._private import utils as ray_utils
 
     assert ray_utils.get_dashboard_dependency_error.__name__ == "get_dashboard_dependency_error"
     env = {"env_vars": {"MILES_PROBE": "1"}}  # a runtime env still reaches workers (the runtime-env agent)
     probe = local_ray.remote(num_cpus=0, runtime_env=env)(lambda: os.environ.get("MILES_PROBE"))
     assert local_ray.get(probe.remote(), timeout=60) == "1"
+    # a worker's output still reaches the driver (the log monitor's thread publishes it, Ray's prints it)
+    assert "miles-ray-log-monitor" in [t.name for t in threading.enumerate()]
+    local_ray.get(local_ray.remote(num_cpus=0)(lambda: print("miles-probe-line", flush=True)).remote())
+    seen = ""
+    for _ in range(100):
+        seen += capsys.readouterr().out
+        if "miles-probe-line" in seen:
+            break
+        time.sleep(0.1)
+    assert "miles-probe-line" in seen
 
 
 def _group(ray, timeout: float):
