@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from miles.ray.colocate import MEMORY_TAGS, MemoryChoreography, TrainerOnly
-from miles.ray.engine_fleet import EngineFleet, engines_in_trainers
+from miles.ray.engine_fleet import EngineFleet, engines_in_trainers, fleet_in_driver
 from miles.ray.placement import Placement, cluster_has_gpus, create_placement
 from miles.ray.rollout_manager import RolloutManager
 from miles.ray.system import (
@@ -26,7 +26,7 @@ from miles.ray.system import (
     TrainSystem,
 )
 from miles.ray.train_group import RayTrainGroup
-from miles.ray.utils import cpu_trainer_threads, init_ray, ray_get
+from miles.ray.utils import cpu_trainer_threads, init_ray, local_actor, ray_get
 from miles.utils.engine_control_http import EngineMemoryControl
 from miles.utils.progress import ProgressBar, progress_bar, progress_enabled, progress_env
 from miles.utils.tracking import Tracker
@@ -335,11 +335,15 @@ def _tracker(cfg: Config) -> Tracker:
 def _start_rollout_side(
     cfg: Config, placement: Placement | None, num_rollout: int
 ) -> tuple[ActorHandle, ActorHandle]:
-    """Start the engine fleet and the rollout manager (Ray actors; their constructors run meanwhile). The rollout
+    """Start the engine fleet and the rollout manager (Ray actors, their constructors run meanwhile; the fleet in
+    this process where it only starts and stops engines inside the ranks, `fleet_in_driver`). The rollout
     side loads its tokenizer and prompts while the trainers and engines start; it gets the engines' URLs
     (`_connect`) once they answer."""
-    fleet = ray.remote(EngineFleet).options(num_cpus=0).remote(cfg, placement, num_rollout)
     rollout = ray.remote(RolloutManager).options(num_cpus=0).remote(cfg)
+    if fleet_in_driver(cfg, placement):  # it only starts and stops the engines inside the training ranks
+        fleet = local_actor(EngineFleet, cfg, placement, num_rollout, in_driver=True)
+    else:
+        fleet = ray.remote(EngineFleet).options(num_cpus=0).remote(cfg, placement, num_rollout)
     return fleet, rollout
 
 

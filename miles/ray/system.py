@@ -21,7 +21,7 @@ import ray
 from miles.ray.colocate import MemoryChoreography, TrainerOnly
 from miles.ray.placement import Placement
 from miles.ray.train_group import RayTrainGroup
-from miles.ray.utils import phase_timeout, ray_get
+from miles.ray.utils import LocalActor, phase_timeout, ray_get
 from miles.utils.debug_data import load_rollout, save_rollout
 from miles.utils.progress import ProgressBar
 from miles.utils.seqlen_balancing import partition_samples_by_dp
@@ -44,7 +44,7 @@ class EngineSide:
 
     cfg: Config
     rollout: ActorHandle  # Ray actor handle of RolloutManager
-    fleet: ActorHandle  # Ray actor handle of EngineFleet
+    fleet: ActorHandle  # Ray actor handle of EngineFleet, or the driver's `LocalActor` (`fleet_in_driver`)
     engine_urls: list[str]
 
     @property
@@ -167,7 +167,8 @@ class _Run:
             else:  # the training workers have ended; the engine actors are the fleet's: they go with it
                 if engines is not None:
                     ray.kill(engines.rollout)
-                    ray.kill(engines.fleet)
+                    if not isinstance(engines.fleet, LocalActor):  # else it lives in this process
+                        ray.kill(engines.fleet)
                 if placement is not None:
                     ray.util.remove_placement_group(placement.pg)
 

@@ -32,6 +32,33 @@ def ray_get(refs: Any, timeout: float | None, phase: str, stalled: Callable[[], 
         raise phase_timeout(message, culprit) from e
 
 
+class LocalActor:
+    """An object of the driver's own process behind a Ray actor handle's interface: `handle.method.remote(*args)`
+    runs the method at once, in the calling thread, and returns an ObjectRef of its result (`ray.put`), so that
+    `ray_get` reads it as it reads an actor's answer; an exception is raised by `.remote()` itself. For a helper
+    the driver only calls and waits on, where an actor of its own would cost a process (`fleet_in_driver`)."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.obj, name)
+        return _LocalMethod(method)
+
+
+class _LocalMethod:
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self.method = method
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return ray.put(self.method(*args, **kwargs))
+
+
+def local_actor(cls: type, *args: Any, **kwargs: Any) -> LocalActor:
+    """`cls(*args, **kwargs)` built in this process, behind a `LocalActor`."""
+    return LocalActor(cls(*args, **kwargs))
+
+
 def phase_timeout(message: str, stalled: str) -> PhaseTimeoutError:
     """The error of a phase past its deadline: `message`, the stalled component and the hang folder."""
     return PhaseTimeoutError(expired(f"{message}; stalled: {stalled}", stalled))

@@ -50,6 +50,7 @@ def test_colocated_cpu_engines_run_inside_the_training_ranks(tmp_path):
     import ray
 
     from miles.ray.setup import build_system
+    from miles.ray.utils import LocalActor
 
     model = build_tiny_model(tmp_path / "model", task="echo")
     data = write_jsonl(make_rows("echo", 32, seed=0), tmp_path / "echo.jsonl")
@@ -72,6 +73,9 @@ def test_colocated_cpu_engines_run_inside_the_training_ranks(tmp_path):
             info = httpx.get(url + "/model_info", headers=key, timeout=30).json()
             assert info["weight_version"] == "0", info
         assert not _engine_processes(str(model))  # no `python -m miles.engines.local` of this run
+        # nor an engine fleet actor: the fleet, which only started the engines in the ranks, is the driver's
+        assert isinstance(system.engines.fleet, LocalActor)
+        assert not [a for a in ray._private.state.actors().values() if a["ActorClassName"] == "EngineFleet"]
         samples, _ = system.generate(0)
         assert len(samples) == 8 and all(s.response_length >= 1 for s in samples)
         ray.get(system.engines.fleet.shutdown.remote())  # the ranks live on; their servers stop

@@ -102,6 +102,12 @@ def _install(monkeypatch: pytest.MonkeyPatch, log: Log, gpu: bool) -> None:
         return [r.resolve() for r in refs] if isinstance(refs, list) else refs.resolve()
 
     monkeypatch.setattr(setup, "ray", _FakeRay(log))
+
+    def local_actor(cls: type, *args: object, **kwargs: object) -> _Actor:
+        log("start in the driver", cls.__name__)  # an object of the driver's process, no actor of its own
+        return _Actor(log, cls.__name__)
+
+    monkeypatch.setattr(setup, "local_actor", local_actor)
     monkeypatch.setattr(setup, "ray_get", ray_get)
     monkeypatch.setattr(setup, "init_ray", lambda min_cpus: True)
     monkeypatch.setattr(setup, "cluster_has_gpus", lambda: gpu)
@@ -170,14 +176,15 @@ def test_colocated_embedded_engines_on_cpu_start_with_the_trainers(monkeypatch, 
 @pytest.mark.parametrize("engine", ["auto", "local"])
 def test_colocated_embedded_engines_on_cpu_start_inside_the_built_ranks_by_default(monkeypatch, engine):
     """The default on CPU: the engines start in the actor ranks' processes once the ranks are built, rank i
-    hosting engine i; then release, resume and refit as when they start beside the trainers."""
+    hosting engine i; then release, resume and refit as when they start beside the trainers. The fleet, which
+    then only starts and stops them, is an object of the driver's process, not an actor of its own."""
     log = Log()
     _install(monkeypatch, log, gpu=False)
     system = setup.build_system(
         _cfg("--colocate", "--rollout-engine", engine, "--actor-num-gpus-per-node", "2")
     )
     assert _events(log) == [
-        ("start", "EngineFleet"),
+        ("start in the driver", "EngineFleet"),
         ("trainers build", "actor"),
         ("engines start in the ranks", (["actor-rank0", "actor-rank1"],)),
         ("engines answer",),

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -100,3 +101,54 @@ def test_off_switch_and_fault_tolerance_launch_one_engine_actor_each(monkeypatch
         assert fleet.hosts == [] and len(fleet.engine_urls) == 2
         if fleet.monitor is not None:
             fleet.monitor.close()
+
+
+@pytest.mark.parametrize(
+    ("extra", "gpu", "in_driver"),
+    [
+        (["--colocate"], False, True),  # the fleet only starts and stops the engines inside the ranks
+        (["--colocate", "--router-policy", "round_robin"], False, False),  # it runs a router process
+        (["--colocate", "--no-cpu-engine-in-trainer"], False, False),  # it launches engine actors
+        (["--colocate"], True, False),
+        (["--colocate", "--use-fault-tolerance"], False, False),  # its health monitor restarts engines
+    ],
+)
+def test_which_runs_keep_the_fleet_in_the_drivers_process(extra, gpu, in_driver):
+    placement = SimpleNamespace(use_gpu=gpu)
+    assert engine_fleet.fleet_in_driver(_cfg(*extra), placement) is in_driver
+    assert not engine_fleet.fleet_in_driver(_cfg(*extra), None)  # nothing placed: external engines
+
+
+def test_a_fleet_in_the_driver_installs_no_stacks_handler_and_leaves_the_environment(monkeypatch, tmp_path):
+    """The driver's own SIGUSR1 handler (its hang dumps) and environment stay as they are."""
+    from miles.utils import hang_dump
+
+    installed: list = []
+    monkeypatch.setattr(hang_dump, "install", lambda *a, **k: installed.append(a))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    cfg = _cfg("--colocate", run_dir=str(tmp_path))
+    EngineFleet(cfg, SimpleNamespace(use_gpu=False), num_rollout_workers=2, in_driver=True)
+    assert installed == [] and "HF_HUB_OFFLINE" not in os.environ
+    EngineFleet(cfg, SimpleNamespace(use_gpu=False), num_rollout_workers=2)  # an actor's process of its own
+    assert [a[1] for a in installed] == ["engine-fleet"]
+
+
+def test_a_local_actor_answers_remote_calls_at_once_and_raises_from_remote(monkeypatch):
+    from miles.ray import utils
+
+    monkeypatch.setattr(utils.ray, "put", lambda value: ("ref", value))
+
+    class Thing:
+        calls: list = []
+
+        def add(self, a, b=0):
+            self.calls.append((a, b))
+            return a + b
+
+        def fail(self):
+            raise ValueError("no")
+
+    handle = utils.local_actor(Thing)
+    assert handle.add.remote(1, b=2) == ("ref", 3) and Thing.calls == [(1, 2)]  # ran before any get
+    with pytest.raises(ValueError, match="no"):
+        handle.fail.remote()
