@@ -188,8 +188,9 @@ def _with_agent_stub(start_process: Callable[..., Any]) -> Callable[..., Any]:
     stub = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent_stub.py")
 
     def start(command: list[str], process_type: str, *args: Any, **kwargs: Any) -> Any:
-        if process_type == "raylet" and os.path.exists(stub):
-            command = [a.replace(agent, stub, 1) if a.startswith(AGENT_FLAG) else a for a in command]
+        if process_type == "raylet" and os.path.exists(stub) and " " not in stub:
+            # -S: no site-packages (the stub needs the standard library only): 3 MB of PSS instead of 7
+            command = [a.replace(agent, f"-S {stub}", 1) if a.startswith(AGENT_FLAG) else a for a in command]
         return start_process(command, process_type, *args, **kwargs)
 
     return start
@@ -218,7 +219,7 @@ def _forward_worker_logs() -> None:
     import threading
 
     from ray._private import worker
-    from ray._raylet import GcsClient
+    from ray._raylet import GcsClient  # type: ignore[attr-defined]
 
     node = worker._global_node
     monitor_cls = _log_monitor_class()
