@@ -56,7 +56,9 @@ def role(pid: int) -> str | None:
     if "ray::" in cmd:
         name = cmd.split("ray::", 1)[1].split()[0].split(".")[0]
         return None if name == "IDLE" else "trainer" if name == "TrainWorker" else name
-    for key, name in (("agent_stub", "DashboardAgent stub"), ("miles.engines.local", "engine server"), ("miles.train", "driver"),
+    if any(a.endswith("agent_stub.py") for a in cmd.split()[:4]):  # the raylet's command line names it too
+        return "DashboardAgent stub"
+    for key, name in (("miles.engines.local", "engine server"), ("miles.train", "driver"),
                       ("log_monitor", "LogMonitor"), ("gcs_server", "gcs"), ("raylet", "raylet")):  # fmt: skip
         if key in cmd:
             return name
