@@ -17,10 +17,13 @@ NODE = "ab" * 28
 
 
 def test_the_stub_persists_the_minimal_agents_ports_and_exits_with_its_parent(tmp_path):
-    # its parent, a shell that exits 1 s after starting it, stands for the raylet
+    # its parent, a shell that exits once its stdin closes, stands for the raylet
     args = [sys.executable, "-u", str(STUB), f"--node-id={NODE}", f"--session-dir={tmp_path}", "--minimal"]
     parent = subprocess.Popen(
-        ["sh", "-c", '"$@" & echo $!; sleep 1', "sh", *args], stdout=subprocess.PIPE, text=True
+        ["sh", "-c", '"$@" </dev/null & echo $!; read line', "sh", *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     stub = int(parent.stdout.readline())
     deadline = time.monotonic() + 30
@@ -32,8 +35,11 @@ def test_the_stub_persists_the_minimal_agents_ports_and_exits_with_its_parent(tm
     from ray._raylet import wait_for_persisted_port  # Ray's own reader agrees on the format
 
     assert wait_for_persisted_port(str(tmp_path), NODE, "metrics_agent_port", 5000) == -1
+    time.sleep(1.5)  # a poll of its parent or more
     os.kill(stub, 0)  # still there while its parent lives
+    parent.stdin.close()
     parent.wait(timeout=30)
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
             os.kill(stub, 0)
