@@ -161,7 +161,7 @@ def staleness(metrics: list[dict], driver: str, warmup: int) -> tuple[float, flo
     means = [float(m["async/staleness_mean"]) for m in steady if "async/staleness_mean" in m]
     if means:
         return statistics.fmean(means), max(float(m["async/staleness_max"]) for m in steady), True
-    value = STALENESS_BY_CONSTRUCTION.get(driver, float("nan"))
+    value = STALENESS_BY_CONSTRUCTION.get(base_driver(driver), float("nan"))
     return value, value, False
 
 
@@ -302,21 +302,40 @@ class Run:
     error: str | None = None
 
 
+def base_driver(driver: str) -> str:
+    """The `DRIVERS` entry a run's driver name stands for: `fully_async[NAME]` (a `--variant`) is fully async."""
+    return driver.split("[", 1)[0]
+
+
+def parse_variants(specs: list[str]) -> dict[str, str]:
+    """`--variant NAME=FLAGS` (repeatable) -> {"fully_async[NAME]": FLAGS}: more fully async configurations, run
+    interleaved with the others (each replaces `--fully-async-args` for its runs)."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, flags = spec.partition("=")
+        if not sep or not re.fullmatch(r"[\w.+-]+", name) or f"fully_async[{name}]" in out:
+            raise ValueError(f"--variant {spec!r}: NAME=FLAGS, NAME unique, of letters, digits, '_.+-'")
+        out[f"fully_async[{name}]"] = flags
+    return out
+
+
 def driver_command(w: Workload, driver: str, model: Path, data: Path, run_dir: Path, placement: str, seed: int,
                    fully_async_args: list[str]) -> list[str]:  # fmt: skip
-    """vs_trl's miles command for `w`, through `driver`'s module, with --dump-details."""
-    module, extra = DRIVERS[driver]
+    """vs_trl's miles command for `w`, through `driver`'s module, with --dump-details; `fully_async_args` go to
+    the fully async driver (and its variants) only."""
+    module, extra = DRIVERS[base_driver(driver)]
     cmd = miles_command(w, model, data, run_dir, BENCH_PLACEMENTS[placement], seed)
     cmd[cmd.index("miles.train")] = module
     cmd += [*extra, "--dump-details", str(run_dir / "details")]
-    return cmd + (fully_async_args if driver == "fully_async" else [])
+    return cmd + (fully_async_args if base_driver(driver) == "fully_async" else [])
 
 
 def run_one(w: Workload, driver: str, placement: str, repeat: int, seed: int, paths: tuple[Path, Path, Path],
             a: argparse.Namespace) -> Run:  # fmt: skip
     model, data, run_dir = paths
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = driver_command(w, driver, model, data, run_dir, placement, seed, a.fully_async_args.split())
+    flags = a.variants.get(driver, a.fully_async_args)
+    cmd = driver_command(w, driver, model, data, run_dir, placement, seed, flags.split())
     key = secrets.token_hex(16)  # this run's engine key (MILES_ENGINE_API_KEY), so the poller may ask them
     t0 = time.time()
     engines = int(placement.split("+")[1])
@@ -380,9 +399,9 @@ def format_report(w: Workload, runs: list[Run], placements: list[str]) -> tuple[
     out: dict = {"lengths": lens}
     for p in placements:
         lines.append(f"-- placement {p} (trainers+engines, disaggregated)")
-        lines.append(f"   {'driver':14}" + "".join(f"{c:>22}" for c, _, _ in COLUMNS) + "  runs")
+        lines.append(f"   {'driver':22}" + "".join(f"{c:>22}" for c, _, _ in COLUMNS) + "  runs")
         table: dict = {}
-        for d in DRIVERS:
+        for d in dict.fromkeys(r.driver for r in runs):  # in the order they ran
             rs = [r for r in runs if r.placement == p and r.driver == d]
             if not rs:
                 continue
@@ -390,7 +409,7 @@ def format_report(w: Workload, runs: list[Run], placements: list[str]) -> tuple[
             cols = {key: Spread.of([getattr(r, key) for r in ok]) for _, key, _ in COLUMNS}
             star = "" if any(r.staleness_measured for r in ok) else "*"
             cells = [cols[k].fmt(dig) + (star if k.startswith("staleness") else "") for _, k, dig in COLUMNS]
-            lines.append(f"   {d:14}" + "".join(f"{c:>22}" for c in cells) + f"  {len(ok)}/{len(rs)}")
+            lines.append(f"   {d:22}" + "".join(f"{c:>22}" for c in cells) + f"  {len(ok)}/{len(rs)}")
             table[d] = {k: dataclasses.asdict(v) for k, v in cols.items()}
         ratio, tok_ratio = (
             _ratio(table, "fully_async", "sync", k) for k in ("samples_per_s", "tokens_per_s")
@@ -398,6 +417,10 @@ def format_report(w: Workload, runs: list[Run], placements: list[str]) -> tuple[
         lines.append(f"   fully async / sync samples/s: {ratio:.2f}x (target >= 1.5x); response tokens/s: "
                      f"{tok_ratio:.2f}x (the same work per sample only if resp len matches)")  # fmt: skip
         out[p] = {"drivers": table, "ratio_fully_async_over_sync": ratio, "tokens_ratio": tok_ratio}
+        for d in [d for d in table if d.startswith("fully_async[")]:
+            r_s, r_t = (_ratio(table, d, "sync", k) for k in ("samples_per_s", "tokens_per_s"))
+            lines.append(f"   {d} / sync samples/s: {r_s:.2f}x; response tokens/s: {r_t:.2f}x")
+            out[p][f"ratio_{d}_over_sync"] = r_s
     return "\n".join(lines), out
 
 
@@ -444,6 +467,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=FULLY_ASYNC_ARGS,
         help=f"extra flags for the fully async driver (one string; default {FULLY_ASYNC_ARGS!r})",
     )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="another fully async configuration, run after the drivers in each round as fully_async[NAME] with "
+        "FLAGS instead of --fully-async-args (repeatable), e.g. --variant inplace='--max-weight-staleness 2 "
+        "--use-tis --pause-generation-mode in_place'",
+    )
     p.add_argument("--poll-s", type=float, default=0.05, help="engine /get_load polling interval")
     p.add_argument("--timeout-s", type=float, default=1800, help="per-run timeout")
     p.add_argument("--quick", action="store_true", help="6 steps, 1 repeat, shorter tail: a smoke check")
@@ -455,6 +487,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--placements {a.placements!r}: a comma-separated subset of {sorted(BENCH_PLACEMENTS)}")
     if not a.driver_names or any(x not in DRIVERS for x in a.driver_names):
         p.error(f"--drivers {a.drivers!r}: a comma-separated subset of {list(DRIVERS)}")
+    try:
+        a.variants = parse_variants(a.variant)
+    except ValueError as e:
+        p.error(str(e))
     if a.repeats < 1:
         p.error(f"--repeats {a.repeats}: must be >= 1")
     if a.steps is not None and a.steps < 2:
@@ -476,9 +512,9 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     for placement in a.placement_names:
         for rep in range(a.repeats):
-            for driver in a.driver_names:  # A/B/C
+            for driver in [*a.driver_names, *a.variants]:  # A/B/C
                 seed = a.seed + rep
-                run_dir = work / placement / f"{driver}-{rep}"
+                run_dir = work / placement / f"{driver.replace('[', '-').rstrip(']')}-{rep}"
                 r = run_one(w, driver, placement, rep, seed, (model, data, run_dir), a)
                 runs.append(r)
                 print(f"[async] {placement} {driver} #{rep} (seed {seed}): " + (
