@@ -83,6 +83,7 @@ class AsyncGenerationWorker:
         self.admitted = 0  # groups admitted so far: names their requests
         self.retry: deque[list[Sample]] = deque()  # fresh groups to start again (retry handler)
         self.fresh: dict[int, list[Sample]] = {}  # admission number -> the group as admitted (for retry)
+        self.admit_at: dict[int, int] = {}  # admission number -> engine version then, until taken or filtered
         self.counts: Counter[str] = Counter()  # this step's dropped, retried, continued, ... (see take_batch)
         self.paused = False
         self._lock = threading.Lock()
@@ -117,9 +118,11 @@ class AsyncGenerationWorker:
         with self._lock:
             self.next_step, self.taken_for_step = step, 0
         kept: list[list[Sample]] = []
+        until = None if timeout is None else time.monotonic() + timeout
         while len(kept) < s.batch:
-            group = self.buffer.take(timeout, self.alive)
+            group = self._take_group(step, s.batch - len(kept), until)
             with self._lock:
+                self.admit_at.pop(group[0].metadata[GROUP_KEY], None)
                 fresh = self.fresh.pop(group[0].metadata[GROUP_KEY])
                 if not stale(group, step, s.max_staleness):
                     kept.append(group)
@@ -140,6 +143,42 @@ class AsyncGenerationWorker:
         kept.sort(key=lambda g: g[0].metadata[GROUP_KEY])
         metrics = _step_metrics(kept, step, {**counts, **extra})  # (a Counter union would drop the zeros)
         return kept, metrics | {f"timing/async_worker/{k}": v for k, v in clock.items()}
+
+    def _take_group(self, step: int, need: int, until: float | None) -> list[Sample]:
+        """The next group for step `step`'s batch (`need` still to take). Without a bound: the first finished.
+        With one, a group is never left behind to go stale while the trainer could still take it: first the
+        buffered groups that would be beyond the bound at the next step (oldest admitted first), then, while
+        the groups in flight that must be trained at this step at the latest number at least `need`, wait for
+        them (the engines meanwhile generate what pacing admits; a long response no longer ages past the
+        bound while later, shorter ones fill the batches); otherwise the first finished. A full buffer is
+        taken from anyway (a group that must go now may be waiting for its room)."""
+        if self.s.max_staleness is None:
+            return self.buffer.take(None if until is None else max(0.0, until - time.monotonic()), self.alive)
+        while True:
+            with self._lock:
+                seen = self.buffer.changes
+                key = self._choose(step, need)
+            if key is not None:
+                return self.buffer.take_where(lambda g, k=key: g[0].metadata[GROUP_KEY] == k)
+            left = 1.0 if until is None else until - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no finished prompt group for step {step} in time")
+            self.buffer.wait_change(seen, min(1.0, left), self.alive)
+
+    def _choose(self, step: int, need: int) -> int | None:
+        """`_take_group`'s choice (under the lock): a buffered group's admission number, or None to wait."""
+        bound = self.s.max_staleness
+        assert bound is not None
+        buffered = self.buffer.snapshot()
+        keys = [g[0].metadata[GROUP_KEY] for g in buffered]
+        due = [k for k, g in zip(keys, buffered, strict=True) if stale(g, step + 1, bound)]
+        if due:  # the last step that may train them (or already beyond: the caller discards them)
+            return min(due)
+        done = set(keys)
+        due_in_flight = sum(1 for c, v in self.admit_at.items() if c not in done and step + 1 - v > bound)
+        if keys and (need > due_in_flight or len(keys) >= self.buffer.capacity):
+            return keys[0]
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the worker (JSON-able), as of now: the data cursor, the admission count,
@@ -255,6 +294,7 @@ class AsyncGenerationWorker:
             for group in groups:
                 c, self.admitted = self.admitted, self.admitted + 1
                 self.fresh[c] = copy.deepcopy(group)
+                self.admit_at[c] = self.engine_version
                 for j, sample in enumerate(group):
                     sample.index = (c % s.batch) * s.group_size + j
                     sample.metadata[GROUP_KEY] = c
@@ -300,6 +340,7 @@ class AsyncGenerationWorker:
                 if not verdict.keep:
                     self.counts[f"filtered_groups/{verdict.reason or 'filtered'}"] += 1
                     self.fresh.pop(group[0].metadata[GROUP_KEY], None)
+                    self.admit_at.pop(group[0].metadata[GROUP_KEY], None)
             if verdict.keep:
                 with self._lock:
                     self.waiting_put += 1
@@ -313,6 +354,7 @@ class AsyncGenerationWorker:
             with self._lock:
                 self.in_flight -= 1
                 self.clock.tick(self._state())
+            self.buffer.poke()  # a trainer waiting for this group (filtered, or failed) looks again
 
     async def _pause(self, mode: str) -> None:
         with self._lock:
