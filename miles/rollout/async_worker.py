@@ -163,7 +163,11 @@ class AsyncGenerationWorker:
             left = 1.0 if until is None else until - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no finished prompt group for step {step} in time")
+            t0, for_due = time.monotonic(), len(self.buffer) > 0  # else: nothing finished yet
             self.buffer.wait_change(seen, min(1.0, left), self.alive)
+            if for_due:  # what not discarding costs the trainer
+                with self._lock:
+                    self.clock.waited_for_due += time.monotonic() - t0
 
     def _choose(self, step: int, need: int) -> int | None:
         """`_take_group`'s choice (under the lock): a buffered group's admission number, or None to wait."""
@@ -384,12 +388,14 @@ class AsyncGenerationWorker:
 class PhaseClock:
     """Time integrals of the worker's state between two `take`s (`timing/async_worker/*`): `tick(state)` when the
     state changes (the previous state held since the last tick); `take(state)` returns the integrals
-    (`generating_samples`: the time-mean of the samples generating; every other key: seconds) and starts again."""
+    (`generating_samples`: the time-mean of the samples generating; every other key: seconds) and starts again;
+    `wait_for_due_s`: how long the trainer waited for groups due at its step while others were buffered."""
 
     def __init__(self) -> None:
         self.since = self.start = time.monotonic()
         self.state: dict[str, float] = {}
         self.sums: dict[str, float] = {}
+        self.waited_for_due = 0.0  # see the class docstring
 
     def tick(self, state: dict[str, float]) -> None:
         now = time.monotonic()
@@ -402,8 +408,8 @@ class PhaseClock:
         span = max(self.since - self.start, 1e-9)
         out = dict(self.sums)
         out["generating_samples"] = self.sums.get("generating_samples", 0.0) / span
-        out["span_s"] = span
-        self.start, self.sums = self.since, {}
+        out["span_s"], out["wait_for_due_s"] = span, self.waited_for_due
+        self.start, self.sums, self.waited_for_due = self.since, {}, 0.0
         return out
 
 

@@ -84,7 +84,7 @@ FULLY_ASYNC_ARGS = "--max-weight-staleness 2 --use-tis"
 PHASES = ("timing/rollout", "timing/train", "timing/refit", "timing/async_pause", "timing/async_refit",
           "timing/async_continue", "timing/async_worker/generating_samples", "timing/async_worker/idle_s",
           "timing/async_worker/buffer_full_s", "timing/async_worker/pacing_stall_s",
-          "timing/async_worker/paused_s")  # fmt: skip
+          "timing/async_worker/paused_s", "timing/async_worker/wait_for_due_s")  # fmt: skip
 ENGINE_LINE = re.compile(r"embedded engine serving .* on ([\w.\-]+):(\d+)\s*$")
 
 LONGTAIL = dataclasses.replace(

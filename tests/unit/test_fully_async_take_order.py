@@ -90,3 +90,18 @@ def test_a_full_buffer_is_taken_from_and_a_filtered_group_is_not_waited_for():
     threading.Timer(0.3, filtered).start()
     kept, _ = worker.take_batch(5, timeout=10)
     assert _keys(kept) == [2, 3]
+
+
+def test_the_wait_for_a_due_group_is_timed():
+    """timing/async_worker/wait_for_due_s: the trainer's wait for a due group while others were buffered (the
+    cost of not discarding it); 0 when nothing had to be waited for."""
+    worker = _worker()
+    late = _admit(worker, 0, 4)
+    for c in (2, 3):
+        worker.buffer.put(_admit(worker, c, 5))
+    threading.Timer(0.3, worker.buffer.put, (late,)).start()
+    _, metrics = worker.take_batch(5, timeout=10)
+    assert 0.2 < metrics["timing/async_worker/wait_for_due_s"] < 5
+    worker.buffer.put(_admit(worker, 4, 6))
+    _, metrics = worker.take_batch(6, timeout=1)
+    assert metrics["timing/async_worker/wait_for_due_s"] == 0.0
