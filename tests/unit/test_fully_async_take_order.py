@@ -105,3 +105,44 @@ def test_the_wait_for_a_due_group_is_timed():
     worker.buffer.put(_admit(worker, 4, 6))
     _, metrics = worker.take_batch(6, timeout=1)
     assert metrics["timing/async_worker/wait_for_due_s"] == 0.0
+
+
+def test_a_finished_sample_frees_its_place_before_its_siblings_finish():
+    """--async-max-concurrent-samples counts samples still generating: with a bound, each sample is a request of
+    its own, and once it is done a new group may start although its siblings still run (else the engine decodes
+    fewer requests than the worker keeps in flight)."""
+    import asyncio
+
+    drawn = iter(range(100))
+    source = SimpleNamespace(
+        next_batch=lambda n: [[Sample(prompt=f"g{next(drawn)}") for _ in range(2)] for _ in range(n)]
+    )
+    worker = _worker(bound=2)  # 2 samples per group, 8 concurrent samples: 4 groups; pacing admits 6
+    worker.runner = SimpleNamespace(data_source=source)
+    gates: dict[int, asyncio.Event] = {}
+
+    async def generate(ctx, gen_ctx, samples, step):
+        await gates[id(samples[0])].wait()
+
+    worker._generate = generate  # type: ignore[method-assign]
+
+    async def main() -> None:
+        worker._wake_event = asyncio.Event()
+        groups = worker._admit()
+        assert len(groups) == 4 and worker.generating == 8 and worker._admit() == []
+        for g in groups:
+            for smp in g:
+                gates[id(smp)] = asyncio.Event()
+        runs = [asyncio.ensure_future(worker._generate_each(None, None, g, 0, [2])) for g in groups]
+        gates[id(groups[0][0])].set()
+        await asyncio.sleep(0.01)
+        assert worker.generating == 7 and not runs[0].done() and worker._admit() == []
+        gates[id(groups[1][1])].set()
+        await asyncio.sleep(0.01)
+        assert worker.generating == 6 and len(worker._admit()) == 1 and worker.generating == 8
+        for event in gates.values():
+            event.set()
+        await asyncio.gather(*runs)
+        assert worker.generating == 2  # the group admitted last is not generated here
+
+    asyncio.run(main())
