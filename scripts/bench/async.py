@@ -9,8 +9,9 @@ report prints the measured median/p90/max from the synchronous runs' `--dump-det
 (`echo 3 3 3 3` -> '3') with miles' math reward; the same prompt file, model, seed and settings for every driver.
 
 Drivers (`DRIVERS`): `python -m miles.train` (synchronous), `python -m miles.train_async` (one-step-off) and
-`python -m miles.train_async --fully-async` with `FULLY_ASYNC_ARGS` (a staleness bound and TIS, as docs/async.md
-recommends; `--fully-async-args` replaces them). Placements: 1 trainer + 1 engine and 1 trainer + 2 engines,
+`python -m miles.train_async --fully-async` with `FULLY_ASYNC_ARGS` (a staleness bound, TIS, in-place pauses and a
+refit every second step, as docs/async.md recommends for this workload; `--fully-async-args` replaces them;
+`--variant NAME=FLAGS` adds more fully async configurations to each round). Placements: 1 trainer + 1 engine and 1 trainer + 2 engines,
 disaggregated. For each placement and repeat the drivers run A/B/C in turn
 (repeat r uses seed `--seed` + r for all three). Per run, over the steady steps (after `warmup_steps`):
 - samples/s: samples trained in the steady steps / the seconds between the end of the last warm-up step and the
@@ -76,9 +77,12 @@ BENCH_PLACEMENTS = {
 STALENESS_BY_CONSTRUCTION = {"sync": 0.0, "one_step_off": 1.0}
 STATS_EVERY_S = 0.25  # the poller reads each engine's cumulative counters (/get_server_info) this often
 ENGINE_STATS = ("decode_seconds", "decode_tokens", "decode_steps", "prefill_tokens", "retracted_requests")
-# docs/async.md recommends for fully async: a staleness bound (pacing + check) and TIS against the rollout
-# log-probs for the off-policy gap; `--fully-async-args` replaces it
-FULLY_ASYNC_ARGS = "--max-weight-staleness 2 --use-tis"
+# docs/async.md recommends for fully async on this workload: a staleness bound (pacing + check), TIS against the
+# rollout log-probs for the off-policy gap, in-place pauses (no re-prefill of the running requests after a refit)
+# and a refit every second step (half the pauses; the bound still holds); `--fully-async-args` replaces it
+FULLY_ASYNC_ARGS = (
+    "--max-weight-staleness 2 --use-tis --pause-generation-mode in_place --update-weights-interval 2"
+)
 # per-step phases of metrics.jsonl averaged over the steady steps (fully async adds the pause / refit / continue
 # split and where its generation worker's time went: docs/async.md "Where the time goes")
 PHASES = ("timing/rollout", "timing/train", "timing/refit", "timing/async_pause", "timing/async_refit",

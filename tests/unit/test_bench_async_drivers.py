@@ -93,7 +93,8 @@ def test_steady_counts_and_the_default_fully_async_flags() -> None:
     counts = bench.steady_counts(metrics, [[100, 100], [3, 5], [10]], 1)
     assert counts == {"samples": 3.0, "tokens": 18.0, "discarded_tokens": 7.0}
     a = bench.parse_args([])
-    assert a.fully_async_args.split() == ["--max-weight-staleness", "2", "--use-tis"]
+    assert a.fully_async_args.split() == ["--max-weight-staleness", "2", "--use-tis", "--pause-generation-mode",
+                                          "in_place", "--update-weights-interval", "2"]  # fmt: skip
     assert bench.parse_args(["--fully-async-args", ""]).fully_async_args == ""  # no bound: as before
 
 
