@@ -43,7 +43,7 @@ from miles.rollout.generate_batching import batching
 from miles.utils.types import Sample, SampleStatus
 
 if TYPE_CHECKING:
-    from miles.rollout.base_types import GenerateContext, RolloutContext
+    from miles.rollout.base_types import RolloutContext
     from miles.rollout.runner import RolloutRunner
 
 logger = logging.getLogger(__name__)
@@ -77,9 +77,6 @@ class AsyncGenerationWorker:
         self.next_step = start_version  # the train step whose batch is taken next
         self.taken_for_step = 0  # groups already taken for that batch
         self.in_flight = 0  # groups admitted, not yet in the buffer
-        self.generating = (
-            0  # samples admitted whose generation has not ended (--async-max-concurrent-samples)
-        )
         self.waiting_put = 0  # of those, groups done generating that wait for room in the buffer
         self.pacing_limited = False  # the last admission admitted fewer groups than the free slots held
         self.clock = PhaseClock()  # where the worker's time went since the last take_batch
@@ -270,7 +267,7 @@ class AsyncGenerationWorker:
     def _state(self) -> dict[str, float]:
         """What the clock integrates over time (under the lock): samples generating, whether some finished group
         waits for buffer room, whether pacing holds back prompts that slots would admit, whether paused."""
-        generating = self.generating
+        generating = (self.in_flight - self.waiting_put) * self.s.group_size
         return {
             "generating_samples": float(generating),
             "buffer_full_s": float(self.waiting_put > 0),
@@ -285,14 +282,14 @@ class AsyncGenerationWorker:
         with self._lock:
             if self.paused or self._stop:
                 return []
-            slots = (s.max_concurrent_samples - self.generating) // s.group_size
+            slots = (s.max_concurrent_samples - self.in_flight * s.group_size) // s.group_size
             room = admission_room(
                 engine_version=self.engine_version,
                 next_step=self.next_step,
                 ahead=self.in_flight + len(self.buffer) + self.taken_for_step,
                 batch=s.batch,
                 max_staleness=s.max_staleness,
-                free_samples=s.max_concurrent_samples - self.generating,
+                free_samples=s.max_concurrent_samples - self.in_flight * s.group_size,
                 group_size=s.group_size,
             )
             groups = [self.retry.popleft() for _ in range(min(room, len(self.retry)))]
@@ -309,7 +306,6 @@ class AsyncGenerationWorker:
                     sample.metadata["start_rollout_id"] = c // s.batch
             self.pacing_limited = room < slots
             self.in_flight += len(groups)
-            self.generating += sum(len(g) for g in groups)
             self.clock.tick(self._state())
             return groups
 
@@ -330,13 +326,17 @@ class AsyncGenerationWorker:
         """Generate (continuing after abort pauses), score, filter, then wait for room in the buffer."""
         step = group[0].metadata["start_rollout_id"]
         gen_ctx = dataclasses.replace(ctx.generate_ctx, request_id_prefix=f"rollout{step}")
-        left = [len(group)]  # of the group's samples counted in `generating`
         try:
-            if self.s.max_staleness == 0:  # the batch's requests are shared (`_launch`): awaited together
-                await self._generate(ctx, gen_ctx, group, step)
+            for _ in range(MAX_CONTINUATIONS):
+                await self._resumed.wait()
+                await generate_group(ctx, gen_ctx, group)
+                aborted = sum(smp.status == SampleStatus.ABORTED for smp in group)
+                if not aborted:
+                    break
+                with self._lock:
+                    self.counts["continued_samples"] += aborted
             else:
-                await self._generate_each(ctx, gen_ctx, group, step, left)
-            self._generated(left, left[0])
+                raise WorkerFailed(f"group {step}: still aborted after {MAX_CONTINUATIONS} continuations")
             failed = await ctx.scorer.score(group)
             verdict = group_verdict(ctx, group)
             with self._lock:
@@ -355,52 +355,10 @@ class AsyncGenerationWorker:
                     with self._lock:
                         self.waiting_put -= 1
         finally:
-            self._generated(left, left[0])  # a failed or cancelled group
             with self._lock:
                 self.in_flight -= 1
                 self.clock.tick(self._state())
             self.buffer.poke()  # a trainer waiting for this group (filtered, or failed) looks again
-
-    async def _generate(
-        self, ctx: RolloutContext, gen_ctx: GenerateContext, samples: list[Sample], step: int
-    ) -> None:
-        """Generate `samples` (one request batch), continuing the ones an abort pause returned."""
-        for _ in range(MAX_CONTINUATIONS):
-            await self._resumed.wait()
-            await generate_group(ctx, gen_ctx, samples)
-            aborted = sum(smp.status == SampleStatus.ABORTED for smp in samples)
-            if not aborted:
-                return
-            with self._lock:
-                self.counts["continued_samples"] += aborted
-        raise WorkerFailed(f"group {step}: still aborted after {MAX_CONTINUATIONS} continuations")
-
-    async def _generate_each(
-        self, ctx: RolloutContext, gen_ctx: GenerateContext, group: list[Sample], step: int, left: list[int]
-    ) -> None:
-        """Generate each sample of `group` as a request of its own; a sample's place under
-        --async-max-concurrent-samples frees as soon as it is done, not when its slowest sibling is (the engine
-        would otherwise decode fewer requests than the worker keeps generating: the finished ones of a group wait
-        for the rest). A generate function that returns several samples for one keeps them in that place."""
-
-        async def one(sample: Sample) -> list[Sample]:
-            out = [sample]
-            await self._generate(ctx, gen_ctx, out, step)
-            self._generated(left, 1)
-            return out
-
-        parts = await asyncio.gather(*(one(smp) for smp in group))
-        group[:] = [smp for part in parts for smp in part]
-
-    def _generated(self, left: list[int], n: int) -> None:
-        """`n` of a group's samples (`left`: those still counted) stopped generating: their places free."""
-        n = min(n, left[0])
-        if n:
-            left[0] -= n
-            with self._lock:
-                self.generating -= n
-                self.clock.tick(self._state())
-            self._wake_event.set()
 
     async def _pause(self, mode: str) -> None:
         with self._lock:
