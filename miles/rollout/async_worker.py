@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from miles.rollout.async_buffer import (
@@ -159,7 +159,7 @@ class AsyncGenerationWorker:
                 seen = self.buffer.changes
                 key = self._choose(step, need)
             if key is not None:
-                return self.buffer.take_where(lambda g, k=key: g[0].metadata[GROUP_KEY] == k)
+                return self.buffer.take_where(_has_key(key))
             left = 1.0 if until is None else until - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no finished prompt group for step {step} in time")
@@ -424,6 +424,11 @@ def _skip_dead_engines(urls: list[str], results: list[Any], fault_tolerant: bool
         raise errors[0][1]
     for url, e in errors:
         logger.warning("/%s: engine %s did not answer (%s); left to the health monitor", endpoint, url, e)
+
+
+def _has_key(key: int) -> Callable[[list[Sample]], bool]:
+    """Whether a group is the one admitted as number `key`."""
+    return lambda group: group[0].metadata[GROUP_KEY] == key
 
 
 def _dicts(group: list[Sample]) -> list[dict[str, Any]]:
