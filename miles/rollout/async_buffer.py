@@ -18,8 +18,10 @@ the engines' current version `engine_version`. It is admitted only when that exp
 
     next_step + ahead // batch - engine_version <= N   <=>   ahead < (engine_version + N + 1 - next_step) * batch
 
-A group whose generation runs long (a long-tailed response) can still end up staler than expected; the
-trainer's check (`stale`) catches it and `--async-unused-samples-handler` retries or drops it.
+A group whose generation runs long (a long-tailed response) would end up staler than expected if the trainer
+took the groups in the order they finish: it takes the groups due at its step first and waits for those still
+generating (`AsyncGenerationWorker._take_group`); what still goes beyond the bound (a full buffer) is caught by
+the trainer's check (`stale`) and `--async-unused-samples-handler` retries or drops it.
 """
 
 from __future__ import annotations
