@@ -18,8 +18,10 @@ the engines' current version `engine_version`. It is admitted only when that exp
 
     next_step + ahead // batch - engine_version <= N   <=>   ahead < (engine_version + N + 1 - next_step) * batch
 
-A group whose generation runs long (a long-tailed response) can still end up staler than expected; the
-trainer's check (`stale`) catches it and `--async-unused-samples-handler` retries or drops it.
+A group whose generation runs long (a long-tailed response) would end up staler than expected if the trainer
+took the groups in the order they finish: it takes the groups due at its step first and waits for those still
+generating (`AsyncGenerationWorker._take_group`); what still goes beyond the bound (a full buffer) is caught by
+the trainer's check (`stale`) and `--async-unused-samples-handler` retries or drops it.
 """
 
 from __future__ import annotations
@@ -98,6 +100,11 @@ class GroupBuffer:
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._closed = False
+        self.changes = 0  # counts puts, takes and pokes: what `wait_change` waits on
+
+    def _changed(self) -> None:
+        self.changes += 1
+        self._cond.notify_all()
 
     def __len__(self) -> int:
         with self._cond:
@@ -110,7 +117,7 @@ class GroupBuffer:
             if not ok or self._closed:
                 return False
             self._groups.append(group)
-            self._cond.notify_all()
+            self._changed()
             return True
 
     def take(self, timeout: float | None = None, alive: Callable[[], bool] = lambda: True) -> list[Sample]:
@@ -128,8 +135,33 @@ class GroupBuffer:
                 self._cond.wait(1.0)
                 waited += 1.0
             group = self._groups.popleft()
-            self._cond.notify_all()
+            self._changed()
             return group
+
+    def take_where(self, pick: Callable[[list[Sample]], bool]) -> list[Sample]:
+        """The oldest buffered group for which `pick` holds (it must be there: KeyError otherwise)."""
+        with self._cond:
+            for i, group in enumerate(self._groups):
+                if pick(group):
+                    del self._groups[i]
+                    self._changed()
+                    return group
+        raise KeyError("no buffered group matches")
+
+    def poke(self) -> None:
+        """Wake `wait_change` without a put (the producer's state changed otherwise: a group was filtered)."""
+        with self._cond:
+            self._changed()
+
+    def wait_change(self, seen: int, timeout: float, alive: Callable[[], bool] = lambda: True) -> None:
+        """Wait up to `timeout` s for `changes` to move past `seen`; WorkerFailed after `fail` or once `alive`
+        is false."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.changes != seen or self._error is not None, timeout)
+            if self._error is not None:
+                raise WorkerFailed(f"the generation worker failed: {self._error!r}") from self._error
+            if not alive():
+                raise WorkerFailed("the generation worker stopped")
 
     def snapshot(self) -> list[list[Sample]]:
         """The buffered groups, oldest first (for a checkpoint; they stay buffered)."""

@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from miles.rollout.async_buffer import (
@@ -83,6 +83,7 @@ class AsyncGenerationWorker:
         self.admitted = 0  # groups admitted so far: names their requests
         self.retry: deque[list[Sample]] = deque()  # fresh groups to start again (retry handler)
         self.fresh: dict[int, list[Sample]] = {}  # admission number -> the group as admitted (for retry)
+        self.admit_at: dict[int, int] = {}  # admission number -> engine version then, until taken or filtered
         self.counts: Counter[str] = Counter()  # this step's dropped, retried, continued, ... (see take_batch)
         self.paused = False
         self._lock = threading.Lock()
@@ -117,9 +118,11 @@ class AsyncGenerationWorker:
         with self._lock:
             self.next_step, self.taken_for_step = step, 0
         kept: list[list[Sample]] = []
+        until = None if timeout is None else time.monotonic() + timeout
         while len(kept) < s.batch:
-            group = self.buffer.take(timeout, self.alive)
+            group = self._take_group(step, s.batch - len(kept), until)
             with self._lock:
+                self.admit_at.pop(group[0].metadata[GROUP_KEY], None)
                 fresh = self.fresh.pop(group[0].metadata[GROUP_KEY])
                 if not stale(group, step, s.max_staleness):
                     kept.append(group)
@@ -140,6 +143,46 @@ class AsyncGenerationWorker:
         kept.sort(key=lambda g: g[0].metadata[GROUP_KEY])
         metrics = _step_metrics(kept, step, {**counts, **extra})  # (a Counter union would drop the zeros)
         return kept, metrics | {f"timing/async_worker/{k}": v for k, v in clock.items()}
+
+    def _take_group(self, step: int, need: int, until: float | None) -> list[Sample]:
+        """The next group for step `step`'s batch (`need` still to take). Without a bound: the first finished.
+        With one, a group is never left behind to go stale while the trainer could still take it: first the
+        buffered groups that would be beyond the bound at the next step (oldest admitted first), then, while
+        the groups in flight that must be trained at this step at the latest number at least `need`, wait for
+        them (the engines meanwhile generate what pacing admits; a long response no longer ages past the
+        bound while later, shorter ones fill the batches); otherwise the first finished. A full buffer is
+        taken from anyway (a group that must go now may be waiting for its room)."""
+        if self.s.max_staleness is None:
+            return self.buffer.take(None if until is None else max(0.0, until - time.monotonic()), self.alive)
+        while True:
+            with self._lock:
+                seen = self.buffer.changes
+                key = self._choose(step, need)
+            if key is not None:
+                return self.buffer.take_where(_has_key(key))
+            left = 1.0 if until is None else until - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no finished prompt group for step {step} in time")
+            t0, for_due = time.monotonic(), len(self.buffer) > 0  # else: nothing finished yet
+            self.buffer.wait_change(seen, min(1.0, left), self.alive)
+            if for_due:  # what not discarding costs the trainer
+                with self._lock:
+                    self.clock.waited_for_due += time.monotonic() - t0
+
+    def _choose(self, step: int, need: int) -> int | None:
+        """`_take_group`'s choice (under the lock): a buffered group's admission number, or None to wait."""
+        bound = self.s.max_staleness
+        assert bound is not None
+        buffered = self.buffer.snapshot()
+        keys = [g[0].metadata[GROUP_KEY] for g in buffered]
+        due = [k for k, g in zip(keys, buffered, strict=True) if stale(g, step + 1, bound)]
+        if due:  # the last step that may train them (or already beyond: the caller discards them)
+            return min(due)
+        done = set(keys)
+        due_in_flight = sum(1 for c, v in self.admit_at.items() if c not in done and step + 1 - v > bound)
+        if keys and (need > due_in_flight or len(keys) >= self.buffer.capacity):
+            return keys[0]
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the worker (JSON-able), as of now: the data cursor, the admission count,
@@ -255,6 +298,7 @@ class AsyncGenerationWorker:
             for group in groups:
                 c, self.admitted = self.admitted, self.admitted + 1
                 self.fresh[c] = copy.deepcopy(group)
+                self.admit_at[c] = self.engine_version
                 for j, sample in enumerate(group):
                     sample.index = (c % s.batch) * s.group_size + j
                     sample.metadata[GROUP_KEY] = c
@@ -300,6 +344,7 @@ class AsyncGenerationWorker:
                 if not verdict.keep:
                     self.counts[f"filtered_groups/{verdict.reason or 'filtered'}"] += 1
                     self.fresh.pop(group[0].metadata[GROUP_KEY], None)
+                    self.admit_at.pop(group[0].metadata[GROUP_KEY], None)
             if verdict.keep:
                 with self._lock:
                     self.waiting_put += 1
@@ -313,6 +358,7 @@ class AsyncGenerationWorker:
             with self._lock:
                 self.in_flight -= 1
                 self.clock.tick(self._state())
+            self.buffer.poke()  # a trainer waiting for this group (filtered, or failed) looks again
 
     async def _pause(self, mode: str) -> None:
         with self._lock:
@@ -342,12 +388,14 @@ class AsyncGenerationWorker:
 class PhaseClock:
     """Time integrals of the worker's state between two `take`s (`timing/async_worker/*`): `tick(state)` when the
     state changes (the previous state held since the last tick); `take(state)` returns the integrals
-    (`generating_samples`: the time-mean of the samples generating; every other key: seconds) and starts again."""
+    (`generating_samples`: the time-mean of the samples generating; every other key: seconds) and starts again;
+    `wait_for_due_s`: how long the trainer waited for groups due at its step while others were buffered."""
 
     def __init__(self) -> None:
         self.since = self.start = time.monotonic()
         self.state: dict[str, float] = {}
         self.sums: dict[str, float] = {}
+        self.waited_for_due = 0.0  # see the class docstring
 
     def tick(self, state: dict[str, float]) -> None:
         now = time.monotonic()
@@ -360,8 +408,8 @@ class PhaseClock:
         span = max(self.since - self.start, 1e-9)
         out = dict(self.sums)
         out["generating_samples"] = self.sums.get("generating_samples", 0.0) / span
-        out["span_s"] = span
-        self.start, self.sums = self.since, {}
+        out["span_s"], out["wait_for_due_s"] = span, self.waited_for_due
+        self.start, self.sums, self.waited_for_due = self.since, {}, 0.0
         return out
 
 
@@ -376,6 +424,11 @@ def _skip_dead_engines(urls: list[str], results: list[Any], fault_tolerant: bool
         raise errors[0][1]
     for url, e in errors:
         logger.warning("/%s: engine %s did not answer (%s); left to the health monitor", endpoint, url, e)
+
+
+def _has_key(key: int) -> Callable[[list[Sample]], bool]:
+    """Whether a group is the one admitted as number `key`."""
+    return lambda group: group[0].metadata[GROUP_KEY] == key
 
 
 def _dicts(group: list[Sample]) -> list[dict[str, Any]]:

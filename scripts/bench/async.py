@@ -9,8 +9,9 @@ report prints the measured median/p90/max from the synchronous runs' `--dump-det
 (`echo 3 3 3 3` -> '3') with miles' math reward; the same prompt file, model, seed and settings for every driver.
 
 Drivers (`DRIVERS`): `python -m miles.train` (synchronous), `python -m miles.train_async` (one-step-off) and
-`python -m miles.train_async --fully-async` with `FULLY_ASYNC_ARGS` (a staleness bound and TIS, as docs/async.md
-recommends; `--fully-async-args` replaces them). Placements: 1 trainer + 1 engine and 1 trainer + 2 engines,
+`python -m miles.train_async --fully-async` with `FULLY_ASYNC_ARGS` (a staleness bound, TIS, in-place pauses and a
+refit every second step, as docs/async.md recommends for this workload; `--fully-async-args` replaces them;
+`--variant NAME=FLAGS` adds more fully async configurations to each round). Placements: 1 trainer + 1 engine and 1 trainer + 2 engines,
 disaggregated. For each placement and repeat the drivers run A/B/C in turn
 (repeat r uses seed `--seed` + r for all three). Per run, over the steady steps (after `warmup_steps`):
 - samples/s: samples trained in the steady steps / the seconds between the end of the last warm-up step and the
@@ -76,15 +77,18 @@ BENCH_PLACEMENTS = {
 STALENESS_BY_CONSTRUCTION = {"sync": 0.0, "one_step_off": 1.0}
 STATS_EVERY_S = 0.25  # the poller reads each engine's cumulative counters (/get_server_info) this often
 ENGINE_STATS = ("decode_seconds", "decode_tokens", "decode_steps", "prefill_tokens", "retracted_requests")
-# docs/async.md recommends for fully async: a staleness bound (pacing + check) and TIS against the rollout
-# log-probs for the off-policy gap; `--fully-async-args` replaces it
-FULLY_ASYNC_ARGS = "--max-weight-staleness 2 --use-tis"
+# docs/async.md recommends for fully async on this workload: a staleness bound (pacing + check), TIS against the
+# rollout log-probs for the off-policy gap, in-place pauses (no re-prefill of the running requests after a refit)
+# and a refit every second step (half the pauses; the bound still holds); `--fully-async-args` replaces it
+FULLY_ASYNC_ARGS = (
+    "--max-weight-staleness 2 --use-tis --pause-generation-mode in_place --update-weights-interval 2"
+)
 # per-step phases of metrics.jsonl averaged over the steady steps (fully async adds the pause / refit / continue
 # split and where its generation worker's time went: docs/async.md "Where the time goes")
 PHASES = ("timing/rollout", "timing/train", "timing/refit", "timing/async_pause", "timing/async_refit",
           "timing/async_continue", "timing/async_worker/generating_samples", "timing/async_worker/idle_s",
           "timing/async_worker/buffer_full_s", "timing/async_worker/pacing_stall_s",
-          "timing/async_worker/paused_s")  # fmt: skip
+          "timing/async_worker/paused_s", "timing/async_worker/wait_for_due_s")  # fmt: skip
 ENGINE_LINE = re.compile(r"embedded engine serving .* on ([\w.\-]+):(\d+)\s*$")
 
 LONGTAIL = dataclasses.replace(
@@ -161,7 +165,7 @@ def staleness(metrics: list[dict], driver: str, warmup: int) -> tuple[float, flo
     means = [float(m["async/staleness_mean"]) for m in steady if "async/staleness_mean" in m]
     if means:
         return statistics.fmean(means), max(float(m["async/staleness_max"]) for m in steady), True
-    value = STALENESS_BY_CONSTRUCTION.get(driver, float("nan"))
+    value = STALENESS_BY_CONSTRUCTION.get(base_driver(driver), float("nan"))
     return value, value, False
 
 
@@ -302,21 +306,40 @@ class Run:
     error: str | None = None
 
 
+def base_driver(driver: str) -> str:
+    """The `DRIVERS` entry a run's driver name stands for: `fully_async[NAME]` (a `--variant`) is fully async."""
+    return driver.split("[", 1)[0]
+
+
+def parse_variants(specs: list[str]) -> dict[str, str]:
+    """`--variant NAME=FLAGS` (repeatable) -> {"fully_async[NAME]": FLAGS}: more fully async configurations, run
+    interleaved with the others (each replaces `--fully-async-args` for its runs)."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, flags = spec.partition("=")
+        if not sep or not re.fullmatch(r"[\w.+-]+", name) or f"fully_async[{name}]" in out:
+            raise ValueError(f"--variant {spec!r}: NAME=FLAGS, NAME unique, of letters, digits, '_.+-'")
+        out[f"fully_async[{name}]"] = flags
+    return out
+
+
 def driver_command(w: Workload, driver: str, model: Path, data: Path, run_dir: Path, placement: str, seed: int,
                    fully_async_args: list[str]) -> list[str]:  # fmt: skip
-    """vs_trl's miles command for `w`, through `driver`'s module, with --dump-details."""
-    module, extra = DRIVERS[driver]
+    """vs_trl's miles command for `w`, through `driver`'s module, with --dump-details; `fully_async_args` go to
+    the fully async driver (and its variants) only."""
+    module, extra = DRIVERS[base_driver(driver)]
     cmd = miles_command(w, model, data, run_dir, BENCH_PLACEMENTS[placement], seed)
     cmd[cmd.index("miles.train")] = module
     cmd += [*extra, "--dump-details", str(run_dir / "details")]
-    return cmd + (fully_async_args if driver == "fully_async" else [])
+    return cmd + (fully_async_args if base_driver(driver) == "fully_async" else [])
 
 
 def run_one(w: Workload, driver: str, placement: str, repeat: int, seed: int, paths: tuple[Path, Path, Path],
             a: argparse.Namespace) -> Run:  # fmt: skip
     model, data, run_dir = paths
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = driver_command(w, driver, model, data, run_dir, placement, seed, a.fully_async_args.split())
+    flags = a.variants.get(driver, a.fully_async_args)
+    cmd = driver_command(w, driver, model, data, run_dir, placement, seed, flags.split())
     key = secrets.token_hex(16)  # this run's engine key (MILES_ENGINE_API_KEY), so the poller may ask them
     t0 = time.time()
     engines = int(placement.split("+")[1])
@@ -380,9 +403,9 @@ def format_report(w: Workload, runs: list[Run], placements: list[str]) -> tuple[
     out: dict = {"lengths": lens}
     for p in placements:
         lines.append(f"-- placement {p} (trainers+engines, disaggregated)")
-        lines.append(f"   {'driver':14}" + "".join(f"{c:>22}" for c, _, _ in COLUMNS) + "  runs")
+        lines.append(f"   {'driver':22}" + "".join(f"{c:>22}" for c, _, _ in COLUMNS) + "  runs")
         table: dict = {}
-        for d in DRIVERS:
+        for d in dict.fromkeys(r.driver for r in runs):  # in the order they ran
             rs = [r for r in runs if r.placement == p and r.driver == d]
             if not rs:
                 continue
@@ -390,7 +413,7 @@ def format_report(w: Workload, runs: list[Run], placements: list[str]) -> tuple[
             cols = {key: Spread.of([getattr(r, key) for r in ok]) for _, key, _ in COLUMNS}
             star = "" if any(r.staleness_measured for r in ok) else "*"
             cells = [cols[k].fmt(dig) + (star if k.startswith("staleness") else "") for _, k, dig in COLUMNS]
-            lines.append(f"   {d:14}" + "".join(f"{c:>22}" for c in cells) + f"  {len(ok)}/{len(rs)}")
+            lines.append(f"   {d:22}" + "".join(f"{c:>22}" for c in cells) + f"  {len(ok)}/{len(rs)}")
             table[d] = {k: dataclasses.asdict(v) for k, v in cols.items()}
         ratio, tok_ratio = (
             _ratio(table, "fully_async", "sync", k) for k in ("samples_per_s", "tokens_per_s")
@@ -398,6 +421,10 @@ def format_report(w: Workload, runs: list[Run], placements: list[str]) -> tuple[
         lines.append(f"   fully async / sync samples/s: {ratio:.2f}x (target >= 1.5x); response tokens/s: "
                      f"{tok_ratio:.2f}x (the same work per sample only if resp len matches)")  # fmt: skip
         out[p] = {"drivers": table, "ratio_fully_async_over_sync": ratio, "tokens_ratio": tok_ratio}
+        for d in [d for d in table if d.startswith("fully_async[")]:
+            r_s, r_t = (_ratio(table, d, "sync", k) for k in ("samples_per_s", "tokens_per_s"))
+            lines.append(f"   {d} / sync samples/s: {r_s:.2f}x; response tokens/s: {r_t:.2f}x")
+            out[p][f"ratio_{d}_over_sync"] = r_s
     return "\n".join(lines), out
 
 
@@ -444,6 +471,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=FULLY_ASYNC_ARGS,
         help=f"extra flags for the fully async driver (one string; default {FULLY_ASYNC_ARGS!r})",
     )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="another fully async configuration, run after the drivers in each round as fully_async[NAME] with "
+        "FLAGS instead of --fully-async-args (repeatable), e.g. --variant inplace='--max-weight-staleness 2 "
+        "--use-tis --pause-generation-mode in_place'",
+    )
     p.add_argument("--poll-s", type=float, default=0.05, help="engine /get_load polling interval")
     p.add_argument("--timeout-s", type=float, default=1800, help="per-run timeout")
     p.add_argument("--quick", action="store_true", help="6 steps, 1 repeat, shorter tail: a smoke check")
@@ -455,6 +491,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--placements {a.placements!r}: a comma-separated subset of {sorted(BENCH_PLACEMENTS)}")
     if not a.driver_names or any(x not in DRIVERS for x in a.driver_names):
         p.error(f"--drivers {a.drivers!r}: a comma-separated subset of {list(DRIVERS)}")
+    try:
+        a.variants = parse_variants(a.variant)
+    except ValueError as e:
+        p.error(str(e))
     if a.repeats < 1:
         p.error(f"--repeats {a.repeats}: must be >= 1")
     if a.steps is not None and a.steps < 2:
@@ -476,9 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     for placement in a.placement_names:
         for rep in range(a.repeats):
-            for driver in a.driver_names:  # A/B/C
+            for driver in [*a.driver_names, *a.variants]:  # A/B/C
                 seed = a.seed + rep
-                run_dir = work / placement / f"{driver}-{rep}"
+                run_dir = work / placement / f"{driver.replace('[', '-').rstrip(']')}-{rep}"
                 r = run_one(w, driver, placement, rep, seed, (model, data, run_dir), a)
                 runs.append(r)
                 print(f"[async] {placement} {driver} #{rep} (seed {seed}): " + (

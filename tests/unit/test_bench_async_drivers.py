@@ -93,5 +93,30 @@ def test_steady_counts_and_the_default_fully_async_flags() -> None:
     counts = bench.steady_counts(metrics, [[100, 100], [3, 5], [10]], 1)
     assert counts == {"samples": 3.0, "tokens": 18.0, "discarded_tokens": 7.0}
     a = bench.parse_args([])
-    assert a.fully_async_args.split() == ["--max-weight-staleness", "2", "--use-tis"]
+    assert a.fully_async_args.split() == ["--max-weight-staleness", "2", "--use-tis", "--pause-generation-mode",
+                                          "in_place", "--update-weights-interval", "2"]  # fmt: skip
     assert bench.parse_args(["--fully-async-args", ""]).fully_async_args == ""  # no bound: as before
+
+
+def test_variants_are_fully_async_runs_with_their_own_flags(tmp_path: Path) -> None:
+    """`--variant NAME=FLAGS`: another fully async configuration in the same interleaved run, reported on its own
+    line with its ratio to sync; bad specs are refused."""
+    a = bench.parse_args(["--variant", "inplace=--pause-generation-mode in_place", "--variant", "b=--x 1"])
+    assert a.variants == {
+        "fully_async[inplace]": "--pause-generation-mode in_place",
+        "fully_async[b]": "--x 1",
+    }
+    assert bench.base_driver("fully_async[inplace]") == "fully_async" and bench.base_driver("sync") == "sync"
+    p = tmp_path
+    cmd = bench.driver_command(
+        bench.LONGTAIL, "fully_async[b]", p / "m", p / "d", p / "r", "1+1", 3, ["--x", "1"]
+    )
+    assert "--fully-async" in cmd and cmd[-2:] == ["--x", "1"]
+    assert bench.staleness([{}, {}], "fully_async[b]", 1)[2] is False
+    for bad in (
+        ["--variant", "noequals"],
+        ["--variant", "a b=--x"],
+        ["--variant", "a=1", "--variant", "a=2"],
+    ):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
