@@ -1,65 +1,65 @@
-"""Import transformers' model code without `scipy.optimize`.
+"""Import transformers' model code with less start-up work in each process that builds a model (each training rank).
 
-`transformers.modeling_utils` imports its loss registry, whose object-detection losses (DETR, Deformable DETR,
-Grounding DINO) run `from scipy.optimize import linear_sum_assignment` when scipy is installed: ~0.5 s of CPU in
-every process that builds a model (each training rank), for a function only those models' losses call. Inside
-`lean_transformers()` the name `scipy.optimize` stands for a small module whose `linear_sum_assignment` imports the
-real one when first called, so those losses still work; any other attribute of it imports the real module at
-once. The stand-in leaves `sys.modules` when the block ends, so a later `import scipy.optimize` is the real one.
-Nothing changes where scipy is not installed, or where transformers' model code or `scipy.optimize` is imported
-already.
+Inside `lean_transformers()`:
+- `scipy.optimize` is a stand-in (`miles.utils.lazy_import`): `transformers.modeling_utils` imports its loss
+  registry, whose object-detection losses (DETR, Deformable DETR, Grounding DINO) run
+  `from scipy.optimize import linear_sum_assignment` when scipy is installed (~0.5 s of CPU), for a function only
+  those losses call; it imports the real module when called, any other attribute at once.
+- `trio` is a stand-in: the HTTP client of `transformers.utils.hub` (httpcore) imports it at module level to serve
+  trio programs (~0.07 s of CPU); it is used only when code runs under trio's event loop, which miles never does.
+- transformers scans the folder of its model code once, not twice: `import transformers` reads every file under
+  `transformers/models` for the names each exports (its lazy import structure, ~0.28 s of CPU), and importing
+  `transformers.models` (the package of any model class) asks for the same folder again by its `__init__.py`,
+  which transformers' cache keys apart; inside the block that second request is made by the folder's path, which
+  its cache answers. The answer is the same by transformers' own rule (a file stands for its folder).
+The stand-ins leave `sys.modules` when the block ends, so a later import is the real module. Nothing changes where
+scipy or trio is not installed, or for what is imported already.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import sys
-import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+from miles.utils.lazy_import import deferred
+
 OPTIMIZE = "scipy.optimize"
+# modules transformers' model code imports at start-up and a training rank does not use: name -> deferred functions
+STAND_INS = {OPTIMIZE: ("linear_sum_assignment",), "trio": ()}
 
 
 @contextlib.contextmanager
 def lean_transformers() -> Iterator[None]:
-    """Imports inside this block see `scipy.optimize` as a stand-in that loads the real module on first use."""
-    if (
-        "transformers.modeling_utils" in sys.modules
-        or OPTIMIZE in sys.modules
-        or importlib.util.find_spec("scipy") is None
-    ):
+    """Imports of transformers' model code inside this block do less work (see the module doc)."""
+    if "transformers.modeling_utils" in sys.modules:
         yield
         return
-    stand_in = _LazyOptimize(OPTIMIZE)
-    sys.modules[OPTIMIZE] = stand_in
+    with deferred(STAND_INS), _one_model_scan():
+        yield
+
+
+@contextlib.contextmanager
+def _one_model_scan() -> Iterator[None]:
+    """Inside this block, transformers' scan of a package given by its `__init__.py` file is asked for by the
+    package's folder, as `import transformers` asked for `transformers/models`, so its cache answers it."""
+    if "transformers.models" in sys.modules:
+        yield
+        return
+    import transformers  # noqa: F401  - scans transformers/models (once)
+    from transformers.utils import import_utils
+
+    scan = import_utils.define_import_structure
+
+    def define_import_structure(module_path: Any, prefix: str | None = None) -> Any:
+        path = Path(module_path)
+        return scan(path.parent if path.is_file() else path, prefix)
+
+    import_utils.define_import_structure = define_import_structure
     try:
         yield
     finally:
-        if sys.modules.get(OPTIMIZE) is stand_in:
-            del sys.modules[OPTIMIZE]
-
-
-def linear_sum_assignment(*args: Any, **kwargs: Any) -> Any:
-    """`scipy.optimize.linear_sum_assignment`, imported when called."""
-    return _real().linear_sum_assignment(*args, **kwargs)
-
-
-def _real() -> types.ModuleType:
-    module = sys.modules.get(OPTIMIZE)
-    if isinstance(module, _LazyOptimize):  # still inside the block: the real module replaces the stand-in
-        del sys.modules[OPTIMIZE]
-    return importlib.import_module(OPTIMIZE)
-
-
-class _LazyOptimize(types.ModuleType):
-    """Stands in for `scipy.optimize` (see the module doc)."""
-
-    linear_sum_assignment = staticmethod(linear_sum_assignment)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):  # what the import system probes (__path__, ...): a plain module has none
-            raise AttributeError(name)
-        return getattr(_real(), name)
+        if import_utils.define_import_structure is define_import_structure:
+            import_utils.define_import_structure = scan

@@ -1,5 +1,6 @@
 """`miles.utils.transformers_import.lean_transformers`: transformers' model code imported without scipy.optimize,
-whose one function it uses still works (imported when called), and the real module afterwards."""
+whose one function it uses still works (imported when called), and the real module afterwards; without trio (httpcore
+keeps a stand-in that forwards to it); and with one scan of transformers' model folder, not two."""
 
 from __future__ import annotations
 
@@ -46,3 +47,28 @@ def test_model_code_imports_without_scipy_until_its_one_function_is_called():
 
 def test_any_other_name_is_the_real_modules():
     assert run(FORWARD).splitlines() == ["linprog=True"]
+
+
+# as a training rank imports its backend: the attention registry, then the model's package (without the block,
+# transformers scans its model folder twice here and imports trio)
+SCANS = """
+import os, sys
+import importlib.util
+models = os.path.join(os.path.dirname(importlib.util.find_spec("transformers").origin), "models")
+scans = []
+sys.addaudithook(lambda event, args: scans.append(1) if event == "os.scandir" and str(args[0]) == models else None)
+from miles.utils.transformers_import import lean_transformers
+with lean_transformers():
+    from transformers import AttentionInterface
+    import transformers.models.qwen3.modeling_qwen3
+print("scans=%d" % len(scans))
+print("trio=%s" % ("trio" in sys.modules))
+sync = [m for name, m in sys.modules.items() if name.startswith("httpcore") and name.endswith("_synchronization")]
+import trio
+print("forwards=%s" % (len(sync) > 0 and all(m.trio.Lock is trio.Lock for m in sync)))
+"""
+
+
+def test_model_folder_is_scanned_once_and_trio_is_a_stand_in():
+    pytest.importorskip("trio")
+    assert run(SCANS).splitlines() == ["scans=1", "trio=False", "forwards=True"]
