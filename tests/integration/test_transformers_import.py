@@ -4,6 +4,7 @@ keeps a stand-in that forwards to it); and with one scan of transformers' model 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -34,8 +35,10 @@ print("linprog=%s" % (linprog is scipy.optimize.linprog))
 """
 
 
-def run(code: str) -> str:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+def run(code: str, env: dict[str, str] | None = None) -> str:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    ).stdout
 
 
 def test_model_code_imports_without_scipy_until_its_one_function_is_called():
@@ -66,9 +69,19 @@ print("trio=%s" % ("trio" in sys.modules))
 sync = [m for name, m in sys.modules.items() if name.startswith("httpcore") and name.endswith("_synchronization")]
 import trio
 print("forwards=%s" % (len(sync) > 0 and all(m.trio.Lock is trio.Lock for m in sync)))
+import transformers, transformers.models
+print("classes=%d" % len(transformers.models._class_to_module))
 """
 
 
-def test_model_folder_is_scanned_once_and_trio_is_a_stand_in():
+def test_model_folder_is_scanned_once_then_kept_and_trio_is_a_stand_in(tmp_path):
     pytest.importorskip("trio")
-    assert run(SCANS).splitlines() == ["scans=1", "trio=False", "forwards=True"]
+    env = {**os.environ, "MILES_IMPORT_CACHE": str(tmp_path)}
+    cold = run(SCANS, env).splitlines()
+    # one scan, and one walk of the folder for its fingerprint; kept; then the walk only: the folder is as it was
+    assert cold[:3] == ["scans=2", "trio=False", "forwards=True"], cold
+    # as transformers and transformers.models ask for it
+    assert len(list(tmp_path.glob("import_structure_*.json"))) == 2
+    warm = run(SCANS, env).splitlines()
+    assert warm[0] == "scans=1", warm
+    assert warm[3] == cold[3] and int(cold[3].split("=")[1]) > 100
