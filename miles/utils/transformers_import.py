@@ -8,7 +8,11 @@ Inside `lean_transformers()`:
 - `trio` is a stand-in: the HTTP client of `transformers.utils.hub` (httpcore) imports it at module level to serve
   trio programs (~0.07 s of CPU); it is used only when code runs under trio's event loop, which miles never does.
 - transformers scans the folder of its model code (~0.28 s of CPU) once per installed version, not twice per
-  process (`miles.utils.transformers_scan`: installed here, it stays for the process).
+  process (`miles.utils.transformers_scan`: installed here, it stays for the process);
+- no cyclic garbage collection runs, and what was imported is frozen out of later collections at the end
+  (`miles.utils.lazy_import.gc_paused`; ~1 s of CPU in a training rank, whose first import of torch is the
+  backend's, inside this block). Only the first block of a process does any of this: later ones find
+  transformers' model code imported.
 The stand-ins leave `sys.modules` when the block ends, so a later import is the real module. Nothing changes where
 scipy or trio is not installed, or for what is imported already.
 """
@@ -19,7 +23,7 @@ import contextlib
 import sys
 from collections.abc import Iterator
 
-from miles.utils.lazy_import import deferred
+from miles.utils.lazy_import import deferred, gc_paused
 from miles.utils.transformers_scan import install as install_scan_once
 
 OPTIMIZE = "scipy.optimize"
@@ -34,5 +38,5 @@ def lean_transformers() -> Iterator[None]:
         yield
         return
     install_scan_once()
-    with deferred(STAND_INS):
+    with deferred(STAND_INS), gc_paused(freeze=True):
         yield

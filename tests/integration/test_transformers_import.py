@@ -71,6 +71,9 @@ import trio
 print("forwards=%s" % (len(sync) > 0 and all(m.trio.Lock is trio.Lock for m in sync)))
 import transformers, transformers.models
 print("classes=%d" % len(transformers.models._class_to_module))
+import gc
+print("gc=%s" % gc.isenabled())
+print("frozen=%s" % (gc.get_freeze_count() > 100_000))  # what the imports made: out of later collections
 """
 
 
@@ -85,3 +88,4 @@ def test_model_folder_is_scanned_once_then_kept_and_trio_is_a_stand_in(tmp_path)
     warm = run(SCANS, env).splitlines()
     assert warm[0] == "scans=1", warm
     assert warm[3] == cold[3] and int(cold[3].split("=")[1]) > 100
+    assert warm[4:] == ["gc=True", "frozen=True"], warm

@@ -63,3 +63,38 @@ def test_imported_or_missing_modules_are_left_alone(fake_module):
         assert sys.modules[fake_module] is miles_lazy_fake
         with pytest.raises(ImportError):
             import miles_no_such_module  # noqa: F401
+
+
+def test_gc_paused_inside_and_restored_after():
+    import gc
+
+    from miles.utils.lazy_import import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():  # nested: the outer block re-enables
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused(freeze=True):  # off before: left off, nothing frozen
+            pass
+        assert not gc.isenabled() and gc.get_freeze_count() == 0
+    finally:
+        gc.enable()
+
+
+def test_gc_paused_with_freeze_moves_what_exists_out_of_collections():
+    import gc
+
+    from miles.utils.lazy_import import gc_paused
+
+    try:
+        with gc_paused(freeze=True):
+            made = [[i] for i in range(1000)]
+        assert gc.isenabled()
+        assert gc.get_freeze_count() >= len(made)
+    finally:
+        gc.unfreeze()
