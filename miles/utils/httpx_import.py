@@ -6,6 +6,11 @@ actors and servers, each training rank on its first refit), none of which runs t
 that one submodule is not found, so httpx takes its own fallback; `httpx.main` is then replaced by a function that
 imports the real client when called, so the command still works. Nothing changes once httpx is imported already, or
 where its client was imported first.
+
+`lean_transport()`: httpx imports its transport (httpcore) when the first client is built, and httpcore's
+synchronization module imports trio at module level to serve trio programs (~0.07 s of CPU per process); inside the
+block `trio` is a stand-in (`miles.utils.lazy_import`) that imports the real one only if code runs under trio,
+which miles never does.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+
+from miles.utils.lazy_import import deferred
 
 CLI_MODULE = "httpx._main"
 
@@ -32,6 +39,13 @@ def lean_httpx() -> Iterator[None]:
     httpx = sys.modules.get("httpx")
     if httpx is not None:
         httpx.main = _cli_main  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def lean_transport() -> Iterator[None]:
+    """Build httpx clients inside this block: their transport's import leaves trio unimported (see the module doc)."""
+    with deferred({"trio": ()}):
+        yield
 
 
 def _cli_main() -> None:

@@ -1,65 +1,42 @@
-"""Import transformers' model code without `scipy.optimize`.
+"""Import transformers' model code with less start-up work in each process that builds a model (each training rank).
 
-`transformers.modeling_utils` imports its loss registry, whose object-detection losses (DETR, Deformable DETR,
-Grounding DINO) run `from scipy.optimize import linear_sum_assignment` when scipy is installed: ~0.5 s of CPU in
-every process that builds a model (each training rank), for a function only those models' losses call. Inside
-`lean_transformers()` the name `scipy.optimize` stands for a small module whose `linear_sum_assignment` imports the
-real one when first called, so those losses still work; any other attribute of it imports the real module at
-once. The stand-in leaves `sys.modules` when the block ends, so a later `import scipy.optimize` is the real one.
-Nothing changes where scipy is not installed, or where transformers' model code or `scipy.optimize` is imported
-already.
+Inside `lean_transformers()`:
+- `scipy.optimize` is a stand-in (`miles.utils.lazy_import`): `transformers.modeling_utils` imports its loss
+  registry, whose object-detection losses (DETR, Deformable DETR, Grounding DINO) run
+  `from scipy.optimize import linear_sum_assignment` when scipy is installed (~0.5 s of CPU), for a function only
+  those losses call; it imports the real module when called, any other attribute at once.
+- `trio` is a stand-in: the HTTP client of `transformers.utils.hub` (httpcore) imports it at module level to serve
+  trio programs (~0.07 s of CPU); it is used only when code runs under trio's event loop, which miles never does.
+- transformers scans the folder of its model code (~0.28 s of CPU) once per installed version, not twice per
+  process (`miles.utils.transformers_scan`: installed here, it stays for the process);
+- no cyclic garbage collection runs, and what was imported is frozen out of later collections at the end
+  (`miles.utils.lazy_import.gc_paused`; ~1 s of CPU in a training rank, whose first import of torch is the
+  backend's, inside this block). Only the first block of a process does any of this: later ones find
+  transformers' model code imported.
+The stand-ins leave `sys.modules` when the block ends, so a later import is the real module. Nothing changes where
+scipy or trio is not installed, or for what is imported already.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import sys
-import types
 from collections.abc import Iterator
-from typing import Any
+
+from miles.utils.lazy_import import deferred, gc_paused
+from miles.utils.transformers_scan import install as install_scan_once
 
 OPTIMIZE = "scipy.optimize"
+# modules transformers' model code imports at start-up and a training rank does not use: name -> deferred functions
+STAND_INS = {OPTIMIZE: ("linear_sum_assignment",), "trio": ()}
 
 
 @contextlib.contextmanager
 def lean_transformers() -> Iterator[None]:
-    """Imports inside this block see `scipy.optimize` as a stand-in that loads the real module on first use."""
-    if (
-        "transformers.modeling_utils" in sys.modules
-        or OPTIMIZE in sys.modules
-        or importlib.util.find_spec("scipy") is None
-    ):
+    """Imports of transformers' model code inside this block do less work (see the module doc)."""
+    if "transformers.modeling_utils" in sys.modules:
         yield
         return
-    stand_in = _LazyOptimize(OPTIMIZE)
-    sys.modules[OPTIMIZE] = stand_in
-    try:
+    install_scan_once()
+    with deferred(STAND_INS), gc_paused(freeze=True):
         yield
-    finally:
-        if sys.modules.get(OPTIMIZE) is stand_in:
-            del sys.modules[OPTIMIZE]
-
-
-def linear_sum_assignment(*args: Any, **kwargs: Any) -> Any:
-    """`scipy.optimize.linear_sum_assignment`, imported when called."""
-    return _real().linear_sum_assignment(*args, **kwargs)
-
-
-def _real() -> types.ModuleType:
-    module = sys.modules.get(OPTIMIZE)
-    if isinstance(module, _LazyOptimize):  # still inside the block: the real module replaces the stand-in
-        del sys.modules[OPTIMIZE]
-    return importlib.import_module(OPTIMIZE)
-
-
-class _LazyOptimize(types.ModuleType):
-    """Stands in for `scipy.optimize` (see the module doc)."""
-
-    linear_sum_assignment = staticmethod(linear_sum_assignment)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):  # what the import system probes (__path__, ...): a plain module has none
-            raise AttributeError(name)
-        return getattr(_real(), name)

@@ -9,12 +9,22 @@ children importing `miles` from `--code`. While it starts, the process tree's CP
 is sampled every 0.1 s until the driver logs its `start-up:` line; each run prints that line (wall time per phase),
 the CPU-seconds per kind of process (training ranks, engine servers, Ray actors by class, the driver, Ray's own
 processes) and their total. On 2 cores start-up is bound by that total: compare it between checkouts.
+
+    python scripts/bench/startup_cpu.py --rank-parts --code /tmp/base --code .   # one training rank, part by part
+
+`--rank-parts` runs, per repeat and checkout, two training ranks without Ray (two processes with `ray` imported
+before the clock starts, as a Ray worker has it, joined by gloo on loopback) through what a rank does from its
+process start to its first step: import torch, import the backend (transformers' model code, FSDP), `init` (model,
+FSDP, optimizer), the engine it hosts (`launch_engine`) and the start-up refit; it prints each part's CPU-seconds
+(time.process_time, all of the rank's threads), averaged over the two ranks.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -65,10 +75,8 @@ def role(pid: int) -> str | None:
     return "other"
 
 
-def run_once(code: Path, artifacts: Path) -> tuple[str, dict[str, float]]:
-    env = dict(os.environ, PYTHONPATH=str(code), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="1")  # fmt: skip
-    cmd = [sys.executable, "-m", "miles.train", "--hf-checkpoint", str(artifacts / "model"),
+def quickstart_flags(artifacts: Path) -> list[str]:
+    return ["--hf-checkpoint", str(artifacts / "model"),
            "--prompt-data", str(artifacts / "echo.jsonl"), "--input-key", "prompt", "--label-key", "label",
            "--apply-chat-template", "--rollout-shuffle", "--rm-type", "math", "--num-rollout", "2",
            "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "2",
@@ -76,6 +84,16 @@ def run_once(code: Path, artifacts: Path) -> tuple[str, dict[str, float]]:
            "--optimizer", "adam", "--lr", "5e-3", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2",
            "--colocate", "--rollout-num-gpus-per-engine", "1", "--train-backend", "fsdp",
            "--run-dir", tempfile.mkdtemp(prefix="startup-cpu-"), "--seed", "1"]  # fmt: skip
+
+
+def child_env(code: Path) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(code), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="1")  # fmt: skip
+
+
+def run_once(code: Path, artifacts: Path) -> tuple[str, dict[str, float]]:
+    env = child_env(code)
+    cmd = [sys.executable, "-m", "miles.train", *quickstart_flags(artifacts)]
     proc = subprocess.Popen(
         cmd, cwd=code, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -106,6 +124,97 @@ def run_once(code: Path, artifacts: Path) -> tuple[str, dict[str, float]]:
     return (found[0] if found else "no start-up line"), by_role
 
 
+def rank_child(rank: int, port: int, artifacts: Path) -> None:
+    """One training rank's start-up, part by part (see the module doc); prints its CPU-seconds per part as JSON."""
+    import ray  # noqa: F401  - a Ray worker has it imported before its actor starts
+
+    parts: dict[str, float] = {}
+    last = time.process_time()
+
+    def mark(name: str) -> None:
+        nonlocal last
+        now = time.process_time()
+        parts[name], last = now - last, now
+
+    import torch  # noqa: F401
+
+    mark("import torch")
+    from miles.backends import get_policy_class
+    from miles.config import parse_config
+    from miles.ray.colocate import MEMORY_TAGS
+    from miles.ray.train_group import TrainWorker
+
+    get_policy_class("fsdp")
+    mark("import backend")
+    cfg = parse_config(quickstart_flags(artifacts))
+    worker = TrainWorker(cfg, rank, 2, {"OMP_NUM_THREADS": "1"})
+    worker.init("127.0.0.1", port, "actor", False)
+    mark("init")
+    from miles.engines.sglang_engine import engine_launch_kwargs
+
+    local = {
+        "max-running-requests": cfg.engine.engine_max_running_requests,
+        "request-timeout": 600.0,
+        "num-threads": 1,
+    }  # as EngineFleet._engine_kwargs on CPU
+    launch = engine_launch_kwargs("local", rank, cfg.rollout.rollout_seed, True, {}, local)
+    url = worker.launch_engine({"model_path": cfg.model.hf_checkpoint, "local_args": launch["local_args"]})
+    mark("engine")
+    import torch.distributed as dist
+
+    from miles.utils.engine_control_http import EngineMemoryControl
+
+    urls: list[str | None] = [None, None]
+    dist.all_gather_object(urls, url)
+    control = EngineMemoryControl([url], None, 60.0)  # as the driver: release all, resume all, refit
+    control.release_memory(list(MEMORY_TAGS))
+    control.resume_memory(list(MEMORY_TAGS))
+    dist.barrier()
+    worker.update_weights([str(u) for u in urls], "0")
+    mark("first refit")
+    print("RANK-PARTS " + json.dumps(parts), flush=True)
+    worker.shutdown_engine()
+
+
+def rank_parts(code: Path, artifacts: Path) -> dict[str, float]:
+    """Two ranks of `code` through `rank_child`: CPU-seconds per part, averaged over the ranks."""
+    port = free_port()
+    env = dict(child_env(code), OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--rank-child",
+                str(rank),
+                str(port),
+                "--artifacts",
+                str(artifacts),
+            ],
+            cwd=code,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    found = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=900)
+        lines = [line for line in out.splitlines() if line.startswith("RANK-PARTS ")]
+        if proc.returncode or not lines:
+            raise SystemExit(f"rank failed (exit {proc.returncode}) in {code}:\n{out[-3000:]}")
+        found.append(json.loads(lines[-1].split(" ", 1)[1]))
+    return {k: sum(f[k] for f in found) / len(found) for k in found[0]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -113,7 +222,12 @@ def main() -> None:
     )
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--artifacts", type=Path, default=REPO / "artifacts" / "tiny")
+    p.add_argument("--rank-parts", action="store_true", help="one training rank's start-up, part by part")
+    p.add_argument("--rank-child", nargs=2, type=int, help=argparse.SUPPRESS)  # rank, port (internal)
     a = p.parse_args()
+    if a.rank_child:
+        rank_child(a.rank_child[0], a.rank_child[1], a.artifacts.resolve())
+        return
     if not (a.artifacts / "model" / "config.json").exists():
         subprocess.run([sys.executable, "-m", "miles.tools.tiny_model", "--out", str(a.artifacts / "model"),
                         "--task", "echo", "--seed", "0", "--overwrite"], check=True, cwd=REPO)  # fmt: skip
@@ -122,6 +236,11 @@ def main() -> None:
                         str(a.artifacts / "echo.jsonl"), "--n", "2000", "--seed", "0"], check=True, cwd=REPO)  # fmt: skip
     for r in range(a.repeats):
         for code in a.code or [REPO]:
+            if a.rank_parts:
+                parts = rank_parts(code.resolve(), a.artifacts.resolve())
+                text = ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
+                print(f"[{code} run {r + 1}] rank CPU-s {sum(parts.values()):.2f}: {text}", flush=True)
+                continue
             phases, by_role = run_once(code.resolve(), a.artifacts.resolve())
             cpu = ", ".join(f"{k} {v:.2f}" for k, v in sorted(by_role.items(), key=lambda kv: -kv[1]))
             print(f"[{code} run {r + 1}] {phases}\n    CPU-s {sum(by_role.values()):.1f}: {cpu}", flush=True)

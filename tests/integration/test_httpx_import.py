@@ -39,3 +39,16 @@ def test_httpx_imported_before_is_left_alone():
     )
     assert "main=True" in out
     assert "cli_loaded=True" in out
+
+
+def test_engine_client_is_built_without_trio():
+    out = run(
+        "import sys\n"
+        "from miles.utils.engine_control_http import http_client\n"
+        "http_client()\n"
+        "print('transport=%s' % ('httpcore' in sys.modules))\n"
+        "print('trio=%s' % ('trio' in sys.modules))\n"
+    )
+    # the client's transport (httpcore) was imported: trio would have come with it
+    assert "transport=True" in out
+    assert "trio=False" in out

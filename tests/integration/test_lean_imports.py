@@ -47,9 +47,9 @@ NOT_NEEDED = {
     # the rollout manager holds no model: no torch (~130 MB and ~1 s of CPU), no transformers model registry
     "rollout manager": ("torch", "transformers.models", "miles.backends", *HTTPX_CLI, *NOT_IN_ANY),
     "driver preflight": ("torch", "ray", "transformers", "miles.backends", *HTTPX_CLI, *NOT_IN_ANY),
-    # the trainer builds a model with transformers, but no rollout or engine code, no optional extras and not
-    # scipy (transformers' object-detection losses; miles.utils.transformers_import)
-    "trainer": ("miles.rollout", "miles.engines", "scipy", *HTTPX_CLI, *NOT_IN_ANY),
+    # the trainer builds a model with transformers, but no rollout or engine code, no optional extras, not
+    # scipy (transformers' object-detection losses) and not trio (its HTTP client's; miles.utils.transformers_import)
+    "trainer": ("miles.rollout", "miles.engines", "scipy", "trio", *HTTPX_CLI, *NOT_IN_ANY),
 }
 
 

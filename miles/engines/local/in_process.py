@@ -103,12 +103,15 @@ class InProcessEngine:
         return self
 
     def _start(self, port: int) -> None:
-        import torch
-        import uvicorn
+        from miles.utils.lazy_import import gc_paused
 
-        from miles.engines.local.__main__ import engine_config, parse_args
-        from miles.engines.local.engine import LocalEngine
-        from miles.engines.local.server import create_app
+        with gc_paused():  # the server's imports (fastapi, pydantic): no collection walks the host's objects
+            import torch
+            import uvicorn
+
+            from miles.engines.local.__main__ import engine_config, parse_args
+            from miles.engines.local.engine import LocalEngine
+            from miles.engines.local.server import create_app
 
         # no malloc_trim after a release: it would return the host rank's freed activations too, which its next
         # step faults in again (quickstart: ~25 ms a step; the peak memory was the same with and without)
