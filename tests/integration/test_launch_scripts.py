@@ -239,7 +239,9 @@ def test_qwen3_30b_a3b_script_flags_parse(tmp_path):
     assert "--use-rollout-routing-replay" in flags and flags["--expert-model-parallel-size"] == ["8"]
     cfg = yaml.safe_load(parse_config(argv).to_yaml())
     assert cfg["rollout"]["use_rollout_routing_replay"] is True and cfg["cluster"]["colocate"] is True
-    assert cfg["cluster"]["actor_num_gpus_per_node"] == 8 and cfg["rollout"]["rollout_max_response_len"] == 8192
+    assert (
+        cfg["cluster"]["actor_num_gpus_per_node"] == 8 and cfg["rollout"]["rollout_max_response_len"] == 8192
+    )
     proc = subprocess.run(["bash", script, "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=60)
     if not Path("/root/Qwen3-30B-A3B").is_dir():
         assert proc.returncode == 2 and "pre-flight check failed" in proc.stderr, proc.stderr

@@ -89,4 +89,6 @@ def test_cli_choices_are_the_registered_variants():
         ("mis_level", algo_names.MIS_LEVELS),
     ):
         assert set(FIELDS[name].choices or ()) == set(names), name
-    assert AlgoConfig.__dataclass_fields__["policy_loss"].default is None  # None: algo_names.default_policy_loss
+    assert (
+        AlgoConfig.__dataclass_fields__["policy_loss"].default is None
+    )  # None: algo_names.default_policy_loss

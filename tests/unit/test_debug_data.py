@@ -27,7 +27,9 @@ def test_round_trip_is_exact(tmp_path, template):
     path = str(tmp_path / "r_{rollout_id}.jsonl") if template else str(tmp_path / "dir")
     samples, metrics = _samples(), {"rollout/raw_reward": 0.30000000000000004, "rollout/x": float("nan")}
     file = save_rollout(path, 3, samples, metrics, "--save-debug-rollout-data")
-    assert file == rollout_path(path, 3) and file.name == ("r_3.jsonl" if template else "rollout_0000003.jsonl")
+    assert file == rollout_path(path, 3) and file.name == (
+        "r_3.jsonl" if template else "rollout_0000003.jsonl"
+    )
     assert [p.name for p in file.parent.iterdir()] == [file.name]  # no temp file left
     back, back_metrics = load_rollout(path, 3, FLAG)
     assert back == samples  # floats, dict rewards, statuses and metadata exactly
@@ -65,7 +67,10 @@ def test_unserialisable_sample_names_the_flag_and_leaves_nothing(tmp_path):
     "flags, message",
     [
         (["--debug-train-only"], "--debug-train-only.*requires --load-debug-rollout-data"),
-        (["--load-debug-rollout-data", "d", "--debug-rollout-only"], "conflicts with --load-debug-rollout-data"),
+        (
+            ["--load-debug-rollout-data", "d", "--debug-rollout-only"],
+            "conflicts with --load-debug-rollout-data",
+        ),
         (["--load-debug-rollout-data", "d", "--save-debug-rollout-data", "e"], "nothing is generated"),
         (["--debug-rollout-only", "--save", "ckpt"], "nothing to save with --debug-rollout-only"),
     ],

@@ -16,7 +16,11 @@ def test_row_major_coords_and_dp_size():
 
 @pytest.mark.parametrize(
     ("world", "cp", "message"),
-    [(0, 1, "world_size=0"), (4, 0, "--context-parallel-size=0"), (6, 4, "must divide the number of training ranks")],
+    [
+        (0, 1, "world_size=0"),
+        (4, 0, "--context-parallel-size=0"),
+        (6, 4, "must divide the number of training ranks"),
+    ],
 )
 def test_refuses_impossible_meshes(world, cp, message):
     with pytest.raises(ValueError, match=message):
@@ -26,4 +30,3 @@ def test_refuses_impossible_meshes(world, cp, message):
 def test_rank_outside_the_world_is_refused():
     with pytest.raises(ValueError, match=r"rank=4: must be in \[0, 4\)"):
         ParallelDims(world_size=4, cp_size=2).coords(4)
-
