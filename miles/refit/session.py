@@ -16,7 +16,7 @@ is left waiting in a collective.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,10 +106,13 @@ class WeightUpdater(ABC):
         self.checks = RefitChecksums(spec, wanted)
         return self.checks
 
-    def resume_engines(self, targets: list[str], resume: Callable[[list[str]], None]) -> None:
+    def resume_engines(
+        self, targets: list[str], resume: Callable[[list[str]], None], tags: Sequence[str] = ()
+    ) -> None:
         """Before the next `update` moves any weight: ``resume(urls)`` gives ``targets`` back the memory they
-        released. Here rank 0 resumes every target at once and every rank raises its error, so none refits
-        alone; a transport may resume each engine from the rank that serves it instead (`miles.refit.window`)."""
+        released (``tags``, what it resumes). Here rank 0 resumes every target at once and every rank raises its
+        error, so none refits alone; a transport may resume each engine from the rank that serves it instead, or
+        send ``tags`` with its load (`miles.refit.window`)."""
         self.run_agreed(self.rank == 0, lambda: resume(targets))
 
     def engines_restarted(self, urls: list[str]) -> None:
