@@ -126,11 +126,15 @@ class TrainWorker:
         samples: list[Sample],
         values: SampleValues | None = None,
         refit: RefitAfterTrain | None = None,
+        release: list[str] | None = None,
     ) -> dict[str, float]:
-        """Train the policy on this rank's samples; with `refit`, then refit the engines in the same call (its
+        """Train the policy on this rank's samples; with `release`, first the engine this process serves releases
+        those memory tags (`release_own_engine`); with `refit`, then refit the engines in the same call (its
         seconds under `REFIT_SECONDS`, its `perf/refit_*` beside them; a failure there raises
         `RefitAfterTrainError`)."""
         backend = self._policy
+        if release:
+            self.release_own_engine(release)
         metrics = (
             backend.train(rollout_id, samples)
             if values is None
@@ -149,6 +153,27 @@ class TrainWorker:
                 f"of the train call of rollout {rollout_id}, after training succeeded): {type(e).__name__}: {e}"
             ) from e
         return {**metrics, **(refit_metrics or {}), REFIT_SECONDS: time.perf_counter() - start}
+
+    def release_own_engine(self, tags: list[str]) -> None:
+        """The engine this process serves (if any) releases `tags` (`EngineMemoryControl.release_memory`, over
+        its loopback port); then every rank learns whether any failed and all raise together, before any of
+        them trains (a collective over the training ranks: one flag all-reduced)."""
+        from miles.refit.session import raise_if_any_failed
+        from miles.utils.engine_control_http import EngineMemoryControl
+
+        error = None
+        if self.engine is not None:
+            timeout = float(self.config.rollout.rollout_request_timeout)
+            try:
+                EngineMemoryControl(
+                    [self.engine.url], self.config.engine.engine_api_key, timeout
+                ).release_memory(tags)
+            except Exception as e:  # noqa: BLE001 - raised on every rank below, so none trains alone
+                error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        import torch.distributed as dist
+
+        group = dist.group.WORLD if self.world_size > 1 else None
+        raise_if_any_failed(error, self.world_size, group, f"engine release before train failed ({tags})")
 
     def train_values(self, rollout_id: int, samples: list[Sample]) -> ValueTrainResult:
         """Train the value model on this rank's samples: its metrics and the values GAE used."""
@@ -256,10 +281,13 @@ class RayTrainGroup:
         per_dp_rank: list[list[Sample]],
         values: list[SampleValues] | None = None,
         refit: RefitAfterTrain | None = None,
+        release: list[str] | None = None,
     ) -> dict[str, float]:
         """Train on one rollout; `per_dp_rank[d]` goes to every CP rank of data-parallel rank d (with `values[d]`,
-        the critic's values of those samples, for --advantage-estimator ppo). With `refit`, the ranks then refit
-        the engines in the same call (`miles.ray.colocate.RefitAfterTrain`; its seconds under `REFIT_SECONDS`)."""
+        the critic's values of those samples, for --advantage-estimator ppo). With `release`, each rank serving
+        an engine first releases those tags of it (`TrainWorker.release_own_engine`). With `refit`, the ranks
+        then refit the engines in the same call (`miles.ray.colocate.RefitAfterTrain`; its seconds under
+        `REFIT_SECONDS`)."""
         if len(per_dp_rank) != self.dp_size:
             raise ValueError(f"expected data for {self.dp_size} DP ranks, got {len(per_dp_rank)}")
         refs = self._shared(per_dp_rank)
@@ -272,7 +300,11 @@ class RayTrainGroup:
         results: list[dict[str, float]] = self._gather(
             [
                 w.train.remote(
-                    rollout_id, refs[self.dims.coords(rank)[0]], vrefs[self.dims.coords(rank)[0]], refit
+                    rollout_id,
+                    refs[self.dims.coords(rank)[0]],
+                    vrefs[self.dims.coords(rank)[0]],
+                    refit,
+                    release,
                 )
                 for rank, w in enumerate(self.workers)
             ],

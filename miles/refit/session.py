@@ -144,7 +144,9 @@ class WeightUpdater(ABC):
         raise_if_any_failed(error, self.world_size, self.ctrl_group)
 
 
-def raise_if_any_failed(error: str | None, world_size: int, group: dist.ProcessGroup) -> None:
+def raise_if_any_failed(
+    error: str | None, world_size: int, group: dist.ProcessGroup | None, what: str = "weight update failed"
+) -> None:
     """Collective: every rank learns every rank's error (None: fine) and all raise together, so none hangs.
 
     ``group`` must be a gloo group (CPU tensors). The common case costs one all-reduce of a flag (a fraction of
@@ -160,4 +162,4 @@ def raise_if_any_failed(error: str | None, world_size: int, group: dist.ProcessG
         dist.all_gather_object(errors, error, group=group)
     failed = [e for e in errors if e is not None]
     if failed:
-        raise RuntimeError("weight update failed: " + " | ".join(failed))
+        raise RuntimeError(f"{what}: " + " | ".join(failed))

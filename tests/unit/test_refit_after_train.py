@@ -70,6 +70,49 @@ def test_a_failure_in_the_refit_names_the_phase_version_and_engine():
     assert isinstance(info.value.__cause__, EngineUnreachable)
 
 
+class OwnEngine:
+    url = "http://127.0.0.1:9"
+
+
+def test_release_goes_to_the_rank_s_own_engine_before_training(monkeypatch):
+    """`release`: the engine this process serves releases the tags (its own URL only), then training runs; a
+    failed release raises naming the rank and the tags, and nothing trains. A rank without an engine releases
+    nothing."""
+    from types import SimpleNamespace
+
+    import miles.utils.engine_control_http as http
+
+    posted: list[tuple[list[str], list[str]]] = []
+    fail = False
+
+    def release(self, tags: list[str]) -> None:
+        posted.append((list(self.engine_urls), list(tags)))
+        if fail:
+            raise EngineUnreachable(
+                self.engine_urls[0], "release_memory_occupation", "engine control", "request", "x"
+            )
+
+    monkeypatch.setattr(http.EngineMemoryControl, "release_memory", release)
+    backend = StandInBackend()
+    worker = _worker(backend)
+    worker.world_size, worker.engine = 1, OwnEngine()  # type: ignore[assignment]
+    worker.config = SimpleNamespace(  # type: ignore[assignment]
+        rollout=SimpleNamespace(rollout_request_timeout=5), engine=SimpleNamespace(engine_api_key=None)
+    )
+    worker.train(7, [Sample(index=0)], None, REFIT, ["weights", "kv_cache"])
+    assert posted == [(["http://127.0.0.1:9"], ["weights", "kv_cache"])]
+    assert [c[0] for c in backend.calls] == ["train", "refit"]
+    fail = True
+    with pytest.raises(
+        RuntimeError, match=r"engine release before train failed .* rank 1: EngineUnreachable"
+    ):
+        worker.train(8, [Sample(index=0)], None, REFIT, ["weights"])
+    assert [c[0] for c in backend.calls] == ["train", "refit"]  # nothing trained after the failed release
+    worker.engine = None
+    worker.train(9, [Sample(index=0)], None, None, ["weights"])
+    assert len(posted) == 2 and [c[0] for c in backend.calls] == ["train", "refit", "train"]
+
+
 def test_a_training_failure_is_not_reported_as_the_refit():
     backend = StandInBackend(fail_in="train")
     with pytest.raises(ValueError, match="loss is nan"):
@@ -113,3 +156,31 @@ def test_which_choreographies_refit_in_the_train_call(colocate, offload, expecte
     else:
         assert refit == RefitAfterTrain(["http://e0:1"], "3", expected_tags)
         assert not choreo.released  # the trainers resume them: the next release starts from a clean slate
+
+
+@pytest.mark.parametrize(
+    ("in_trainers", "offload", "critic", "by_ranks"),
+    [
+        (True, False, False, True),
+        (False, False, False, False),
+        (True, True, False, False),
+        (True, False, True, False),
+    ],
+)
+def test_who_releases_the_engines_before_training(in_trainers, offload, critic, by_ranks):
+    """Engines served from the ranks, on CPU, without a critic: `before_train` hands the tags to the train call
+    (the ranks release their own engines); otherwise the driver releases them and nothing is handed over."""
+    released: list[list[str]] = []
+
+    class Engines(NoEngines):
+        def release_memory(self, tags: list[str]) -> None:
+            released.append(tags)
+
+    choreo = MemoryChoreography(
+        True, NoTrainer(), Engines(), ["http://e0:1"], critic=NoTrainer() if critic else None,
+        trainer_offload=offload, engines_in_trainers=in_trainers,
+    )  # fmt: skip
+    handed = choreo.before_train()
+    all_tags = ["weights", "kv_cache", "cuda_graph"]
+    assert (handed, released) == (([], [all_tags]) if not by_ranks else (all_tags, []))
+    assert choreo.released == set(all_tags)  # resumed by the refit either way
