@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from miles.backends.base import PolicyBackend, ValueBackend, ValueTrainResult
     from miles.config import Config
     from miles.engines.local.in_process import InProcessEngine
+    from miles.utils.engine_control_http import EngineMemoryControl
 
 # the critic's values of one rank's samples: one list of floats per sample (per response token)
 SampleValues: TypeAlias = list[list[float]]
@@ -49,6 +50,7 @@ class TrainWorker:
         self.world_size = world_size
         self.backend: PolicyBackend | ValueBackend | None = None  # by the role `init` was given
         self.engine: InProcessEngine | None = None  # an embedded engine this process serves (`launch_engine`)
+        self._engine_control: EngineMemoryControl | None = None  # its memory control (`release_own_engine`)
 
     def launch_engine(self, engine_kwargs: dict[str, Any]) -> str:
         """Serve an embedded engine from threads of this process (`miles.engines.local.in_process`; the fleet's
@@ -155,9 +157,13 @@ class TrainWorker:
         return {**metrics, **(refit_metrics or {}), REFIT_SECONDS: time.perf_counter() - start}
 
     def release_own_engine(self, tags: list[str]) -> None:
-        """The engine this process serves (if any) releases `tags` (`EngineMemoryControl.release_memory`, over
-        its loopback port); then every rank learns whether any failed and all raise together, before any of
-        them trains (a collective over the training ranks: one flag all-reduced)."""
+        """The engine this process serves (if any) releases `tags`: called on its scheduler thread directly (no
+        HTTP round trip), and when it refuses as busy, over its loopback port (`EngineMemoryControl`, which
+        waits for idle); then every rank learns whether any failed and all raise together, before any of them
+        trains (a collective over the training ranks: one flag all-reduced)."""
+        import torch.distributed as dist
+
+        from miles.engines.local.control import RefitRefused
         from miles.refit.session import raise_if_any_failed
         from miles.utils.engine_control_http import EngineMemoryControl
 
@@ -165,13 +171,18 @@ class TrainWorker:
         if self.engine is not None:
             timeout = float(self.config.rollout.rollout_request_timeout)
             try:
-                EngineMemoryControl(
-                    [self.engine.url], self.config.engine.engine_api_key, timeout
-                ).release_memory(tags)
+                try:
+                    self.engine.release_memory(tags, timeout)
+                except RefitRefused:  # busy (requests still finishing): wait for idle, then release
+                    control = self._engine_control
+                    if control is None or control.engine_urls != [self.engine.url]:  # it asks the kind once
+                        control = EngineMemoryControl(
+                            [self.engine.url], self.config.engine.engine_api_key, timeout
+                        )
+                        self._engine_control = control
+                    control.release_memory(tags)
             except Exception as e:  # noqa: BLE001 - raised on every rank below, so none trains alone
                 error = f"rank {self.rank}: {type(e).__name__}: {e}"
-        import torch.distributed as dist
-
         group = dist.group.WORLD if self.world_size > 1 else None
         raise_if_any_failed(error, self.world_size, group, f"engine release before train failed ({tags})")
 

@@ -38,7 +38,7 @@ class StandInBackend:
 
 def _worker(backend: StandInBackend) -> TrainWorker:
     worker = object.__new__(TrainWorker)  # the entry point only: no config, no process group
-    worker.rank, worker.backend = 1, backend  # type: ignore[assignment]
+    worker.rank, worker.backend, worker._engine_control = 1, backend, None  # type: ignore[assignment]
     return worker
 
 
@@ -71,46 +71,64 @@ def test_a_failure_in_the_refit_names_the_phase_version_and_engine():
 
 
 class OwnEngine:
+    """The engine a rank serves (`InProcessEngine`): a direct release, refused while busy when `busy`."""
+
     url = "http://127.0.0.1:9"
+
+    def __init__(self, log: list[tuple[str, list[str]]]) -> None:
+        self.log, self.busy = log, False
+
+    def release_memory(self, tags: list[str], timeout: float) -> None:
+        from miles.engines.local.control import RefitRefused
+
+        if self.busy:
+            raise RefitRefused("release_memory_occupation should be called only when server is idle.")
+        self.log.append(("direct", list(tags)))
 
 
 def test_release_goes_to_the_rank_s_own_engine_before_training(monkeypatch):
-    """`release`: the engine this process serves releases the tags (its own URL only), then training runs; a
-    failed release raises naming the rank and the tags, and nothing trains. A rank without an engine releases
-    nothing."""
+    """`release`: the engine this process serves releases the tags, called directly; refused as busy, over
+    HTTP (its own URL only, the control kept for the run), which waits for idle; then training runs. A failed
+    release raises naming the rank and the tags, and nothing trains. A rank without an engine releases nothing."""
     from types import SimpleNamespace
 
     import miles.utils.engine_control_http as http
 
-    posted: list[tuple[list[str], list[str]]] = []
+    log: list[tuple[str, list[str]]] = []
     fail = False
 
-    def release(self, tags: list[str]) -> None:
-        posted.append((list(self.engine_urls), list(tags)))
+    def over_http(self, tags: list[str]) -> None:
+        log.append(("http " + ",".join(self.engine_urls), list(tags)))
         if fail:
             raise EngineUnreachable(
                 self.engine_urls[0], "release_memory_occupation", "engine control", "request", "x"
             )
 
-    monkeypatch.setattr(http.EngineMemoryControl, "release_memory", release)
+    monkeypatch.setattr(http.EngineMemoryControl, "release_memory", over_http)
     backend = StandInBackend()
     worker = _worker(backend)
-    worker.world_size, worker.engine = 1, OwnEngine()  # type: ignore[assignment]
+    engine = OwnEngine(log)
+    worker.world_size, worker.engine = 1, engine  # type: ignore[assignment]
     worker.config = SimpleNamespace(  # type: ignore[assignment]
         rollout=SimpleNamespace(rollout_request_timeout=5), engine=SimpleNamespace(engine_api_key=None)
     )
     worker.train(7, [Sample(index=0)], None, REFIT, ["weights", "kv_cache"])
-    assert posted == [(["http://127.0.0.1:9"], ["weights", "kv_cache"])]
+    assert log == [("direct", ["weights", "kv_cache"])]
     assert [c[0] for c in backend.calls] == ["train", "refit"]
+    engine.busy = True
+    worker.train(8, [Sample(index=0)], None, REFIT, ["weights"])
+    control = worker._engine_control  # kept for the run: it asks the engine's kind only once
+    assert log[1:] == [("http http://127.0.0.1:9", ["weights"])] and control is not None
     fail = True
     with pytest.raises(
         RuntimeError, match=r"engine release before train failed .* rank 1: EngineUnreachable"
     ):
-        worker.train(8, [Sample(index=0)], None, REFIT, ["weights"])
-    assert [c[0] for c in backend.calls] == ["train", "refit"]  # nothing trained after the failed release
+        worker.train(9, [Sample(index=0)], None, REFIT, ["weights"])
+    assert [c[0] for c in backend.calls] == ["train", "refit"] * 2  # nothing trained after the failed release
+    assert worker._engine_control is control
     worker.engine = None
-    worker.train(9, [Sample(index=0)], None, None, ["weights"])
-    assert len(posted) == 2 and [c[0] for c in backend.calls] == ["train", "refit", "train"]
+    worker.train(10, [Sample(index=0)], None, None, ["weights"])
+    assert len(log) == 3 and [c[0] for c in backend.calls] == ["train", "refit"] * 2 + ["train"]
 
 
 def test_a_training_failure_is_not_reported_as_the_refit():
