@@ -60,7 +60,7 @@ def train_rollout(
     answer then holds the refit's seconds under `REFIT_SECONDS`)."""
     per_dp = system.split_by_dp(samples)
     choreo, critic = system.choreography, system.critic_group
-    choreo.before_train()
+    release = choreo.before_train()  # tags the ranks release themselves, each its own engine
     metrics: dict[str, float] = {}
     values = None
     if critic is not None:
@@ -70,7 +70,7 @@ def train_rollout(
         if rollout_id < cfg.critic.num_critic_only_steps:
             return metrics
     refit = None if refit_version is None else choreo.refit_with_train(refit_version)
-    metrics.update(system.train_group.train(rollout_id, per_dp, values, refit))
+    metrics.update(system.train_group.train(rollout_id, per_dp, values, refit, release))
     return metrics
 
 

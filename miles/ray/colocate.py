@@ -17,7 +17,10 @@ parameters live in host memory either way), so the choreography skips those call
 everything while the trainer trains (their weights and KV cache are dropped, so a refit that misses a tensor
 fails), and the refit resumes every released tag in one call before the weights move (the trainer's footprint is
 the same asleep or awake, so resuming the KV cache before the refit raises no peak). Posting the release alongside
-the train call instead was measured no faster on 2 cores: the engines' work then slows the training ranks.
+the train call instead was measured no faster on 2 cores: the engines' work then slows the training ranks. When
+every engine is served from a training rank's process (`engines_in_trainers`, no critic), each rank releases its
+own engine first thing in its train call, before it trains (all ranks agree first): the driver's release round
+trip goes.
 
 Wherever the refit is only "resume what was released, then move the weights" (CPU colocated, and disaggregated
 placement, where nothing is released), the synchronous driver folds it into the train call (`refit_with_train`):
@@ -82,10 +85,14 @@ class MemoryChoreography:
         trainer_offload: bool = True,
         released: list[str] | tuple[str, ...] = (),
         keep_weights: bool = False,
+        engines_in_trainers: bool = False,
     ) -> None:
         """`trainer_offload`: the trainers' sleep/wake move their state off/onto the devices the engines use
         (GPU); False on CPU, where both are no-ops (see the module docstring). `released`: the tags the engines
-        already hold released (colocated start-up releases everything before the trainers load)."""
+        already hold released (colocated start-up releases everything before the trainers load).
+        `engines_in_trainers`: every engine is served from a training rank's process
+        (`miles.ray.engine_fleet.engines_in_trainers`), so without a critic each rank releases its own engine
+        first thing in its train call (`before_train`), not the driver over HTTP."""
         self.colocate = colocate
         self.trainer = trainer
         self.critic = critic  # --advantage-estimator ppo: trains before the actor, never awake with it
@@ -95,16 +102,22 @@ class MemoryChoreography:
         self.released: set[str] = set(released)  # fresh engines hold everything
         # --lora-refit adapter: the engines keep the frozen base resident (a refit ships only the adapter)
         self.release_tags = [t for t in MEMORY_TAGS if not (keep_weights and t == "weights")]
+        self.release_in_train = engines_in_trainers and colocate and critic is None and not trainer_offload
 
-    def before_train(self) -> None:
+    def before_train(self) -> list[str]:
         """Colocated: the engines give the devices back (all tags), then the critic (when there is one, it
-        trains first) or the trainer onloads (not on CPU: see the module docstring)."""
+        trains first) or the trainer onloads (not on CPU: see the module docstring). Returns the tags the
+        training ranks release themselves at the start of their train call, each its own engine
+        (`engines_in_trainers`: a driver round trip less per step); else [] (released here, or nothing to)."""
         if not self.colocate:
-            return
-        self.engines.release_memory(list(self.release_tags))
+            return []
         self.released = set(self.release_tags)
+        if self.release_in_train:
+            return list(self.release_tags)
+        self.engines.release_memory(list(self.release_tags))
         if self.trainer_offload:
             (self.critic or self.trainer).wake_up()
+        return []
 
     def critic_done(self) -> None:
         """Colocated: the critic has trained; it offloads and the actor onloads (one of them awake at a time)."""
@@ -153,8 +166,8 @@ class TrainerOnly:
     """The choreography of --load-debug-rollout-data: no engines run, so there is nothing to release, resume or
     refit (the trainer wakes itself to train)."""
 
-    def before_train(self) -> None:
-        pass
+    def before_train(self) -> list[str]:
+        return []
 
     def critic_done(self) -> None:
         pass

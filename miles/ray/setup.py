@@ -189,6 +189,7 @@ def _build_train(cfg: Config) -> TrainSystem:
         trainer_offload=use_gpu,  # on CPU the trainers' sleep/wake move nothing
         released=released,
         keep_weights=cfg.lora.lora_rank > 0 and cfg.lora.lora_refit == "adapter",
+        engines_in_trainers=engines_in_trainers(cfg, use_gpu),
     )
     # engines start from the trainer's (possibly resumed) weights; fresh engines released nothing to resume
     choreography.refit(weight_version=str(start))

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from miles.backends.base import PolicyBackend, ValueBackend, ValueTrainResult
     from miles.config import Config
     from miles.engines.local.in_process import InProcessEngine
+    from miles.utils.engine_control_http import EngineMemoryControl
 
 # the critic's values of one rank's samples: one list of floats per sample (per response token)
 SampleValues: TypeAlias = list[list[float]]
@@ -49,6 +50,7 @@ class TrainWorker:
         self.world_size = world_size
         self.backend: PolicyBackend | ValueBackend | None = None  # by the role `init` was given
         self.engine: InProcessEngine | None = None  # an embedded engine this process serves (`launch_engine`)
+        self._engine_control: EngineMemoryControl | None = None  # its memory control (`release_own_engine`)
 
     def launch_engine(self, engine_kwargs: dict[str, Any]) -> str:
         """Serve an embedded engine from threads of this process (`miles.engines.local.in_process`; the fleet's
@@ -126,11 +128,15 @@ class TrainWorker:
         samples: list[Sample],
         values: SampleValues | None = None,
         refit: RefitAfterTrain | None = None,
+        release: list[str] | None = None,
     ) -> dict[str, float]:
-        """Train the policy on this rank's samples; with `refit`, then refit the engines in the same call (its
+        """Train the policy on this rank's samples; with `release`, first the engine this process serves releases
+        those memory tags (`release_own_engine`); with `refit`, then refit the engines in the same call (its
         seconds under `REFIT_SECONDS`, its `perf/refit_*` beside them; a failure there raises
         `RefitAfterTrainError`)."""
         backend = self._policy
+        if release:
+            self.release_own_engine(release)
         metrics = (
             backend.train(rollout_id, samples)
             if values is None
@@ -149,6 +155,36 @@ class TrainWorker:
                 f"of the train call of rollout {rollout_id}, after training succeeded): {type(e).__name__}: {e}"
             ) from e
         return {**metrics, **(refit_metrics or {}), REFIT_SECONDS: time.perf_counter() - start}
+
+    def release_own_engine(self, tags: list[str]) -> None:
+        """The engine this process serves (if any) releases `tags`: called on its scheduler thread directly (no
+        HTTP round trip), and when it refuses as busy, over its loopback port (`EngineMemoryControl`, which
+        waits for idle); then every rank learns whether any failed and all raise together, before any of them
+        trains (a collective over the training ranks: one flag all-reduced)."""
+        import torch.distributed as dist
+
+        from miles.engines.local.control import RefitRefused
+        from miles.refit.session import raise_if_any_failed
+        from miles.utils.engine_control_http import EngineMemoryControl
+
+        error = None
+        if self.engine is not None:
+            timeout = float(self.config.rollout.rollout_request_timeout)
+            try:
+                try:
+                    self.engine.release_memory(tags, timeout)
+                except RefitRefused:  # busy (requests still finishing): wait for idle, then release
+                    control = self._engine_control
+                    if control is None or control.engine_urls != [self.engine.url]:  # it asks the kind once
+                        control = EngineMemoryControl(
+                            [self.engine.url], self.config.engine.engine_api_key, timeout
+                        )
+                        self._engine_control = control
+                    control.release_memory(tags)
+            except Exception as e:  # noqa: BLE001 - raised on every rank below, so none trains alone
+                error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        group = dist.group.WORLD if self.world_size > 1 else None
+        raise_if_any_failed(error, self.world_size, group, f"engine release before train failed ({tags})")
 
     def train_values(self, rollout_id: int, samples: list[Sample]) -> ValueTrainResult:
         """Train the value model on this rank's samples: its metrics and the values GAE used."""
@@ -256,10 +292,13 @@ class RayTrainGroup:
         per_dp_rank: list[list[Sample]],
         values: list[SampleValues] | None = None,
         refit: RefitAfterTrain | None = None,
+        release: list[str] | None = None,
     ) -> dict[str, float]:
         """Train on one rollout; `per_dp_rank[d]` goes to every CP rank of data-parallel rank d (with `values[d]`,
-        the critic's values of those samples, for --advantage-estimator ppo). With `refit`, the ranks then refit
-        the engines in the same call (`miles.ray.colocate.RefitAfterTrain`; its seconds under `REFIT_SECONDS`)."""
+        the critic's values of those samples, for --advantage-estimator ppo). With `release`, each rank serving
+        an engine first releases those tags of it (`TrainWorker.release_own_engine`). With `refit`, the ranks
+        then refit the engines in the same call (`miles.ray.colocate.RefitAfterTrain`; its seconds under
+        `REFIT_SECONDS`)."""
         if len(per_dp_rank) != self.dp_size:
             raise ValueError(f"expected data for {self.dp_size} DP ranks, got {len(per_dp_rank)}")
         refs = self._shared(per_dp_rank)
@@ -272,7 +311,11 @@ class RayTrainGroup:
         results: list[dict[str, float]] = self._gather(
             [
                 w.train.remote(
-                    rollout_id, refs[self.dims.coords(rank)[0]], vrefs[self.dims.coords(rank)[0]], refit
+                    rollout_id,
+                    refs[self.dims.coords(rank)[0]],
+                    vrefs[self.dims.coords(rank)[0]],
+                    refit,
+                    release,
                 )
                 for rank, w in enumerate(self.workers)
             ],

@@ -73,6 +73,12 @@ def engine_checksums(
     answer = post_engine(
         url, "weights_checker", {"action": "checksum"}, headers, timeout_s, f"checksums after refit {version}"
     )
+    return checksums_by_rank(url, answer)
+
+
+def checksums_by_rank(url: str, answer: dict) -> list[dict[str, str]]:
+    """The per-tensor checksums by TP rank in a ``/weights_checker`` answer (`engine_checksums`), or in the
+    embedded engine's ``/update_weights_from_window`` answer asked with ``checksums``."""
     ranks = answer.get("ranks") or []
     if not isinstance(ranks, list) or not ranks:
         raise RuntimeError(f"engine {url}, weights_checker: no per-rank checksums in {answer}")
@@ -127,12 +133,18 @@ def compare_checksums(
 
 
 def check_engine(
-    url: str, version: str, headers: dict[str, str], timeout_s: float, checks: RefitChecksums
+    url: str,
+    version: str,
+    headers: dict[str, str],
+    timeout_s: float,
+    checks: RefitChecksums,
+    answered: list[dict[str, str]] | None = None,
 ) -> None:
     """One engine's checksums against the trainer's (`compare_checksums`); the time waited for the engine's
-    answer is added to ``checks.engine_seconds``, and the names it reported become ``checks.reported``."""
+    answer is added to ``checks.engine_seconds``, and the names it reported become ``checks.reported``.
+    ``answered``: the engine's checksums by TP rank, already at hand (nothing is asked)."""
     start = time.perf_counter()
-    engine = engine_checksums(url, headers, timeout_s, version)
+    engine = answered if answered is not None else engine_checksums(url, headers, timeout_s, version)
     checks.engine_seconds += time.perf_counter() - start
     checks.reported.update(name for rank in engine for name in rank)
     compare_checksums(url, checks.expected, engine, version)

@@ -127,7 +127,9 @@ class Refitter:
         transport = self.transport
         if resume_tags:
             tags = list(resume_tags)
-            transport.resume_engines(urls, lambda targets: self._engine_memory(targets).resume_memory(tags))
+            transport.resume_engines(
+                urls, lambda targets: self._engine_memory(targets).resume_memory(tags), tags
+            )
         if urls != transport.engine_urls:
             transport.engines_restarted(urls)
         return transport.update(

@@ -16,7 +16,7 @@ is left waiting in a collective.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,10 +106,13 @@ class WeightUpdater(ABC):
         self.checks = RefitChecksums(spec, wanted)
         return self.checks
 
-    def resume_engines(self, targets: list[str], resume: Callable[[list[str]], None]) -> None:
+    def resume_engines(
+        self, targets: list[str], resume: Callable[[list[str]], None], tags: Sequence[str] = ()
+    ) -> None:
         """Before the next `update` moves any weight: ``resume(urls)`` gives ``targets`` back the memory they
-        released. Here rank 0 resumes every target at once and every rank raises its error, so none refits
-        alone; a transport may resume each engine from the rank that serves it instead (`miles.refit.window`)."""
+        released (``tags``, what it resumes). Here rank 0 resumes every target at once and every rank raises its
+        error, so none refits alone; a transport may resume each engine from the rank that serves it instead, or
+        send ``tags`` with its load (`miles.refit.window`)."""
         self.run_agreed(self.rank == 0, lambda: resume(targets))
 
     def engines_restarted(self, urls: list[str]) -> None:
@@ -141,7 +144,9 @@ class WeightUpdater(ABC):
         raise_if_any_failed(error, self.world_size, self.ctrl_group)
 
 
-def raise_if_any_failed(error: str | None, world_size: int, group: dist.ProcessGroup) -> None:
+def raise_if_any_failed(
+    error: str | None, world_size: int, group: dist.ProcessGroup | None, what: str = "weight update failed"
+) -> None:
     """Collective: every rank learns every rank's error (None: fine) and all raise together, so none hangs.
 
     ``group`` must be a gloo group (CPU tensors). The common case costs one all-reduce of a flag (a fraction of
@@ -157,4 +162,4 @@ def raise_if_any_failed(error: str | None, world_size: int, group: dist.ProcessG
         dist.all_gather_object(errors, error, group=group)
     failed = [e for e in errors if e is not None]
     if failed:
-        raise RuntimeError("weight update failed: " + " | ".join(failed))
+        raise RuntimeError(f"{what}: " + " | ".join(failed))

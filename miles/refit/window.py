@@ -8,7 +8,9 @@ its own FSDP2 shards straight into their views in every targeted window (the eng
 blocks included; no all-gather, no full tensor, each byte written once from the shard), the ranks agree that all
 wrote, then each engine's rank posts one `/update_weights_from_window`, and the engine points its parameters at
 the views without copying; the ranks agree again that every engine loaded. A colocated step's resume of the
-engines' released memory (`resume_engines`) goes first, each engine's from the rank that serves it. Both agreements go through a flag per
+engines' released memory (`resume_engines`) travels with that call once the windows are mapped (before that, it
+goes first, each engine's from the rank that serves it), and so do the checksums of `check_equal`: one round trip
+per engine and refit. Both agreements go through a flag per
 rank in shared memory (`HostFlags`: the ranks share the host anyway, and a gloo collective costs a millisecond or
 more on a busy 2-core machine), over gloo where the memory model does not order plain stores (not x86). That
 one call is the whole refit on the engine: its own weight-update session (no begin/end round trips), and its
@@ -42,14 +44,14 @@ import tempfile
 import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from miles.refit.buckets import RefitJob, RefitSource, TensorEntry, hf_tensors, plan_buckets, row_copies
 from miles.refit.checksums import RefitChecksums
-from miles.refit.engine_endpoints import LAYOUT_ENDPOINT, check_engine
+from miles.refit.engine_endpoints import LAYOUT_ENDPOINT, check_engine, checksums_by_rank
 from miles.refit.session import RefitSetup
 from miles.refit.tensor_handles import ColocatedWeightUpdater
 from miles.refit.window_layout import WINDOW_PREFIX, MappedWindow, WindowLayout
@@ -200,12 +202,19 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
         self.flags: HostFlags | None = None
         # what `resume_engines` asked for, run by the next push
         self._resume: Callable[[list[str]], None] | None = None
+        self._resume_tags: list[str] | None = None
 
-    def resume_engines(self, targets: list[str], resume: Callable[[list[str]], None]) -> None:
-        """Each engine is resumed by the rank that serves it, first thing in the next `push` (one call per rank,
-        side by side, no thread and no collective of its own); an error is raised on every rank at the push's
-        first agreement, before any engine loads."""
+    def resume_engines(
+        self, targets: list[str], resume: Callable[[list[str]], None], tags: Sequence[str] = ()
+    ) -> None:
+        """Each engine is resumed by the rank that serves it in the next `push` (one call per rank, side by side,
+        no thread and no collective of its own). Once every targeted engine's window is mapped, `tags` (when
+        given) travel with the load instead (`/update_weights_from_window`'s `resume_tags`: one round trip less
+        per engine; the engine's weights are views of the window, so writing it needs nothing resumed) and an
+        error is raised on every rank at the push's last agreement; otherwise `resume` runs first thing in the
+        push and an error is raised on every rank at its first agreement, before any engine loads."""
         self._resume = resume
+        self._resume_tags = list(tags) or None
 
     def _ensure_window(self, url: str, model: RefitSource, dtype: torch.dtype | None) -> None:
         if self.window is not None:
@@ -263,6 +272,11 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
         Returns the number of buckets of the plan (the window needs none: nothing is gathered)."""
         url = self.url_if_targeted(targets)
         resume, self._resume = self._resume, None
+        folded, self._resume_tags = self._resume_tags, None
+        if resume is not None and folded is not None and all(u in self.windows for u in targets):
+            resume = None  # the tags go with the load
+        else:
+            folded = None
         error: str | None = None
         try:
             if resume is not None and url:
@@ -285,7 +299,7 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
         error = None
         try:
             if url:
-                self._load(url, job, self._checksums(url, job, entries))
+                self._load(url, job, self._checksums(url, job, entries), folded)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
         self._agree(error)
@@ -305,16 +319,23 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
             checks.add_bucket((e.name, views[e.name]) for e in entries)
         return checks
 
-    def _load(self, url: str, job: RefitJob, checksums: RefitChecksums | None) -> None:
-        """One call loads the window (its own weight-update session on the engine); the answer names the version
-        the engine now serves, which must be ours; with ``check_equal`` the checksums are compared too."""
+    def _load(
+        self, url: str, job: RefitJob, checksums: RefitChecksums | None, resume_tags: list[str] | None = None
+    ) -> None:
+        """One call loads the window (its own weight-update session on the engine), resuming ``resume_tags``
+        first; the answer names the version the engine now serves, which must be ours; with ``check_equal`` it
+        carries the engine's checksums too, compared with ours."""
         window, weight_version = self.windows[url], job.weight_version
-        body = {
+        body: dict[str, object] = {
             "path": window.path,
             "layout_digest": window.layout.digest(),
             "flush_cache": job.flush_cache,
             "weight_version": weight_version,
         }
+        if resume_tags is not None:
+            body["resume_tags"] = resume_tags
+        if checksums is not None:
+            body["checksums"] = True
         answer = post_engine(
             url, "update_weights_from_window", body, self.headers, self.timeout_s, f"refit {weight_version}"
         )
@@ -323,4 +344,7 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
                 f"engine {url} serves weight version {answer.get('weight_version')!r} after refit {weight_version}"
             )
         if checksums is not None:
-            check_engine(url, weight_version, self.headers, self.timeout_s, checksums)
+            answered = checksums_by_rank(url, answer) if "ranks" in answer else None
+            check_engine(url, weight_version, self.headers, self.timeout_s, checksums, answered)
+            spent = answer.get("checksum_seconds")
+            checksums.engine_seconds += spent if isinstance(spent, int | float) else 0.0

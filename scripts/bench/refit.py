@@ -127,7 +127,10 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
     from miles.refit.window import WindowWeightUpdater
 
     kind = WindowWeightUpdater if a["transport"] == "window" else ColocatedWeightUpdater
-    updater = kind(RefitSetup(urls, ranks_per_engine=1, rank=rank, world_size=world, timeout_s=600))
+    setup = RefitSetup(
+        urls, ranks_per_engine=1, rank=rank, world_size=world, timeout_s=600, check_equal=a["check_equal"]
+    )
+    updater = kind(setup)
     spans: list[dict[str, float]] = []  # --timeline: per refit, seconds per part
     if a["timeline"]:
         _time_parts(updater, spans)
@@ -145,8 +148,13 @@ def _rank_main(rank: int, world: int, port: int, model: str, urls: list[str], a:
             post_to_engines(urls, "release_memory_occupation", tags, {}, 600, "bench release")
         dist.barrier()
         t0 = time.perf_counter()
-        if a["release_resume"] and rank == 0:  # the other ranks' engine calls wait at the refit's agreement
-            post_to_engines(urls, "resume_memory_occupation", tags, {}, 600, "bench resume")
+        if a["release_resume"]:  # resumed as the ranks do in a colocated step (`Refitter.update`)
+            folded = tags["tags"] if a["fold_resume"] else []  # the window's load carries them (steady state)
+            updater.resume_engines(
+                urls,
+                lambda targets: post_to_engines(targets, "resume_memory_occupation", tags, {}, 600, "resume"),
+                folded,
+            )
         n_buckets = updater.update(net, bucket_bytes, weight_version=f"bench-{i}", dtype=torch.float32)
         dist.barrier()
         if i:
@@ -242,6 +250,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="as in a colocated step: engines release weights and KV cache before each refit, and the timed "
         "refit starts with their resume (the driver's refit phase, less its Ray call)",
+    )
+    p.add_argument(
+        "--no-fold-resume",
+        dest="fold_resume",
+        action="store_false",
+        help="with --release-resume: resume in a call of its own before the load (before the window's load "
+        "carried the tags)",
+    )
+    p.add_argument(
+        "--check-equal",
+        action="store_true",
+        help="compare per-tensor checksums after each refit (miles' default, --check-weight-update-equal)",
     )
     p.add_argument(
         "--timeline",

@@ -63,6 +63,13 @@ def test_same_api_and_tokens_as_its_own_process_and_the_host_keeps_its_threads_a
         assert httpx.post(eng.url + "/generate", json=REQUEST, timeout=60).status_code == 503
         r = httpx.post(eng.url + "/resume_memory_occupation", json=tags, headers=headers, timeout=60)
         assert r.status_code == 200
+        # the rank serving it releases it directly (no HTTP), as over the endpoint
+        eng.release_memory(["kv_cache"], 60)
+        assert eng.engine.released_tags == {"kv_cache"} and eng.engine.kv_released
+        r = httpx.post(
+            eng.url + "/resume_memory_occupation", json={"tags": ["kv_cache"]}, headers=headers, timeout=60
+        )
+        assert r.status_code == 200 and not eng.engine.released_tags
         assert "embedded engine serving" in log.read_text()
     finally:
         eng.shutdown()

@@ -155,7 +155,7 @@ def _failure_body(rank: int, world: int, model_dir: str, urls: list[str]) -> Non
     load = updater._load
     if rank == 1:
 
-        def failing(url: str, weight_version: str, checksums: dict[str, str] | None) -> None:
+        def failing(url: str, weight_version: str, checksums: dict[str, str] | None, *resume: object) -> None:
             raise ConnectionError(f"injected at {url}")
 
         updater._load = failing  # type: ignore[method-assign]
@@ -184,6 +184,24 @@ def _failure_body(rank: int, world: int, model_dir: str, urls: list[str]) -> Non
     if rank == 0:
         for url in urls:
             _assert_engine_equals(url, state, "v5")
+        _post(urls[0], "release_memory_occupation", {"tags": ["weights"]})
+    dist.barrier()
+
+    def unused(targets: list[str]) -> None:
+        raise AssertionError("with the windows mapped, the tags travel with the load")
+
+    # the tags go with each engine's load: engine 1 refuses (nothing released), every rank raises naming it
+    updater.resume_engines(urls, unused, ["weights"])
+    pattern = (
+        rf"weight update failed: rank 1: EngineStatusError: engine {urls[1]}, update_weights_from_window"
+    )
+    with pytest.raises(RuntimeError, match=pattern):
+        refit("v6")
+    refit("v7")
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        for url in urls:
+            _assert_engine_equals(url, state, "v7")
     dist.barrier()
 
 

@@ -22,8 +22,15 @@ class FakeTrainGroup:
         self.log = log
 
     def train(
-        self, rollout_id: int, per_rank: list[list[Sample]], values=None, refit: RefitAfterTrain | None = None
+        self,
+        rollout_id: int,
+        per_rank: list[list[Sample]],
+        values=None,
+        refit: RefitAfterTrain | None = None,
+        release: list[str] | None = None,
     ) -> dict[str, float]:
+        if release:  # each rank releases the engine it serves, then trains
+            self.log("ranks release", tuple(release))
         self.log("train", rollout_id, [len(p) for p in per_rank])
         if refit is None:
             return {"train/loss": 0.5}
@@ -101,10 +108,19 @@ def _cfg(*extra: str):
     return parse_config(base + list(extra))
 
 
-def _run(cfg, colocate: bool, start: int = 0, trainer_offload: bool = True) -> Log:
+def _run(
+    cfg, colocate: bool, start: int = 0, trainer_offload: bool = True, engines_in_trainers: bool = False
+) -> Log:
     log = Log()
     trainer, engines = FakeTrainGroup(log), FakeEngines(log)
-    choreo = MemoryChoreography(colocate, trainer, engines, ["http://e0"], trainer_offload=trainer_offload)
+    choreo = MemoryChoreography(
+        colocate,
+        trainer,
+        engines,
+        ["http://e0"],
+        trainer_offload=trainer_offload,
+        engines_in_trainers=engines_in_trainers,
+    )
     run_loop(cfg, FakeSystem(cfg, log, trainer, choreo, start))
     return log
 
@@ -143,6 +159,29 @@ def test_colocated_on_cpu_skips_the_trainers_sleep_and_wake_and_resumes_once():
     assert [e for e in log if e[0] == "refit"] == [("refit", v, "in the train call") for v in "123"]
 
 
+def test_engines_in_the_ranks_are_released_by_the_ranks_in_the_train_call():
+    """Engines served from the training ranks: the driver releases nothing; each rank releases its own engine at
+    the start of the train call (also the step whose refit is a call of its own, after a save)."""
+    log = _run(
+        _cfg("--save", "ckpt", "--save-interval", "2"),
+        colocate=True,
+        trainer_offload=False,
+        engines_in_trainers=True,
+    )
+    all_tags = ("weights", "kv_cache", "cuda_graph")
+    assert "release" not in [e[0] for e in log]
+    first = [
+        ("rollout", 0), ("ranks release", all_tags), ("train", 0, [2, 2]),
+        ("resume", all_tags), ("refit", "1", "in the train call"), ("log", 0, STEP_LOG[1]),
+    ]  # fmt: skip
+    assert log[: len(first)] == first
+    i = log.index(("save", 1))
+    assert log[i - 2 : i + 3] == [
+        ("ranks release", all_tags), ("train", 1, [2, 2]), ("save", 1), ("resume", all_tags), ("refit", "2")
+    ]  # fmt: skip
+    assert log.count(("ranks release", all_tags)) == 3
+
+
 def test_colocated_on_cpu_refits_in_a_call_of_its_own_when_a_save_is_due():
     """A checkpoint goes between training and the refit: the step it is due, the refit is a call of its own
     (resume of every released tag, then the weights); the other steps refit inside the train call."""
@@ -160,11 +199,11 @@ def test_the_refit_inside_the_train_call_is_timed_as_refit():
     log = Log()
 
     class TimedTrainer(FakeTrainGroup):
-        def train(self, rollout_id, per_rank, values=None, refit=None):
+        def train(self, rollout_id, per_rank, values=None, refit=None, release=None):
             import time
 
             time.sleep(0.02)  # longer than the refit seconds it reports (a move is clamped to the phase)
-            return {**super().train(rollout_id, per_rank, values, refit), REFIT_SECONDS: 0.015}
+            return {**super().train(rollout_id, per_rank, values, refit, release), REFIT_SECONDS: 0.015}
 
     trainer = TimedTrainer(log)
     cfg = _cfg()

@@ -121,6 +121,35 @@ def test_window_refit_is_bit_equal_without_copy_across_steps(engine, tmp_path):
     assert not os.path.exists(window.path)
 
 
+def test_window_load_resumes_and_answers_checksums_in_one_call(engine):
+    """`resume_tags` are resumed before the load (a tag not released is refused, nothing loaded); `checksums`
+    puts /weights_checker's answer into the load's, the same checksums a separate call gives."""
+    eng, path = engine
+    layout = WindowLayout.from_json(_op(eng, "weight_window_layout")["layout"])
+    window = TrainerWindow(layout)
+    load = {"path": window.path, "layout_digest": layout.digest()}
+    try:
+        for name, t in _trainer_state(path, seed=5).items():
+            window.views[name].copy_(t)
+        plain = _op(eng, "update_weights_from_window", weight_version="r0", **load)
+        assert "ranks" not in plain and "checksum_seconds" not in plain
+        _op(eng, "release_memory_occupation", tags=["weights", "kv_cache"])
+        assert eng.released_tags == {"weights", "kv_cache"} and eng.kv_released
+        answer = _op(eng, "update_weights_from_window", weight_version="r1", resume_tags=["weights", "kv_cache"],
+                     checksums=True, **load)  # fmt: skip
+        assert answer["weight_version"] == "r1" and not eng.released_tags and not eng.kv_released
+        separate = _op(eng, "weights_checker", action="checksum")
+        assert answer["ranks"] == separate["ranks"] and answer["ranks"][0]["checksums"]
+        assert answer["per_engine_checksum"] == separate["per_engine_checksum"]
+        assert answer["checksum_seconds"] >= 0.0
+        assert _greedy(eng)  # resumed: it generates
+        with pytest.raises(ValueError, match="were not released"):
+            _op(eng, "update_weights_from_window", weight_version="r2", resume_tags=["kv_cache"], **load)
+        assert eng.model_info()["weight_version"] == "r1"
+    finally:
+        window.close()
+
+
 def test_window_refusals(engine, tmp_path):
     eng, path = engine
     layout = WindowLayout.from_json(_op(eng, "weight_window_layout")["layout"])

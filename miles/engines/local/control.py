@@ -23,7 +23,8 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from typing import TYPE_CHECKING, TypedDict
+import time
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 import torch
 
@@ -68,6 +69,9 @@ class Reply(TypedDict):
 
 class WindowRefitReply(Reply):
     weight_version: str  # the version now served
+    ranks: NotRequired[list[RankChecksums]]  # asked with `checksums`: as /weights_checker answers them
+    per_engine_checksum: NotRequired[str]
+    checksum_seconds: NotRequired[float]  # the engine's time computing them
 
 
 class LayoutReply(Reply):
@@ -239,9 +243,14 @@ class WeightControl:
         layout_digest: str,
         flush_cache: bool = True,
         weight_version: str | None = None,
+        resume_tags: list[str] | None = None,
+        checksums: bool = False,
     ) -> WindowRefitReply:
         """miles-only: a whole refit in one call, its own weight-update session (refused while another is open):
-        point every parameter at its view of the trainer's window file (no copy) and serve `weight_version`."""
+        point every parameter at its view of the trainer's window file (no copy) and serve `weight_version`.
+        `resume_tags`: resumed first (as `/resume_memory_occupation`; nothing to fill once the weights are window
+        views); `checksums`: the answer carries `/weights_checker`'s `ranks` and `per_engine_checksum` too. Each
+        saves the trainer a round trip per refit."""
         from miles.refit.window_layout import MappedWindow
 
         if self.session_open:
@@ -254,13 +263,26 @@ class WeightControl:
                 f"window layout digest {layout_digest!r} differs from this engine's {layout.digest()!r} "
                 "(the trainer wrote another model's or dtype's layout; ask /weight_window_layout again)"
             )
+        if resume_tags is not None:
+            self._op_resume_memory_occupation(resume_tags)
         if self._window is None or self._window.path != path:
             self._window = MappedWindow(path, layout)  # first refit, a new window, or a restarted engine
         n = self.weights.point_at(self._window.views)
         self._set_version(weight_version)
         self._flush_after_update(flush_cache)
         served = self.weight_version
-        return {"success": True, "message": f"Success. Updated {n} tensors.", "weight_version": served}
+        reply: WindowRefitReply = {
+            "success": True,
+            "message": f"Success. Updated {n} tensors.",
+            "weight_version": served,
+        }
+        if checksums:
+            start = time.perf_counter()
+            checked = self._op_weights_checker()
+            reply["ranks"] = checked["ranks"]
+            reply["per_engine_checksum"] = checked["per_engine_checksum"]
+            reply["checksum_seconds"] = time.perf_counter() - start
+        return reply
 
     def _op_update_weights_from_disk(
         self,

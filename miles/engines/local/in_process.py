@@ -162,6 +162,13 @@ class InProcessEngine:
             engine_logger.setLevel(logging.INFO)
         self._log_handler = handler
 
+    def release_memory(self, tags: list[str], timeout: float) -> None:
+        """`/release_memory_occupation` of `tags` called directly, for the process serving the engine (no HTTP
+        round trip); raises what the endpoint answers as an error (`RefitRefused` when busy)."""
+        if self.engine is None:
+            raise RuntimeError(f"the engine at {self.url} is not running")
+        self.engine.run("release_memory_occupation", tags=list(tags)).result(timeout)
+
     def shutdown(self, timeout: float = 15.0) -> None:
         """Stop the HTTP server, then the engine's scheduler (in-flight requests are aborted)."""
         if self._server is not None:

@@ -88,7 +88,7 @@ _ADMIN_POSTS: list[tuple[str, str, set[str]]] = [
     (
         "/update_weights_from_window",
         "update_weights_from_window",
-        {"path", "layout_digest", "flush_cache", "weight_version"},
+        {"path", "layout_digest", "flush_cache", "weight_version", "resume_tags", "checksums"},
     ),
 ]
 _GROUP_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
