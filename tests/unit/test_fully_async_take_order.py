@@ -39,15 +39,22 @@ def _keys(kept: list[list[Sample]]) -> list[int]:
     return [g[0].metadata[GROUP_KEY] for g in kept]
 
 
-def test_the_trainer_waits_for_a_group_that_would_go_stale():
-    """Bound 1, step 5: group 0 (admitted at 4) is still generating and must be trained now; groups 2 and 3
-    (admitted at 5) finished first. The batch is 2 and 3 would take them both and discard 0 a step later; it
-    takes 2 and waits for 0 instead."""
+def _late_due_group() -> AsyncGenerationWorker:
+    """Bound 1, step 5: groups 2 and 3 (admitted at 5) are buffered; group 0 (admitted at 4, due now) is put
+    0.3 s later."""
     worker = _worker()
     late = _admit(worker, 0, 4)
     for c in (2, 3):
         worker.buffer.put(_admit(worker, c, 5))
     threading.Timer(0.3, worker.buffer.put, (late,)).start()
+    return worker
+
+
+def test_the_trainer_waits_for_a_group_that_would_go_stale():
+    """Bound 1, step 5: group 0 (admitted at 4) is still generating and must be trained now; groups 2 and 3
+    (admitted at 5) finished first. The batch is 2 and 3 would take them both and discard 0 a step later; it
+    takes 2 and waits for 0 instead."""
+    worker = _late_due_group()
     kept, metrics = worker.take_batch(5, timeout=10)
     assert _keys(kept) == [0, 2]
     assert metrics["async/retried_groups"] == 0 and metrics["async/staleness_max"] == 1
@@ -95,11 +102,7 @@ def test_a_full_buffer_is_taken_from_and_a_filtered_group_is_not_waited_for():
 def test_the_wait_for_a_due_group_is_timed():
     """timing/async_worker/wait_for_due_s: the trainer's wait for a due group while others were buffered (the
     cost of not discarding it); 0 when nothing had to be waited for."""
-    worker = _worker()
-    late = _admit(worker, 0, 4)
-    for c in (2, 3):
-        worker.buffer.put(_admit(worker, c, 5))
-    threading.Timer(0.3, worker.buffer.put, (late,)).start()
+    worker = _late_due_group()
     _, metrics = worker.take_batch(5, timeout=10)
     assert 0.2 < metrics["timing/async_worker/wait_for_due_s"] < 5
     worker.buffer.put(_admit(worker, 4, 6))
