@@ -46,6 +46,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import re
 import secrets
 import statistics
@@ -61,7 +62,7 @@ REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
 from bench_workloads import WORKLOADS, Workload, build_model, make_rows, write_rows  # noqa: E402
-from benchlib import Spread, run_timed, step_intervals, write_json_atomic  # noqa: E402
+from benchlib import Spread, cpu_delta, run_timed, step_intervals, write_json_atomic  # noqa: E402
 from vs_trl import STEP_LINE, base_env, miles_command  # noqa: E402
 
 # name -> (module, extra flags)
@@ -89,6 +90,10 @@ PHASES = ("timing/rollout", "timing/train", "timing/refit", "timing/async_pause"
           "timing/async_continue", "timing/async_worker/generating_samples", "timing/async_worker/idle_s",
           "timing/async_worker/buffer_full_s", "timing/async_worker/pacing_stall_s",
           "timing/async_worker/paused_s", "timing/async_worker/wait_for_due_s")  # fmt: skip
+# the process tree's CPU time is read every CPU_EVERY_S and split by kind of process (`process_kind`)
+CPU_EVERY_S = 0.5
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+PROCESS_KINDS = ("trainer", "engines", "rollout manager", "driver", "ray")
 ENGINE_LINE = re.compile(r"embedded engine serving .* on ([\w.\-]+):(\d+)\s*$")
 
 LONGTAIL = dataclasses.replace(
@@ -221,6 +226,51 @@ def length_stats(lengths: list[int]) -> dict[str, float]:
     return {"n": len(xs), "median": med, "p90": p90, "max": xs[-1], "max_over_median": xs[-1] / med}
 
 
+def process_kind(cmdline: str) -> str:
+    """Which of `PROCESS_KINDS` a process of a run's tree is, from its command line: the training ranks and the
+    rollout manager are Ray actors (`ray::TrainWorker`, `ray::RolloutManager`), the split placement's engines
+    `python -m miles.engines.local` processes, the driver `python -m miles.train[_async]` (with the engine
+    fleet and Ray's log monitor on its threads); the rest is Ray's (gcs, raylet, agents, idle workers, other
+    actors)."""
+    if "ray::" in cmdline:
+        actor = cmdline.split("ray::", 1)[1].split()[0].split(".")[0] if cmdline.split("ray::", 1)[1] else ""
+        return {"TrainWorker": "trainer", "RolloutManager": "rollout manager"}.get(actor, "ray")
+    args = cmdline.split()
+    if "-m" in args and args.index("-m") + 1 < len(args):
+        module = args[args.index("-m") + 1]
+        if module == "miles.engines.local":
+            return "engines"
+        if module in ("miles.train", "miles.train_async"):
+            return "driver"
+    return "ray"
+
+
+def cpu_cores_by_kind(
+    per_pid_s: dict[int, float], cmdlines: dict[int, str], seconds: float
+) -> dict[str, float]:
+    """Cores used per `PROCESS_KINDS` (CPU-seconds of its processes / `seconds`), plus "total"."""
+    out = dict.fromkeys(PROCESS_KINDS, 0.0)
+    for pid, secs in per_pid_s.items():
+        out[process_kind(cmdlines.get(pid, ""))] += secs / seconds
+    out["total"] = sum(out.values())
+    return out
+
+
+def ceilings(
+    sync_sps: float, sync_cores: float, fa_sps: float, fa_cores: float, cores: int
+) -> dict[str, float]:
+    """What fully async could reach on `cores` cores, as ratios to sync's samples/s: `by_cores` if it kept
+    sync's CPU per sample and used every core (cores / sync's cores used); `by_own_cpu` with its own CPU per
+    sample (cores / fully async's CPU-s per sample, over sync's samples/s). NaN where an input is missing."""
+    nan = float("nan")
+    if not all(x == x and x > 0 for x in (sync_sps, sync_cores)):
+        return {"by_cores": nan, "by_own_cpu": nan}
+    own = nan
+    if fa_sps == fa_sps and fa_cores == fa_cores and fa_sps > 0 and fa_cores > 0:
+        own = cores / (fa_cores / fa_sps) / sync_sps
+    return {"by_cores": cores / sync_cores, "by_own_cpu": own}
+
+
 # ------------------------------------------------------------------------------------------------ runs
 class EnginePoller:
     """Polls `GET /get_load` of every engine that has logged its address under `log_dir`, from a thread."""
@@ -303,6 +353,9 @@ class Run:
     steady: dict[str, float] = field(default_factory=dict)  # steady_counts
     phases: dict[str, float] = field(default_factory=dict)  # PHASES: steady-step means
     engine_stats: dict[str, float] = field(default_factory=dict)  # ENGINE_STATS, summed over engines
+    cpu_cores: float = float("nan")  # cores the run's process tree used over the steady window
+    cpu_kinds: dict[str, float] = field(default_factory=dict)  # cpu_cores_by_kind over the steady window
+    cpu_ms_per_sample: float = float("nan")  # the tree's CPU-ms per trained sample, steady window
     error: str | None = None
 
 
@@ -345,7 +398,8 @@ def run_one(w: Workload, driver: str, placement: str, repeat: int, seed: int, pa
     engines = int(placement.split("+")[1])
     with EnginePoller(run_dir / "logs", a.poll_s, t0, key, engines) as poller:
         env = {**base_env(), "MILES_ENGINE_API_KEY": key}
-        proc = run_timed(cmd, env, REPO, timeout_s=a.timeout_s, log_path=run_dir / "output.log")
+        proc = run_timed(cmd, env, REPO, timeout_s=a.timeout_s, log_path=run_dir / "output.log",
+                         cpu_interval=CPU_EVERY_S)  # fmt: skip
     rec = Run(driver, placement, repeat, seed, proc.returncode)
     rec.step_end_s = [t - proc.launched_at for t, line in proc.lines if STEP_LINE.match(line)]
     if proc.returncode != 0 or len(rec.step_end_s) != w.steps:
@@ -364,6 +418,12 @@ def run_one(w: Workload, driver: str, placement: str, repeat: int, seed: int, pa
     tail = rec.rewards[-max(1, w.steps // 4) :]
     rec.reward_last, rec.reward_tail = rec.rewards[-1], statistics.fmean(tail)
     rec.phases = steady_phases(metrics, w.warmup_steps)
+    if proc.cpu is not None and proc.cpu.history:
+        rec.cpu_kinds = cpu_cores_by_kind(
+            cpu_delta(proc.cpu.history, start, end), proc.cpu.cmdlines, end - start
+        )
+        rec.cpu_cores = rec.cpu_kinds["total"]
+        rec.cpu_ms_per_sample = 1e3 * rec.cpu_cores / rec.samples_per_s
     rec.engine_stats = {k: sum(float(h[-1][1].get(k, 0.0)) for h in poller.history.values() if h)
                         for k in ENGINE_STATS}  # fmt: skip
     rec.steady_engine = {k: sum(counter_delta([(t + shift, st) for t, st in h], k, start, end)
@@ -387,7 +447,7 @@ def run_one(w: Workload, driver: str, placement: str, repeat: int, seed: int, pa
 
 # ------------------------------------------------------------------------------------------------ report
 COLUMNS = (("samples/s", "samples_per_s", 3), ("resp tokens/s", "tokens_per_s", 3), ("resp len", "resp_len", 3),
-           ("decoded/trained", "decode_per_trained_run", 3),
+           ("decoded/trained", "decode_per_trained_run", 3), ("CPU cores", "cpu_cores", 3),
            ("engine busy", "engine_busy", 2), ("trainer busy", "trainer_busy", 2),
            ("stale mean", "staleness_mean", 2), ("stale max", "staleness_max", 2),
            ("reward@last", "reward_last", 2), ("reward last 1/4", "reward_tail", 2))  # fmt: skip
@@ -421,11 +481,37 @@ def format_report(w: Workload, runs: list[Run], placements: list[str]) -> tuple[
         lines.append(f"   fully async / sync samples/s: {ratio:.2f}x (target >= 1.5x); response tokens/s: "
                      f"{tok_ratio:.2f}x (the same work per sample only if resp len matches)")  # fmt: skip
         out[p] = {"drivers": table, "ratio_fully_async_over_sync": ratio, "tokens_ratio": tok_ratio}
+        lines += cpu_lines(runs, p, table, ratio, out[p])
         for d in [d for d in table if d.startswith("fully_async[")]:
             r_s, r_t = (_ratio(table, d, "sync", k) for k in ("samples_per_s", "tokens_per_s"))
             lines.append(f"   {d} / sync samples/s: {r_s:.2f}x; response tokens/s: {r_t:.2f}x")
             out[p][f"ratio_{d}_over_sync"] = r_s
     return "\n".join(lines), out
+
+
+def cpu_lines(runs: list[Run], p: str, table: dict, ratio: float, out: dict) -> list[str]:
+    """Per driver: the cores its tree used by kind of process (medians); then the ceilings on fully async's
+    samples/s ratio that the CPU allows (`ceilings`), next to the measured ratio."""
+    lines = [f"   CPU over the steady window, cores used of {CORES} (medians), and CPU-ms per sample:"]
+    for d in table:
+        ok = [r for r in runs if r.placement == p and r.driver == d and r.error is None and r.cpu_kinds]
+        if not ok:
+            continue
+        kinds = {
+            k: Spread.of([r.cpu_kinds.get(k, float("nan")) for r in ok]) for k in (*PROCESS_KINDS, "total")
+        }
+        per = Spread.of([r.cpu_ms_per_sample for r in ok])
+        lines.append(f"     {d:20} total {kinds['total'].fmt(3)}: " + ", ".join(
+            f"{k} {kinds[k].median:.2f}" for k in PROCESS_KINDS) + f"; {per.fmt(3)} CPU-ms/sample")  # fmt: skip
+    get = {d: {k: table.get(d, {}).get(k, {}).get("median", float("nan"))
+               for k in ("samples_per_s", "cpu_cores")} for d in ("sync", "fully_async")}  # fmt: skip
+    c = ceilings(get["sync"]["samples_per_s"], get["sync"]["cpu_cores"], get["fully_async"]["samples_per_s"],
+                 get["fully_async"]["cpu_cores"], CORES)  # fmt: skip
+    out["cpu_ceiling"] = c
+    lines.append(f"   ceiling on fully async / sync samples/s: {c['by_cores']:.2f}x at sync's CPU per sample "
+                 f"({CORES} cores / sync's cores used), {c['by_own_cpu']:.2f}x at fully async's own CPU per "
+                 f"sample; measured {ratio:.2f}x")  # fmt: skip
+    return lines
 
 
 def _ratio(table: dict, a: str, b: str, key: str) -> float:
@@ -454,7 +540,17 @@ def detail_lines(r: Run) -> str:
     phases = ", ".join(f"{k.removeprefix('timing/')} {v:.3g}" for k, v in r.phases.items())
     return (f"    per step: {phases}\n    trained: {r.tokens_per_s:.0f} response tokens/s, mean length "
             f"{r.resp_len:.1f} (per step: {' '.join(f'{x:.0f}' for x in r.step_lengths)}); decoded/trained "
-            f"{r.decode_per_trained_run:.3f} (run), {r.decode_per_trained:.3f} (steady)\n    {engine_line(r)}")  # fmt: skip
+            f"{r.decode_per_trained_run:.3f} (run), {r.decode_per_trained:.3f} (steady)\n    {engine_line(r)}"
+            f"\n    {cpu_line(r)}")  # fmt: skip
+
+
+def cpu_line(r: Run) -> str:
+    """The cores the run's process tree used over the steady window, by kind, and its CPU-ms per sample."""
+    if not r.cpu_kinds:
+        return "cpu (steady): not sampled"
+    kinds = ", ".join(f"{k} {r.cpu_kinds.get(k, 0.0):.2f}" for k in PROCESS_KINDS)
+    return (f"cpu (steady): {r.cpu_cores:.2f} of {CORES} cores ({kinds}); "
+            f"{r.cpu_ms_per_sample:.1f} CPU-ms/sample")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

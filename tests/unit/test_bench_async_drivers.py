@@ -15,6 +15,7 @@ BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
 sys.path.insert(0, str(BENCH))
 
 bench = importlib.import_module("async")  # a keyword: no `import async`
+benchlib = importlib.import_module("benchlib")
 
 
 def test_parse_metrics_sorts_by_step() -> None:
@@ -120,3 +121,48 @@ def test_variants_are_fully_async_runs_with_their_own_flags(tmp_path: Path) -> N
     ):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
+
+
+def test_process_kind_from_the_command_line() -> None:
+    k = bench.process_kind
+    assert k("ray::TrainWorker.train") == "trainer" and k("ray::TrainWorker") == "trainer"
+    assert k("ray::RolloutManager.generate") == "rollout manager"
+    assert k("/usr/bin/python3 -m miles.engines.local --model-path /m --port 5") == "engines"
+    assert (
+        k("python3 -m miles.train_async --fully-async") == "driver"
+        and k("python -m miles.train --x") == "driver"
+    )
+    for other in ("ray::IDLE", "ray::EngineFleet.start", "/x/gcs_server --a", "/x/raylet", "", "python -m"):
+        assert k(other) == "ray", other
+
+
+def test_cpu_cores_by_kind_and_the_ceilings() -> None:
+    cmd = {
+        1: "python3 -m miles.train",
+        2: "ray::TrainWorker",
+        3: "python -m miles.engines.local",
+        4: "raylet",
+    }
+    cores = bench.cpu_cores_by_kind({1: 1.0, 2: 4.0, 3: 3.0, 4: 2.0, 5: 10.0}, cmd, 10.0)
+    assert cores == pytest.approx(
+        {"driver": 0.1, "trainer": 0.4, "engines": 0.3, "ray": 1.2, "rollout manager": 0.0, "total": 2.0}
+    )
+    # sync: 100 samples/s on 1.6 cores; fully async: 150 samples/s on 2.0 cores
+    c = bench.ceilings(100.0, 1.6, 150.0, 2.0, 2)
+    assert c["by_cores"] == pytest.approx(1.25)  # 2 / 1.6
+    assert c["by_own_cpu"] == pytest.approx(1.5)  # 2 cores / (2.0 / 150 CPU-s per sample) / 100
+    assert math.isnan(bench.ceilings(float("nan"), 1.6, 150.0, 2.0, 2)["by_cores"])
+    assert math.isnan(bench.ceilings(100.0, 1.6, float("nan"), 2.0, 2)["by_own_cpu"])
+
+
+def test_cpu_time_from_proc_and_its_delta_over_a_window() -> None:
+    # fields after the command: state ppid ... utime (14th field of stat) stime (15th)
+    stat = "42 (a) b) S 1 42 42 0 -1 4194560 100 0 0 0 250 50 7 7 20 0 1"
+    assert benchlib.parse_cpu_s(stat) == pytest.approx(300 / benchlib.TICKS)
+    # pid 1 runs all along (1 CPU-s per s), pid 2 appears after t=1 and ends after t=2, pid 3 is there at t=0
+    history = [(0.0, {1: 10.0, 3: 5.0}), (1.0, {1: 11.0, 3: 5.0}), (2.0, {1: 12.0, 2: 0.5, 3: 5.0}),
+               (3.0, {1: 13.0, 3: 5.5})]  # fmt: skip
+    d = benchlib.cpu_delta(history, 0.5, 2.5)
+    assert d[1] == pytest.approx(2.0) and d[2] == pytest.approx(0.5) and d[3] == pytest.approx(0.25)
+    assert set(benchlib.cpu_delta(history, -5.0, 0.0).values()) == {0.0}  # flat before the first sample
+    assert benchlib.cpu_delta([], 0.0, 1.0) == {}
