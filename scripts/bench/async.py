@@ -93,6 +93,8 @@ PHASES = ("timing/rollout", "timing/train", "timing/refit", "timing/async_pause"
 # the process tree's CPU time is read every CPU_EVERY_S and split by kind of process (`process_kind`)
 CPU_EVERY_S = 0.5
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+# the rest of the machine busier than this (cores) in the runs: the report says its CPU numbers are not quiet
+NOT_QUIET_CORES = 0.15
 PROCESS_KINDS = ("trainer", "engines", "rollout manager", "driver", "ray")
 ENGINE_LINE = re.compile(r"embedded engine serving .* on ([\w.\-]+):(\d+)\s*$")
 
@@ -356,6 +358,7 @@ class Run:
     cpu_cores: float = float("nan")  # cores the run's process tree used over the steady window
     cpu_kinds: dict[str, float] = field(default_factory=dict)  # cpu_cores_by_kind over the steady window
     cpu_ms_per_sample: float = float("nan")  # the tree's CPU-ms per trained sample, steady window
+    cpu_others: float = float("nan")  # cores the rest of the machine used meanwhile (other work, this bench)
     error: str | None = None
 
 
@@ -424,6 +427,8 @@ def run_one(w: Workload, driver: str, placement: str, repeat: int, seed: int, pa
         )
         rec.cpu_cores = rec.cpu_kinds["total"]
         rec.cpu_ms_per_sample = 1e3 * rec.cpu_cores / rec.samples_per_s
+        machine = cpu_delta([(t, {0: busy}) for t, busy in proc.cpu.machine], start, end).get(0, float("nan"))
+        rec.cpu_others = machine / (end - start) - rec.cpu_cores
     rec.engine_stats = {k: sum(float(h[-1][1].get(k, 0.0)) for h in poller.history.values() if h)
                         for k in ENGINE_STATS}  # fmt: skip
     rec.steady_engine = {k: sum(counter_delta([(t + shift, st) for t, st in h], k, start, end)
@@ -490,19 +495,24 @@ def format_report(w: Workload, runs: list[Run], placements: list[str]) -> tuple[
 
 
 def cpu_lines(runs: list[Run], p: str, table: dict, ratio: float, out: dict) -> list[str]:
-    """Per driver: the cores its tree used by kind of process (medians); then the ceilings on fully async's
-    samples/s ratio that the CPU allows (`ceilings`), next to the measured ratio."""
-    lines = [f"   CPU over the steady window, cores used of {CORES} (medians), and CPU-ms per sample:"]
+    """Per driver (medians over its runs): the cores its tree used by kind of process and the cores the rest of
+    the machine used meanwhile, then the CPU-ms per sample by kind (what contention moves least); then the
+    ceilings on fully async's samples/s ratio that the CPU allows (`ceilings`), next to the measured ratio."""
+    lines = [f"   CPU over the steady window (medians): cores used of {CORES}; CPU-ms per trained sample"]
+    others: list[float] = []
     for d in table:
         ok = [r for r in runs if r.placement == p and r.driver == d and r.error is None and r.cpu_kinds]
         if not ok:
             continue
-        kinds = {
-            k: Spread.of([r.cpu_kinds.get(k, float("nan")) for r in ok]) for k in (*PROCESS_KINDS, "total")
-        }
-        per = Spread.of([r.cpu_ms_per_sample for r in ok])
-        lines.append(f"     {d:20} total {kinds['total'].fmt(3)}: " + ", ".join(
-            f"{k} {kinds[k].median:.2f}" for k in PROCESS_KINDS) + f"; {per.fmt(3)} CPU-ms/sample")  # fmt: skip
+        others += [r.cpu_others for r in ok]
+        cores = {k: Spread.of([r.cpu_kinds.get(k, float("nan")) for r in ok]).median for k in PROCESS_KINDS}
+        ms = {k: Spread.of([1e3 * r.cpu_kinds.get(k, float("nan")) / r.samples_per_s for r in ok]).median
+              for k in PROCESS_KINDS}  # fmt: skip
+        lines.append(f"     {d:22} cores {Spread.of([r.cpu_cores for r in ok]).fmt(3)} (others "
+                     f"{Spread.of([r.cpu_others for r in ok]).median:.2f}): " + ", ".join(
+                         f"{k} {cores[k]:.2f}" for k in PROCESS_KINDS))  # fmt: skip
+        lines.append(f"     {'':22} CPU-ms/sample {Spread.of([r.cpu_ms_per_sample for r in ok]).fmt(3)}: "
+                     + ", ".join(f"{k} {ms[k]:.2f}" for k in PROCESS_KINDS))  # fmt: skip
     get = {d: {k: table.get(d, {}).get(k, {}).get("median", float("nan"))
                for k in ("samples_per_s", "cpu_cores")} for d in ("sync", "fully_async")}  # fmt: skip
     c = ceilings(get["sync"]["samples_per_s"], get["sync"]["cpu_cores"], get["fully_async"]["samples_per_s"],
@@ -511,6 +521,10 @@ def cpu_lines(runs: list[Run], p: str, table: dict, ratio: float, out: dict) -> 
     lines.append(f"   ceiling on fully async / sync samples/s: {c['by_cores']:.2f}x at sync's CPU per sample "
                  f"({CORES} cores / sync's cores used), {c['by_own_cpu']:.2f}x at fully async's own CPU per "
                  f"sample; measured {ratio:.2f}x")  # fmt: skip
+    busy = Spread.of(others).median
+    if busy > NOT_QUIET_CORES:
+        lines.append(f"   (not a quiet machine: other processes used {busy:.2f} cores meanwhile; cores used, the "
+                     "ceilings and the speed ratios move with that load, CPU-ms per sample least)")  # fmt: skip
     return lines
 
 
@@ -549,7 +563,7 @@ def cpu_line(r: Run) -> str:
     if not r.cpu_kinds:
         return "cpu (steady): not sampled"
     kinds = ", ".join(f"{k} {r.cpu_kinds.get(k, 0.0):.2f}" for k in PROCESS_KINDS)
-    return (f"cpu (steady): {r.cpu_cores:.2f} of {CORES} cores ({kinds}); "
+    return (f"cpu (steady): {r.cpu_cores:.2f} of {CORES} cores ({kinds}); others {r.cpu_others:.2f}; "
             f"{r.cpu_ms_per_sample:.1f} CPU-ms/sample")  # fmt: skip
 
 

@@ -126,6 +126,14 @@ def tree_cpu(root: int) -> dict[int, float]:
     return {pid: cpu[pid] for pid in descendants(root, parents)} if root in parents else {}
 
 
+def parse_busy_cpu_s(proc_stat: str) -> float:
+    """CPU-seconds the whole machine has been busy (user, nice, system, irq, softirq, steal; guest time is in
+    user already), from the `cpu` line of /proc/stat."""
+    fields = [int(x) for x in proc_stat.split("\n", 1)[0].split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / TICKS
+
+
 def cpu_delta(
     history: Sequence[tuple[float, dict[int, float]]], start: float, end: float
 ) -> dict[int, float]:
@@ -155,13 +163,15 @@ def cpu_delta(
 
 class CpuSampler:
     """Samples `tree_cpu(pid)` every `interval` seconds in a thread: `history` holds (seconds after `t0`,
-    {pid: CPU-s}) and `cmdlines` each pid's last non-empty command line (a Ray worker renames itself once it
-    hosts an actor)."""
+    {pid: CPU-s}), `machine` (seconds after `t0`, the whole machine's busy CPU-s: the tree's and everyone
+    else's) and `cmdlines` each pid's last non-empty command line (a Ray worker renames itself once it hosts an
+    actor)."""
 
     def __init__(self, pid: int, t0: float, interval: float = 0.5) -> None:
         self.pid, self.t0, self.interval = pid, t0, interval
         self.history: list[tuple[float, dict[int, float]]] = []
         self.cmdlines: dict[int, str] = {}
+        self.machine: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"cpu-{pid}", daemon=True)
 
@@ -175,8 +185,10 @@ class CpuSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            cpu = tree_cpu(self.pid)
+            cpu, busy = tree_cpu(self.pid), _read("/proc/stat")
             self.history.append((time.time() - self.t0, cpu))
+            if busy:
+                self.machine.append((time.time() - self.t0, parse_busy_cpu_s(busy)))
             for pid in cpu:  # read each time: a few dozen small reads
                 cmd = (_read(f"/proc/{pid}/cmdline") or "").replace("\0", " ").strip()
                 self.cmdlines[pid] = cmd or self.cmdlines.get(pid, "")

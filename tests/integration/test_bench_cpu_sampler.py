@@ -23,4 +23,6 @@ def test_run_timed_samples_the_cpu_of_the_whole_tree(tmp_path: Path) -> None:
     used = benchlib.cpu_delta(run.cpu.history, 0.0, 1e9)
     spinner = [pid for pid, cmd in run.cpu.cmdlines.items() if cmd.endswith("spinner")]
     assert len(used) >= 2 and len(spinner) == 1 and used[spinner[0]] >= 0.2
+    machine = run.cpu.machine  # the whole machine's busy CPU-s: at least the spinner's
+    assert machine[-1][1] - machine[0][1] >= 0.2
     assert benchlib.run_timed([sys.executable, "-c", "pass"], {}, tmp_path, timeout_s=30).cpu is None

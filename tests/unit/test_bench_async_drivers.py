@@ -166,3 +166,30 @@ def test_cpu_time_from_proc_and_its_delta_over_a_window() -> None:
     assert d[1] == pytest.approx(2.0) and d[2] == pytest.approx(0.5) and d[3] == pytest.approx(0.25)
     assert set(benchlib.cpu_delta(history, -5.0, 0.0).values()) == {0.0}  # flat before the first sample
     assert benchlib.cpu_delta([], 0.0, 1.0) == {}
+
+
+def test_machine_busy_time_from_proc_stat() -> None:
+    text = "cpu  100 20 30 900 50 5 5 10 7 0\ncpu0 1 2 3 4 5 6 7 8 9 0\n"
+    assert benchlib.parse_busy_cpu_s(text) == pytest.approx((100 + 20 + 30 + 5 + 5 + 10) / benchlib.TICKS)
+
+
+def test_the_report_prints_cpu_by_kind_the_ceilings_and_a_busy_machine() -> None:
+    def run(driver: str, sps: float, kinds: dict[str, float], others: float) -> object:
+        r = bench.Run(
+            driver, "1+2", 0, 4, 0, samples_per_s=sps, cpu_kinds={**kinds, "total": sum(kinds.values())}
+        )
+        r.cpu_cores, r.cpu_others, r.cpu_ms_per_sample = (
+            sum(kinds.values()),
+            others,
+            1e3 * sum(kinds.values()) / sps,
+        )
+        return r
+
+    runs = [run("sync", 100.0, {"trainer": 1.0, "engines": 0.6}, 0.0),
+            run("fully_async", 150.0, {"trainer": 0.8, "engines": 1.2}, 0.0)]  # fmt: skip
+    text, out = bench.format_report(bench.LONGTAIL, runs, ["1+2"])
+    assert out["1+2"]["cpu_ceiling"]["by_cores"] == pytest.approx(bench.CORES / 1.6)
+    assert "trainer 10.00, engines 6.00" in text  # sync's CPU-ms per sample by kind
+    assert "measured 1.50x" in text and "not a quiet machine" not in text
+    runs[0].cpu_others = 1.0
+    assert "other processes used 0.50 cores" in bench.format_report(bench.LONGTAIL, runs, ["1+2"])[0]
