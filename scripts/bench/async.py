@@ -33,7 +33,13 @@ disaggregated. For each placement and repeat the drivers run A/B/C in turn
   pause / refit / continue split and the generation worker's clock) and each engine's cumulative decode, prefill
   and retract counters (`ENGINE_STATS`, read from `GET /get_server_info` every `STATS_EVERY_S`; their growth
   over the steady window gives the engines' requests per decode step and time per token), printed under each
-  run's line and kept in report.json.
+  run's line and kept in report.json;
+- CPU: the run's process tree is read from /proc every `CPU_EVERY_S` (utime + stime per process) and split by
+  kind (`process_kind`: trainer, engines, rollout manager, driver, Ray's own); over the steady window the report
+  gives the cores each kind used, the CPU-ms per trained sample, and the cores the rest of the machine used
+  meanwhile (/proc/stat; above `NOT_QUIET_CORES` the report says the machine was not quiet). Per placement it
+  prints the ceiling those imply on fully async / sync samples/s: cores / sync's cores used (fully async at
+  sync's CPU per sample, every core busy) and cores / fully async's CPU-s per sample / sync's samples/s.
 The report gives medians [min-max] over repeats and the ratios fully async / synchronous of samples/s and of
 response tokens/s.
 `--quick` is a smoke check (fewer steps, 1 repeat, shorter tail). Run it alone on a shared machine:
