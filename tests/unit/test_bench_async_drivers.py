@@ -193,3 +193,9 @@ def test_the_report_prints_cpu_by_kind_the_ceilings_and_a_busy_machine() -> None
     assert "measured 1.50x" in text and "not a quiet machine" not in text
     runs[0].cpu_others = 1.0
     assert "other processes used 0.50 cores" in bench.format_report(bench.LONGTAIL, runs, ["1+2"])[0]
+
+
+def test_reward_means_last_quarter_and_second_half() -> None:
+    rewards = [0.0, 0.0, 0.0, 0.0, 0.2, 0.2, 0.4, 0.6]
+    assert bench.reward_means(rewards) == pytest.approx((0.6, 0.5, 0.35))
+    assert all(math.isnan(x) for x in bench.reward_means([]))
