@@ -38,7 +38,7 @@ disaggregated. For each placement and repeat the drivers run A/B/C in turn
 - CPU: the run's process tree is read from /proc every `CPU_EVERY_S` (utime + stime per process) and split by
   kind (`process_kind`: trainer, engines, rollout manager, driver, Ray's own); over the steady window the report
   gives the cores each kind used, the CPU-ms per trained sample, and the cores the rest of the machine used
-  meanwhile (/proc/stat; above `NOT_QUIET_CORES` the report says the machine was not quiet). Per placement it
+  meanwhile (/proc/stat, less the bench's own process; above `NOT_QUIET_CORES` the report says the machine was not quiet). Per placement it
   prints the ceiling those imply on fully async / sync samples/s: cores / sync's cores used (fully async at
   sync's CPU per sample, every core busy) and cores / fully async's CPU-s per sample / sync's samples/s.
 The report gives medians [min-max] over repeats and the ratios fully async / synchronous of samples/s and of
@@ -378,7 +378,9 @@ class Run:
     cpu_cores: float = float("nan")  # cores the run's process tree used over the steady window
     cpu_kinds: dict[str, float] = field(default_factory=dict)  # cpu_cores_by_kind over the steady window
     cpu_ms_per_sample: float = float("nan")  # the tree's CPU-ms per trained sample, steady window
-    cpu_others: float = float("nan")  # cores the rest of the machine used meanwhile (other work, this bench)
+    cpu_others: float = float(
+        "nan"
+    )  # cores the rest of the machine used meanwhile (not this bench's process)
     error: str | None = None
 
 
@@ -446,8 +448,9 @@ def run_one(w: Workload, driver: str, placement: str, repeat: int, seed: int, pa
         )
         rec.cpu_cores = rec.cpu_kinds["total"]
         rec.cpu_ms_per_sample = 1e3 * rec.cpu_cores / rec.samples_per_s
-        machine = cpu_delta([(t, {0: busy}) for t, busy in proc.cpu.machine], start, end).get(0, float("nan"))
-        rec.cpu_others = machine / (end - start) - rec.cpu_cores
+        machine, own = (cpu_delta([(t, {0: x}) for t, x in xs], start, end).get(0, float("nan"))
+                        for xs in (proc.cpu.machine, proc.cpu.own))  # fmt: skip
+        rec.cpu_others = (machine - own) / (end - start) - rec.cpu_cores
     rec.engine_stats = {k: sum(float(h[-1][1].get(k, 0.0)) for h in poller.history.values() if h)
                         for k in ENGINE_STATS}  # fmt: skip
     rec.steady_engine = {k: sum(counter_delta([(t + shift, st) for t, st in h], k, start, end)

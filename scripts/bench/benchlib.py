@@ -164,7 +164,8 @@ def cpu_delta(
 class CpuSampler:
     """Samples `tree_cpu(pid)` every `interval` seconds in a thread: `history` holds (seconds after `t0`,
     {pid: CPU-s}), `machine` (seconds after `t0`, the whole machine's busy CPU-s: the tree's and everyone
-    else's) and `cmdlines` each pid's last non-empty command line (a Ray worker renames itself once it hosts an
+    else's), `own` (seconds after `t0`, this process's CPU-s: the sampler, and whatever else the caller runs)
+    and `cmdlines` each pid's last non-empty command line (a Ray worker renames itself once it hosts an
     actor)."""
 
     def __init__(self, pid: int, t0: float, interval: float = 0.5) -> None:
@@ -172,6 +173,7 @@ class CpuSampler:
         self.history: list[tuple[float, dict[int, float]]] = []
         self.cmdlines: dict[int, str] = {}
         self.machine: list[tuple[float, float]] = []
+        self.own: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"cpu-{pid}", daemon=True)
 
@@ -189,6 +191,7 @@ class CpuSampler:
             self.history.append((time.time() - self.t0, cpu))
             if busy:
                 self.machine.append((time.time() - self.t0, parse_busy_cpu_s(busy)))
+            self.own.append((time.time() - self.t0, time.process_time()))
             for pid in cpu:  # read each time: a few dozen small reads
                 cmd = (_read(f"/proc/{pid}/cmdline") or "").replace("\0", " ").strip()
                 self.cmdlines[pid] = cmd or self.cmdlines.get(pid, "")

@@ -25,4 +25,6 @@ def test_run_timed_samples_the_cpu_of_the_whole_tree(tmp_path: Path) -> None:
     assert len(used) >= 2 and len(spinner) == 1 and used[spinner[0]] >= 0.2
     machine = run.cpu.machine  # the whole machine's busy CPU-s: at least the spinner's
     assert machine[-1][1] - machine[0][1] >= 0.2
+    own = run.cpu.own  # this process's: it did not spin
+    assert len(own) == len(run.cpu.history) and own[-1][1] - own[0][1] < 0.2
     assert benchlib.run_timed([sys.executable, "-c", "pass"], {}, tmp_path, timeout_s=30).cpu is None
