@@ -28,12 +28,19 @@ disaggregated. For each placement and repeat the drivers run A/B/C in turn
   policy learns, at a pace that differs between seeds and drivers), and decoded/trained: the engines' decode
   tokens over the trained responses' decoded tokens, whole run (above 1 by the work never trained);
 - reward after the same number of samples: `rollout/raw_reward` of the last step (every driver trains
-  `steps` x batch samples), and the mean over the last quarter of the steps (less noisy);
+  `steps` x batch samples), and the means over the last quarter and over the second half of the steps (less
+  noisy: `reward_means`);
 - where a steady step's time went (`PHASES`: the trainer's wait for a batch, train, refit and, fully async, the
   pause / refit / continue split and the generation worker's clock) and each engine's cumulative decode, prefill
   and retract counters (`ENGINE_STATS`, read from `GET /get_server_info` every `STATS_EVERY_S`; their growth
   over the steady window gives the engines' requests per decode step and time per token), printed under each
-  run's line and kept in report.json.
+  run's line and kept in report.json;
+- CPU: the run's process tree is read from /proc every `CPU_EVERY_S` (utime + stime per process) and split by
+  kind (`process_kind`: trainer, engines, rollout manager, driver, Ray's own); over the steady window the report
+  gives the cores each kind used, the CPU-ms per trained sample, and the cores the rest of the machine used
+  meanwhile (/proc/stat, less the bench's own process; above `NOT_QUIET_CORES` the report says the machine was not quiet). Per placement it
+  prints the ceiling those imply on fully async / sync samples/s: cores / sync's cores used (fully async at
+  sync's CPU per sample, every core busy) and cores / fully async's CPU-s per sample / sync's samples/s.
 The report gives medians [min-max] over repeats and the ratios fully async / synchronous of samples/s and of
 response tokens/s.
 `--quick` is a smoke check (fewer steps, 1 repeat, shorter tail). Run it alone on a shared machine:
@@ -46,6 +53,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import re
 import secrets
 import statistics
@@ -61,7 +69,7 @@ REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
 from bench_workloads import WORKLOADS, Workload, build_model, make_rows, write_rows  # noqa: E402
-from benchlib import Spread, run_timed, step_intervals, write_json_atomic  # noqa: E402
+from benchlib import Spread, cpu_delta, run_timed, step_intervals, write_json_atomic  # noqa: E402
 from vs_trl import STEP_LINE, base_env, miles_command  # noqa: E402
 
 # name -> (module, extra flags)
@@ -89,6 +97,12 @@ PHASES = ("timing/rollout", "timing/train", "timing/refit", "timing/async_pause"
           "timing/async_continue", "timing/async_worker/generating_samples", "timing/async_worker/idle_s",
           "timing/async_worker/buffer_full_s", "timing/async_worker/pacing_stall_s",
           "timing/async_worker/paused_s", "timing/async_worker/wait_for_due_s")  # fmt: skip
+# the process tree's CPU time is read every CPU_EVERY_S and split by kind of process (`process_kind`)
+CPU_EVERY_S = 0.5
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+# the rest of the machine busier than this (cores) in the runs: the report says its CPU numbers are not quiet
+NOT_QUIET_CORES = 0.15
+PROCESS_KINDS = ("trainer", "engines", "rollout manager", "driver", "ray")
 ENGINE_LINE = re.compile(r"embedded engine serving .* on ([\w.\-]+):(\d+)\s*$")
 
 LONGTAIL = dataclasses.replace(
@@ -221,6 +235,63 @@ def length_stats(lengths: list[int]) -> dict[str, float]:
     return {"n": len(xs), "median": med, "p90": p90, "max": xs[-1], "max_over_median": xs[-1] / med}
 
 
+def reward_means(rewards: list[float]) -> tuple[float, float, float]:
+    """(last step, mean of the last quarter, mean of the second half) of the per-step rewards. On this workload a
+    step's reward is a mean over 32 samples at p ~0.1 (binomial SD ~0.05), so the last step says little and the
+    last quarter (7 of 30 steps) moves by ~0.02 on sampling alone; the second half is the least noisy of the
+    three while still 'after the same number of samples' in the sense of the target."""
+    if not rewards:
+        return float("nan"), float("nan"), float("nan")
+    tail = rewards[-max(1, len(rewards) // 4) :]
+    half = rewards[len(rewards) // 2 :]
+    return rewards[-1], statistics.fmean(tail), statistics.fmean(half)
+
+
+def process_kind(cmdline: str) -> str:
+    """Which of `PROCESS_KINDS` a process of a run's tree is, from its command line: the training ranks and the
+    rollout manager are Ray actors (`ray::TrainWorker`, `ray::RolloutManager`), the split placement's engines
+    `python -m miles.engines.local` processes, the driver `python -m miles.train[_async]` (with the engine
+    fleet and Ray's log monitor on its threads); the rest is Ray's (gcs, raylet, agents, idle workers, other
+    actors)."""
+    if "ray::" in cmdline:
+        actor = cmdline.split("ray::", 1)[1].split()[0].split(".")[0] if cmdline.split("ray::", 1)[1] else ""
+        return {"TrainWorker": "trainer", "RolloutManager": "rollout manager"}.get(actor, "ray")
+    args = cmdline.split()
+    if "-m" in args and args.index("-m") + 1 < len(args):
+        module = args[args.index("-m") + 1]
+        if module == "miles.engines.local":
+            return "engines"
+        if module in ("miles.train", "miles.train_async"):
+            return "driver"
+    return "ray"
+
+
+def cpu_cores_by_kind(
+    per_pid_s: dict[int, float], cmdlines: dict[int, str], seconds: float
+) -> dict[str, float]:
+    """Cores used per `PROCESS_KINDS` (CPU-seconds of its processes / `seconds`), plus "total"."""
+    out = dict.fromkeys(PROCESS_KINDS, 0.0)
+    for pid, secs in per_pid_s.items():
+        out[process_kind(cmdlines.get(pid, ""))] += secs / seconds
+    out["total"] = sum(out.values())
+    return out
+
+
+def ceilings(
+    sync_sps: float, sync_cores: float, fa_sps: float, fa_cores: float, cores: int
+) -> dict[str, float]:
+    """What fully async could reach on `cores` cores, as ratios to sync's samples/s: `by_cores` if it kept
+    sync's CPU per sample and used every core (cores / sync's cores used); `by_own_cpu` with its own CPU per
+    sample (cores / fully async's CPU-s per sample, over sync's samples/s). NaN where an input is missing."""
+    nan = float("nan")
+    if not all(x == x and x > 0 for x in (sync_sps, sync_cores)):
+        return {"by_cores": nan, "by_own_cpu": nan}
+    own = nan
+    if fa_sps == fa_sps and fa_cores == fa_cores and fa_sps > 0 and fa_cores > 0:
+        own = cores / (fa_cores / fa_sps) / sync_sps
+    return {"by_cores": cores / sync_cores, "by_own_cpu": own}
+
+
 # ------------------------------------------------------------------------------------------------ runs
 class EnginePoller:
     """Polls `GET /get_load` of every engine that has logged its address under `log_dir`, from a thread."""
@@ -290,6 +361,7 @@ class Run:
     staleness_measured: bool = False
     reward_last: float = float("nan")
     reward_tail: float = float("nan")
+    reward_half: float = float("nan")  # mean over the second half of the steps (`reward_means`)
     rewards: list[float] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
     step_lengths: list[float] = field(default_factory=list)  # mean trained response length per step
@@ -303,6 +375,12 @@ class Run:
     steady: dict[str, float] = field(default_factory=dict)  # steady_counts
     phases: dict[str, float] = field(default_factory=dict)  # PHASES: steady-step means
     engine_stats: dict[str, float] = field(default_factory=dict)  # ENGINE_STATS, summed over engines
+    cpu_cores: float = float("nan")  # cores the run's process tree used over the steady window
+    cpu_kinds: dict[str, float] = field(default_factory=dict)  # cpu_cores_by_kind over the steady window
+    cpu_ms_per_sample: float = float("nan")  # the tree's CPU-ms per trained sample, steady window
+    cpu_others: float = float(
+        "nan"
+    )  # cores the rest of the machine used meanwhile (not this bench's process)
     error: str | None = None
 
 
@@ -345,7 +423,8 @@ def run_one(w: Workload, driver: str, placement: str, repeat: int, seed: int, pa
     engines = int(placement.split("+")[1])
     with EnginePoller(run_dir / "logs", a.poll_s, t0, key, engines) as poller:
         env = {**base_env(), "MILES_ENGINE_API_KEY": key}
-        proc = run_timed(cmd, env, REPO, timeout_s=a.timeout_s, log_path=run_dir / "output.log")
+        proc = run_timed(cmd, env, REPO, timeout_s=a.timeout_s, log_path=run_dir / "output.log",
+                         cpu_interval=CPU_EVERY_S)  # fmt: skip
     rec = Run(driver, placement, repeat, seed, proc.returncode)
     rec.step_end_s = [t - proc.launched_at for t, line in proc.lines if STEP_LINE.match(line)]
     if proc.returncode != 0 or len(rec.step_end_s) != w.steps:
@@ -361,9 +440,17 @@ def run_one(w: Workload, driver: str, placement: str, repeat: int, seed: int, pa
     rec.trainer_busy = trainer_busy(metrics, rec.step_end_s, w.warmup_steps)
     rec.staleness_mean, rec.staleness_max, rec.staleness_measured = staleness(metrics, driver, w.warmup_steps)
     rec.rewards = [float(m.get("rollout/raw_reward", "nan")) for m in metrics]
-    tail = rec.rewards[-max(1, w.steps // 4) :]
-    rec.reward_last, rec.reward_tail = rec.rewards[-1], statistics.fmean(tail)
+    rec.reward_last, rec.reward_tail, rec.reward_half = reward_means(rec.rewards)
     rec.phases = steady_phases(metrics, w.warmup_steps)
+    if proc.cpu is not None and proc.cpu.history:
+        rec.cpu_kinds = cpu_cores_by_kind(
+            cpu_delta(proc.cpu.history, start, end), proc.cpu.cmdlines, end - start
+        )
+        rec.cpu_cores = rec.cpu_kinds["total"]
+        rec.cpu_ms_per_sample = 1e3 * rec.cpu_cores / rec.samples_per_s
+        machine, own = (cpu_delta([(t, {0: x}) for t, x in xs], start, end).get(0, float("nan"))
+                        for xs in (proc.cpu.machine, proc.cpu.own))  # fmt: skip
+        rec.cpu_others = (machine - own) / (end - start) - rec.cpu_cores
     rec.engine_stats = {k: sum(float(h[-1][1].get(k, 0.0)) for h in poller.history.values() if h)
                         for k in ENGINE_STATS}  # fmt: skip
     rec.steady_engine = {k: sum(counter_delta([(t + shift, st) for t, st in h], k, start, end)
@@ -387,10 +474,11 @@ def run_one(w: Workload, driver: str, placement: str, repeat: int, seed: int, pa
 
 # ------------------------------------------------------------------------------------------------ report
 COLUMNS = (("samples/s", "samples_per_s", 3), ("resp tokens/s", "tokens_per_s", 3), ("resp len", "resp_len", 3),
-           ("decoded/trained", "decode_per_trained_run", 3),
+           ("decoded/trained", "decode_per_trained_run", 3), ("CPU cores", "cpu_cores", 3),
            ("engine busy", "engine_busy", 2), ("trainer busy", "trainer_busy", 2),
            ("stale mean", "staleness_mean", 2), ("stale max", "staleness_max", 2),
-           ("reward@last", "reward_last", 2), ("reward last 1/4", "reward_tail", 2))  # fmt: skip
+           ("reward@last", "reward_last", 2), ("reward last 1/4", "reward_tail", 2),
+           ("reward 2nd half", "reward_half", 2))  # fmt: skip
 
 
 def format_report(w: Workload, runs: list[Run], placements: list[str]) -> tuple[str, dict]:
@@ -421,11 +509,46 @@ def format_report(w: Workload, runs: list[Run], placements: list[str]) -> tuple[
         lines.append(f"   fully async / sync samples/s: {ratio:.2f}x (target >= 1.5x); response tokens/s: "
                      f"{tok_ratio:.2f}x (the same work per sample only if resp len matches)")  # fmt: skip
         out[p] = {"drivers": table, "ratio_fully_async_over_sync": ratio, "tokens_ratio": tok_ratio}
+        lines += cpu_lines(runs, p, table, ratio, out[p])
         for d in [d for d in table if d.startswith("fully_async[")]:
             r_s, r_t = (_ratio(table, d, "sync", k) for k in ("samples_per_s", "tokens_per_s"))
             lines.append(f"   {d} / sync samples/s: {r_s:.2f}x; response tokens/s: {r_t:.2f}x")
             out[p][f"ratio_{d}_over_sync"] = r_s
     return "\n".join(lines), out
+
+
+def cpu_lines(runs: list[Run], p: str, table: dict, ratio: float, out: dict) -> list[str]:
+    """Per driver (medians over its runs): the cores its tree used by kind of process and the cores the rest of
+    the machine used meanwhile, then the CPU-ms per sample by kind (what contention moves least); then the
+    ceilings on fully async's samples/s ratio that the CPU allows (`ceilings`), next to the measured ratio."""
+    lines = [f"   CPU over the steady window (medians): cores used of {CORES}; CPU-ms per trained sample"]
+    others: list[float] = []
+    for d in table:
+        ok = [r for r in runs if r.placement == p and r.driver == d and r.error is None and r.cpu_kinds]
+        if not ok:
+            continue
+        others += [r.cpu_others for r in ok]
+        cores = {k: Spread.of([r.cpu_kinds.get(k, float("nan")) for r in ok]).median for k in PROCESS_KINDS}
+        ms = {k: Spread.of([1e3 * r.cpu_kinds.get(k, float("nan")) / r.samples_per_s for r in ok]).median
+              for k in PROCESS_KINDS}  # fmt: skip
+        lines.append(f"     {d:22} cores {Spread.of([r.cpu_cores for r in ok]).fmt(3)} (others "
+                     f"{Spread.of([r.cpu_others for r in ok]).median:.2f}): " + ", ".join(
+                         f"{k} {cores[k]:.2f}" for k in PROCESS_KINDS))  # fmt: skip
+        lines.append(f"     {'':22} CPU-ms/sample {Spread.of([r.cpu_ms_per_sample for r in ok]).fmt(3)}: "
+                     + ", ".join(f"{k} {ms[k]:.2f}" for k in PROCESS_KINDS))  # fmt: skip
+    get = {d: {k: table.get(d, {}).get(k, {}).get("median", float("nan"))
+               for k in ("samples_per_s", "cpu_cores")} for d in ("sync", "fully_async")}  # fmt: skip
+    c = ceilings(get["sync"]["samples_per_s"], get["sync"]["cpu_cores"], get["fully_async"]["samples_per_s"],
+                 get["fully_async"]["cpu_cores"], CORES)  # fmt: skip
+    out["cpu_ceiling"] = c
+    lines.append(f"   ceiling on fully async / sync samples/s: {c['by_cores']:.2f}x at sync's CPU per sample "
+                 f"({CORES} cores / sync's cores used), {c['by_own_cpu']:.2f}x at fully async's own CPU per "
+                 f"sample; measured {ratio:.2f}x")  # fmt: skip
+    busy = Spread.of(others).median
+    if busy > NOT_QUIET_CORES:
+        lines.append(f"   (not a quiet machine: other processes used {busy:.2f} cores meanwhile; cores used, the "
+                     "ceilings and the speed ratios move with that load, CPU-ms per sample least)")  # fmt: skip
+    return lines
 
 
 def _ratio(table: dict, a: str, b: str, key: str) -> float:
@@ -454,7 +577,17 @@ def detail_lines(r: Run) -> str:
     phases = ", ".join(f"{k.removeprefix('timing/')} {v:.3g}" for k, v in r.phases.items())
     return (f"    per step: {phases}\n    trained: {r.tokens_per_s:.0f} response tokens/s, mean length "
             f"{r.resp_len:.1f} (per step: {' '.join(f'{x:.0f}' for x in r.step_lengths)}); decoded/trained "
-            f"{r.decode_per_trained_run:.3f} (run), {r.decode_per_trained:.3f} (steady)\n    {engine_line(r)}")  # fmt: skip
+            f"{r.decode_per_trained_run:.3f} (run), {r.decode_per_trained:.3f} (steady)\n    {engine_line(r)}"
+            f"\n    {cpu_line(r)}")  # fmt: skip
+
+
+def cpu_line(r: Run) -> str:
+    """The cores the run's process tree used over the steady window, by kind, and its CPU-ms per sample."""
+    if not r.cpu_kinds:
+        return "cpu (steady): not sampled"
+    kinds = ", ".join(f"{k} {r.cpu_kinds.get(k, 0.0):.2f}" for k in PROCESS_KINDS)
+    return (f"cpu (steady): {r.cpu_cores:.2f} of {CORES} cores ({kinds}); others {r.cpu_others:.2f}; "
+            f"{r.cpu_ms_per_sample:.1f} CPU-ms/sample")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

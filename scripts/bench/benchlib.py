@@ -3,6 +3,7 @@ statistics the reports print (medians and spreads, steady-state step times, rati
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 # ------------------------------------------------------------------------------------------------ memory
@@ -105,6 +107,97 @@ class MemorySampler:
             self._stop.wait(self.interval)
 
 
+# ------------------------------------------------------------------------------------------------ CPU time
+def parse_cpu_s(stat: str) -> float:
+    """CPU-seconds (utime + stime, all threads) from the text of /proc/PID/stat."""
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def tree_cpu(root: int) -> dict[int, float]:
+    """CPU-seconds so far of each live process of `root`'s tree (Linux /proc; waited-for children's time is not
+    in their parent's utime/stime, so the sum over the tree counts nothing twice)."""
+    parents, cpu = {}, {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            stat = _read(f"/proc/{name}/stat")
+            if stat:
+                parents[int(name)], cpu[int(name)] = parse_ppid(stat), parse_cpu_s(stat)
+    return {pid: cpu[pid] for pid in descendants(root, parents)} if root in parents else {}
+
+
+def parse_busy_cpu_s(proc_stat: str) -> float:
+    """CPU-seconds the whole machine has been busy (user, nice, system, irq, softirq, steal; guest time is in
+    user already), from the `cpu` line of /proc/stat."""
+    fields = [int(x) for x in proc_stat.split("\n", 1)[0].split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / TICKS
+
+
+def cpu_delta(
+    history: Sequence[tuple[float, dict[int, float]]], start: float, end: float
+) -> dict[int, float]:
+    """CPU-seconds each pid used in [start, end], from (time, {pid: cumulative CPU-s}) samples in time order.
+    A pid's value is linearly interpolated between its samples; before its first sample it is 0 at the sample
+    before (it did not exist yet; held flat when it was there at the first sample), after its last it is held
+    flat (it ended)."""
+    series: dict[int, list[tuple[float, float]]] = {}
+    prev_t: float | None = None
+    for t, cpu in history:
+        for pid, secs in cpu.items():
+            if pid not in series and prev_t is not None:
+                series[pid] = [(prev_t, 0.0)]
+            series.setdefault(pid, []).append((t, secs))
+        prev_t = t
+
+    def at(points: list[tuple[float, float]], t: float) -> float:
+        if t <= points[0][0]:
+            return points[0][1]
+        for (t0, v0), (t1, v1) in zip(points, points[1:], strict=False):
+            if t <= t1:
+                return v0 + (v1 - v0) * (t - t0) / (t1 - t0) if t1 > t0 else v1
+        return points[-1][1]
+
+    return {pid: at(pts, end) - at(pts, start) for pid, pts in series.items()}
+
+
+class CpuSampler:
+    """Samples `tree_cpu(pid)` every `interval` seconds in a thread: `history` holds (seconds after `t0`,
+    {pid: CPU-s}), `machine` (seconds after `t0`, the whole machine's busy CPU-s: the tree's and everyone
+    else's), `own` (seconds after `t0`, this process's CPU-s: the sampler, and whatever else the caller runs)
+    and `cmdlines` each pid's last non-empty command line (a Ray worker renames itself once it hosts an
+    actor)."""
+
+    def __init__(self, pid: int, t0: float, interval: float = 0.5) -> None:
+        self.pid, self.t0, self.interval = pid, t0, interval
+        self.history: list[tuple[float, dict[int, float]]] = []
+        self.cmdlines: dict[int, str] = {}
+        self.machine: list[tuple[float, float]] = []
+        self.own: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"cpu-{pid}", daemon=True)
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            cpu, busy = tree_cpu(self.pid), _read("/proc/stat")
+            self.history.append((time.time() - self.t0, cpu))
+            if busy:
+                self.machine.append((time.time() - self.t0, parse_busy_cpu_s(busy)))
+            self.own.append((time.time() - self.t0, time.process_time()))
+            for pid in cpu:  # read each time: a few dozen small reads
+                cmd = (_read(f"/proc/{pid}/cmdline") or "").replace("\0", " ").strip()
+                self.cmdlines[pid] = cmd or self.cmdlines.get(pid, "")
+            self._stop.wait(self.interval)
+
+
 # ------------------------------------------------------------------------------------------------ processes
 @dataclass
 class TimedRun:
@@ -116,6 +209,8 @@ class TimedRun:
     peak_rss: int = 0
     peak_pss: int = 0
     peak_procs: int = 0
+    # with `cpu_interval`: the process tree's CPU time per process (times after launched_at)
+    cpu: CpuSampler | None = None
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(line for _, line in self.lines[-n:])
@@ -128,9 +223,11 @@ def run_timed(
     timeout_s: float,
     log_path: Path | None = None,
     on_line: Callable[[str], None] | None = None,
+    cpu_interval: float | None = None,
 ) -> TimedRun:
     """Run `cmd` in its own session, timestamp every output line (stdout and stderr merged), sample the memory
-    of its process tree; kill the whole session past `timeout_s` (then returncode is -9)."""
+    of its process tree (and, with `cpu_interval`, its CPU time per process: `TimedRun.cpu`); kill the whole
+    session past `timeout_s` (then returncode is -9)."""
     launched = time.time()
     proc = subprocess.Popen(
         list(cmd),
@@ -146,8 +243,10 @@ def run_timed(
     killer = threading.Timer(timeout_s, lambda: _kill_session(proc))
     killer.start()
     log = open(log_path, "w", encoding="utf-8") if log_path else None  # noqa: SIM115 - closed below
+    if cpu_interval:
+        run.cpu = CpuSampler(proc.pid, launched, cpu_interval)
     try:
-        with MemorySampler(proc.pid) as mem:
+        with MemorySampler(proc.pid) as mem, run.cpu or contextlib.nullcontext():
             assert proc.stdout is not None
             for line in proc.stdout:
                 now = time.time()
