@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING
 import ray
 
 from miles.ray.colocate import MEMORY_TAGS, MemoryChoreography, TrainerOnly
-from miles.ray.engine_fleet import EngineFleet, engines_in_trainers, fleet_in_driver
+from miles.ray.engine_fleet import (
+    EngineFleet,
+    engines_in_trainers,
+    engines_may_ask_runtime_env,
+    fleet_in_driver,
+)
 from miles.ray.placement import Placement, cluster_has_gpus, create_placement
 from miles.ray.rollout_manager import RolloutManager
 from miles.ray.system import (
@@ -307,7 +312,10 @@ def _build_replay(cfg: Config, rollouts: str) -> ReplaySystem:
 def _start_ray(cfg: Config, num_actor: int, num_rollout: int) -> tuple[bool, bool]:
     """Start (or join) Ray with a CPU per worker; (this run started Ray, the cluster has GPUs)."""
     colocate = cfg.cluster.colocate
-    owns_ray = init_ray(min_cpus=(max(num_actor, num_rollout) if colocate else num_actor + num_rollout) + 1)
+    owns_ray = init_ray(
+        min_cpus=(max(num_actor, num_rollout) if colocate else num_actor + num_rollout) + 1,
+        runtime_envs=engines_may_ask_runtime_env(cfg),
+    )
     use_gpu = cluster_has_gpus()
     check_external_refit(cfg, use_gpu, num_actor)
     return owns_ray, use_gpu
