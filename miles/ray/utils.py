@@ -5,8 +5,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
 import ray
@@ -21,9 +25,16 @@ class PhaseTimeoutError(TimeoutError):
 
 
 def ray_get(refs: Any, timeout: float | None, phase: str, stalled: Callable[[], str] | None = None) -> Any:
-    """`ray.get` with a deadline (None: none). On expiry raises PhaseTimeoutError naming `phase`, the timeout and
+    """`ray.get` with a deadline (None: none); also of a `ThreadActor`'s answer (a Future). On expiry raises PhaseTimeoutError naming `phase`, the timeout and
     the stalled component (`stalled()`, e.g. the ranks not done; default: the phase's Ray calls), after every
     miles process dumped its stacks (`miles.utils.hang_dump`: the message names the folder)."""
+    if isinstance(refs, Future):  # a `ThreadActor`'s answer
+        try:
+            return refs.result(timeout=timeout)
+        except FutureTimeoutError as e:
+            message = f"timed out after {timeout:.0f}s waiting for phase '{phase}'"
+            culprit = stalled() if stalled is not None else f"the call(s) of phase '{phase}'"
+            raise phase_timeout(message, culprit) from e
     try:
         return ray.get(refs, timeout=timeout)
     except ray.exceptions.GetTimeoutError as e:
@@ -57,6 +68,75 @@ class _LocalMethod:
 def local_actor(cls: type, *args: Any, **kwargs: Any) -> LocalActor:
     """`cls(*args, **kwargs)` built in this process, behind a `LocalActor`."""
     return LocalActor(cls(*args, **kwargs))
+
+
+class ThreadActor:
+    """`cls(*args, **kwargs)` built and called on a daemon thread of the driver's process, behind a Ray actor
+    handle's interface: `handle.method.remote(*args)` queues the call and returns a `concurrent.futures.Future` of
+    its result, which `ray_get` waits on with its deadline as on an actor's answer. As in an actor, the calls run
+    one at a time, in order, after the constructor, while the caller goes on (the constructor overlaps what the
+    driver starts meanwhile); a constructor's error is raised by every call. Results are the objects themselves,
+    not copies. For a helper whose process of its own would cost more than its work in the driver
+    (`miles.ray.setup.rollout_in_driver`); `stop` ends the thread."""
+
+    def __init__(self, cls: type, *args: Any, **kwargs: Any) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future, str, tuple, dict] | None] = queue.SimpleQueue()
+        self._obj: Any = None
+        self._thread = threading.Thread(
+            target=self._serve, args=(cls, args, kwargs), name=f"miles-{cls.__name__}", daemon=True
+        )
+        self._thread.start()
+
+    def _serve(self, cls: type, args: tuple, kwargs: dict) -> None:
+        broken: BaseException | None = None
+        try:
+            self._obj = cls(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - every call raises it, as an actor whose constructor failed
+            broken = e
+        while (call := self._calls.get()) is not None:
+            future, name, call_args, call_kwargs = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                if broken is not None:
+                    raise RuntimeError(f"{cls.__name__} failed to start: {broken!r}") from broken
+                future.set_result(getattr(self._obj, name)(*call_args, **call_kwargs))
+            except BaseException as e:  # noqa: BLE001 - the caller's ray_get raises it
+                future.set_exception(e)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _QueuedMethod(self._calls, name)
+
+    def stop(self, timeout: float, last: str | None = None) -> None:
+        """End the thread after the calls queued (and `last`, a method to call if the object has it); wait for
+        it up to `timeout` seconds (a call that hangs is left to the daemon thread)."""
+        if last is not None and hasattr(self._obj, last):
+            self._calls.put((Future(), last, (), {}))
+        self._calls.put(None)
+        self._thread.join(timeout)
+
+
+class _QueuedMethod:
+    def __init__(self, calls: queue.SimpleQueue, name: str) -> None:
+        self.calls, self.name = calls, name
+
+    def remote(self, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+        self.calls.put((future, self.name, args, kwargs))
+        return future
+
+
+def ready(ref: Any, timeout: float) -> bool:
+    """Whether an actor's answer (an ObjectRef, or a `ThreadActor`'s Future) is there, waiting up to `timeout`."""
+    if isinstance(ref, Future):
+        try:
+            ref.exception(timeout=timeout)
+        except FutureTimeoutError:
+            return False
+        return True
+    return bool(ray.wait([ref], timeout=timeout)[0])
 
 
 def phase_timeout(message: str, stalled: str) -> PhaseTimeoutError:
