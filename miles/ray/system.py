@@ -163,7 +163,7 @@ class _Run:
                 engines.stop(fast)
         finally:
             if engines is not None and isinstance(engines.rollout, ThreadActor):  # it lives in this process
-                engines.rollout.stop(timeout=5.0 if fast else 60.0, last="close")
+                engines.rollout.stop(timeout=2.0 if fast else 10.0, last="close")
             self.progress.close()
             self.tracker.close()
             for group in groups:
@@ -172,9 +172,10 @@ class _Run:
             if self.owns_ray:
                 ray.shutdown()
             else:  # the training workers have ended; the engine actors are the fleet's: they go with it
-                if engines is not None and not isinstance(engines.rollout, ThreadActor):
-                    ray.kill(engines.rollout)
-                    if not isinstance(engines.fleet, LocalActor):  # else it lives in this process
+                if engines is not None:  # the rollout manager and the fleet: unless they live in this process
+                    if not isinstance(engines.rollout, ThreadActor):
+                        ray.kill(engines.rollout)
+                    if not isinstance(engines.fleet, LocalActor):
                         ray.kill(engines.fleet)
                 if placement is not None:
                     ray.util.remove_placement_group(placement.pg)

@@ -140,3 +140,21 @@ def test_a_rollout_past_its_deadline_in_the_driver_fails_naming_the_phase(monkey
         side.generate(1)
     stuck.set()
     actor.stop(timeout=10)
+
+
+def test_shutdown_closes_the_rollout_manager_in_the_driver_and_kills_no_actor_for_it(monkeypatch):
+    from miles.ray import system
+
+    killed: list = []
+    monkeypatch.setattr(system.ray, "kill", killed.append)
+    log: list = []
+    actor = ThreadActor(_Worker, log)
+    fleet = object()  # a Ray actor handle of the fleet's own
+    engines = SimpleNamespace(
+        rollout=actor, fleet=fleet, stop=lambda fast: log.append(("engines stop", fast))
+    )
+    nothing = SimpleNamespace(close=lambda: None)
+    run = system._Run(cfg=None, tracker=nothing, start_rollout_id=0, progress=nothing, owns_ray=False)
+    run._shutdown(False, engines, [], None)  # type: ignore[arg-type]
+    assert [e[0] for e in log] == ["init", "engines stop", "close"] and not actor._thread.is_alive()
+    assert killed == [fleet]  # the fleet's actor goes; the rollout manager was no actor
