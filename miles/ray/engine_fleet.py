@@ -73,6 +73,20 @@ def engines_in_trainers(config: Config, use_gpu: bool) -> bool:
     )
 
 
+def engines_may_ask_runtime_env(config: Config) -> bool:
+    """Whether the run may start an SGLang engine actor, the only actor miles gives a runtime env
+    (`ENGINE_ACTOR_RUNTIME_ENV`): not with external engines or `--rollout-engine local`; with `auto`, whenever
+    sglang is installed (it picks SGLang where there are GPUs, which are known only once Ray runs). Without one
+    a local Ray head needs no runtime-env agent (`miles.ray.utils.init_ray`)."""
+    if config.cluster.rollout_external or config.rollout.rollout_engine == "local":
+        return False
+    if config.rollout.rollout_engine == "sglang":
+        return True
+    import importlib.util
+
+    return importlib.util.find_spec("sglang") is not None
+
+
 def fleet_in_driver(config: Config, placement: Placement | None) -> bool:
     """Whether the fleet runs in the driver's process instead of a Ray actor of its own (~70 MB PSS and ~0.8 CPU-s
     of start-up less): when all it does is start the engines inside the training ranks (`engines_in_trainers`),

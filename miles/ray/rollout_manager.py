@@ -1,7 +1,8 @@
 """RolloutManager: the Ray actor body around a `RolloutRunner` (data source, generation, rewards, metrics).
 
 The engines live in a separate actor (`miles.ray.engine_fleet.EngineFleet`); this one only needs their router
-and engine URLs. Samples leave it as `Sample` records (Ray pickles them), never as dicts.
+and engine URLs. Samples leave it as `Sample` records (Ray pickles them), never as dicts. On the CPU quickstart
+with `miles.train` it runs on a thread of the driver's process instead (`miles.ray.setup.rollout_in_driver`).
 """
 
 from __future__ import annotations
@@ -22,14 +23,17 @@ class RolloutManager:
     """Built in two steps so that its start-up (imports, tokenizer, prompt data) overlaps the trainers' and the
     engines': the constructor needs only the config; `connect` gives it the engines once they answer."""
 
-    # cfg: validated once by the driver; Ray pickles it (secrets included)
-    def __init__(self, cfg: Config) -> None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # cfg: validated once by the driver; Ray pickles it (secrets included). `in_driver`: built on a thread of the
+    # driver's process (`miles.ray.setup.rollout_in_driver`), whose environment, SIGUSR1 handler (its hang dumps
+    # cover every thread) and GC freeze (after start-up) are the driver's own: left as they are
+    def __init__(self, cfg: Config, in_driver: bool = False) -> None:
+        if not in_driver:
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from miles.engines.router import generation_via_router
         from miles.rollout.runner import RolloutRunner
         from miles.utils.tokenizer_load import load_tokenizer
 
-        if cfg.log.run_dir:  # its stacks on SIGUSR1, for the driver's hang dumps
+        if cfg.log.run_dir and not in_driver:  # its stacks on SIGUSR1, for the driver's hang dumps
             from miles.utils import hang_dump
 
             hang_dump.install(hang_dump.stacks_dir_of(cfg.log.run_dir), "rollout-manager")
@@ -55,8 +59,10 @@ class RolloutManager:
         )
         # what start-up built (modules, tokenizer, the prompt data) lives as long as the process: out of the
         # cyclic GC's reach, a full collection no longer walks it (~140k objects on the quickstart, one full
-        # collection every ~20 rollouts, each a stall of tens of ms in the middle of a rollout)
-        gc.freeze()
+        # collection every ~20 rollouts, each a stall of tens of ms in the middle of a rollout); in the driver,
+        # the driver's own freeze after start-up does it
+        if not in_driver:
+            gc.freeze()
 
     def connect(self, router_url: str, engine_urls: list[str]) -> None:
         """The engines (and their router) to generate with: before the first rollout."""
@@ -130,6 +136,12 @@ class RolloutManager:
     def continue_generation(self, version: int) -> None:
         assert self.worker is not None, "start_async first"
         self.worker.resume(version, float(self.rollout_cfg.rollout_request_timeout))
+
+    def close(self) -> None:
+        """Stop the generation worker and close the generate client and its event loop (in the driver's process
+        they would outlive the run; an actor's go with its process)."""
+        self.stop_async()
+        self.runner.close()
 
     def stop_async(self) -> None:
         if self.worker is not None:

@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING
 import ray
 
 from miles.ray.colocate import MEMORY_TAGS, MemoryChoreography, TrainerOnly
-from miles.ray.engine_fleet import EngineFleet, engines_in_trainers, fleet_in_driver
+from miles.ray.engine_fleet import (
+    EngineFleet,
+    engines_in_trainers,
+    engines_may_ask_runtime_env,
+    fleet_in_driver,
+)
 from miles.ray.placement import Placement, cluster_has_gpus, create_placement
 from miles.ray.rollout_manager import RolloutManager
 from miles.ray.system import (
@@ -26,7 +31,7 @@ from miles.ray.system import (
     TrainSystem,
 )
 from miles.ray.train_group import RayTrainGroup
-from miles.ray.utils import cpu_trainer_threads, init_ray, local_actor, ray_get
+from miles.ray.utils import ThreadActor, cpu_trainer_threads, init_ray, local_actor, ray_get
 from miles.utils.engine_control_http import EngineMemoryControl
 from miles.utils.progress import ProgressBar, progress_bar, progress_enabled, progress_env
 from miles.utils.tracking import Tracker
@@ -307,7 +312,10 @@ def _build_replay(cfg: Config, rollouts: str) -> ReplaySystem:
 def _start_ray(cfg: Config, num_actor: int, num_rollout: int) -> tuple[bool, bool]:
     """Start (or join) Ray with a CPU per worker; (this run started Ray, the cluster has GPUs)."""
     colocate = cfg.cluster.colocate
-    owns_ray = init_ray(min_cpus=(max(num_actor, num_rollout) if colocate else num_actor + num_rollout) + 1)
+    owns_ray = init_ray(
+        min_cpus=(max(num_actor, num_rollout) if colocate else num_actor + num_rollout) + 1,
+        runtime_envs=engines_may_ask_runtime_env(cfg),
+    )
     use_gpu = cluster_has_gpus()
     check_external_refit(cfg, use_gpu, num_actor)
     return owns_ray, use_gpu
@@ -337,15 +345,36 @@ def _start_rollout_side(
     cfg: Config, placement: Placement | None, num_rollout: int
 ) -> tuple[ActorHandle, ActorHandle]:
     """Start the engine fleet and the rollout manager (Ray actors, their constructors run meanwhile; the fleet in
-    this process where it only starts and stops engines inside the ranks, `fleet_in_driver`). The rollout
-    side loads its tokenizer and prompts while the trainers and engines start; it gets the engines' URLs
-    (`_connect`) once they answer."""
-    rollout = ray.remote(RolloutManager).options(num_cpus=0).remote(cfg)
+    this process where it only starts and stops engines inside the ranks, `fleet_in_driver`, and the rollout
+    manager on a thread of it with the synchronous driver, `rollout_in_driver`). The rollout side loads its
+    tokenizer and prompts while the trainers and engines start; it gets the engines' URLs (`_connect`) once they
+    answer."""
+    if rollout_in_driver(cfg, placement):  # built on a thread of this process while the trainers start
+        rollout: ActorHandle = ThreadActor(RolloutManager, cfg, in_driver=True)
+    else:
+        rollout = ray.remote(RolloutManager).options(num_cpus=0).remote(cfg)
     if fleet_in_driver(cfg, placement):  # it only starts and stops the engines inside the training ranks
         fleet = local_actor(EngineFleet, cfg, placement, num_rollout, in_driver=True)
     else:
         fleet = ray.remote(EngineFleet).options(num_cpus=0).remote(cfg, placement, num_rollout)
     return fleet, rollout
+
+
+def rollout_in_driver(cfg: Config, placement: Placement | None) -> bool:
+    """Whether the rollout manager runs on a thread of the driver's process (`ThreadActor`) instead of a Ray
+    actor of its own (~100 MB PSS and ~1 CPU-s of start-up less on the CPU quickstart): where the engine fleet
+    does (`fleet_in_driver`: CPU, colocated, the embedded engines inside the training ranks, no router, no fault
+    tolerance), with the synchronous driver (`miles.train`: the rollout and the step take turns, so it takes no
+    core from the driver's own work) on an instance this machine runs (not a cluster joined by RAY_ADDRESS). The
+    asynchronous drivers (generation overlapping training), GPU, SGLang and clusters keep the actor."""
+    from miles.train_async import OVERLAP_ENV
+
+    return (
+        fleet_in_driver(cfg, placement)
+        and not cfg.rollout.fully_async
+        and os.environ.get(OVERLAP_ENV) != "1"
+        and not os.environ.get("RAY_ADDRESS")
+    )
 
 
 def _cpu_threads_env(cfg: Config, placement: Placement, num_actor: int) -> dict[str, str]:

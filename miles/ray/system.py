@@ -21,7 +21,7 @@ import ray
 from miles.ray.colocate import MemoryChoreography, TrainerOnly
 from miles.ray.placement import Placement
 from miles.ray.train_group import RayTrainGroup
-from miles.ray.utils import LocalActor, phase_timeout, ray_get
+from miles.ray.utils import LocalActor, ThreadActor, phase_timeout, ray_get, ready
 from miles.utils.debug_data import load_rollout, save_rollout
 from miles.utils.progress import ProgressBar
 from miles.utils.seqlen_balancing import partition_samples_by_dp
@@ -43,7 +43,9 @@ class EngineSide:
     engines' URLs once they answered."""
 
     cfg: Config
-    rollout: ActorHandle  # Ray actor handle of RolloutManager
+    rollout: (
+        ActorHandle  # Ray actor handle of RolloutManager, or the driver's `ThreadActor` (`rollout_in_driver`)
+    )
     fleet: ActorHandle  # Ray actor handle of EngineFleet, or the driver's `LocalActor` (`fleet_in_driver`)
     engine_urls: list[str]
 
@@ -78,7 +80,7 @@ class EngineSide:
         ref = self.rollout.generate.remote(rollout_id)
         limit = self.deadline
         deadline = None if limit is None else time.monotonic() + limit
-        while not ray.wait([ref], timeout=1.0)[0]:
+        while not ready(ref, timeout=1.0):
             if watch:
                 self._readmit(
                     ray_get(self.fleet.take_restarted.remote(), 60, phase), rollout_id, refit_restarted
@@ -88,7 +90,10 @@ class EngineSide:
                     f"timed out after {limit:.0f}s waiting for phase '{phase}' (--rollout-timeout)",
                     "the rollout manager (generate)",
                 )
-                ray.cancel(ref, force=False)
+                if not isinstance(
+                    self.rollout, ThreadActor
+                ):  # else nothing can stop its thread: the run ends
+                    ray.cancel(ref, force=False)
                 raise error
         if watch:
             restarted = ray_get(  # a restart in progress loads a model: as long as engine start-up may take
@@ -157,6 +162,8 @@ class _Run:
             if engines is not None:
                 engines.stop(fast)
         finally:
+            if engines is not None and isinstance(engines.rollout, ThreadActor):  # it lives in this process
+                engines.rollout.stop(timeout=2.0 if fast else 10.0, last="close")
             self.progress.close()
             self.tracker.close()
             for group in groups:
@@ -165,9 +172,10 @@ class _Run:
             if self.owns_ray:
                 ray.shutdown()
             else:  # the training workers have ended; the engine actors are the fleet's: they go with it
-                if engines is not None:
-                    ray.kill(engines.rollout)
-                    if not isinstance(engines.fleet, LocalActor):  # else it lives in this process
+                if engines is not None:  # the rollout manager and the fleet: unless they live in this process
+                    if not isinstance(engines.rollout, ThreadActor):
+                        ray.kill(engines.rollout)
+                    if not isinstance(engines.fleet, LocalActor):
                         ray.kill(engines.fleet)
                 if placement is not None:
                     ray.util.remove_placement_group(placement.pg)

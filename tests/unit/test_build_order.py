@@ -108,8 +108,9 @@ def _install(monkeypatch: pytest.MonkeyPatch, log: Log, gpu: bool) -> None:
         return _Actor(log, cls.__name__)
 
     monkeypatch.setattr(setup, "local_actor", local_actor)
+    monkeypatch.setattr(setup, "ThreadActor", lambda cls, *a, **k: local_actor(cls))  # a thread of the driver
     monkeypatch.setattr(setup, "ray_get", ray_get)
-    monkeypatch.setattr(setup, "init_ray", lambda min_cpus: True)
+    monkeypatch.setattr(setup, "init_ray", lambda min_cpus, runtime_envs: log("ray", runtime_envs) or True)
     monkeypatch.setattr(setup, "cluster_has_gpus", lambda: gpu)
     monkeypatch.setattr(  # what the set-up reads of a placement: one engine bundle per rollout worker
         setup, "create_placement", lambda *a, **k: SimpleNamespace(use_gpu=gpu, engine_bundles=[1, 2])
@@ -130,7 +131,7 @@ URLS = ("http://e0:1", "http://e1:1")
 
 
 def _events(log: Log) -> list[tuple[object, ...]]:
-    return [e for e in log if e[0] != "start" or e[1] == "EngineFleet"]
+    return [e for e in log if (e[0] != "start" or e[1] == "EngineFleet") and e[0] != "ray"]
 
 
 @pytest.mark.parametrize("gpu", [True, False])
@@ -152,6 +153,7 @@ def test_colocated_engines_start_and_release_before_the_trainers_build(monkeypat
         refit = [("resume", MEMORY_TAGS, URLS), ("refit", "0", URLS)]
     assert _events(log) == first + refit
     assert not system.choreography.released  # the engines hold everything again, ready to generate
+    assert ("ray", True) in log  # SGLang engine actors get a runtime env: Ray's runtime-env agent stays
 
 
 @pytest.mark.parametrize("engine", ["auto", "local"])
@@ -184,6 +186,7 @@ def test_colocated_embedded_engines_on_cpu_start_inside_the_built_ranks_by_defau
         _cfg("--colocate", "--rollout-engine", engine, "--actor-num-gpus-per-node", "2")
     )
     assert _events(log) == [
+        ("start in the driver", "RolloutManager"),  # on a thread of the driver (miles.train): no process
         ("start in the driver", "EngineFleet"),
         ("trainers build", "actor"),
         ("engines start in the ranks", (["actor-rank0", "actor-rank1"],)),
@@ -193,6 +196,8 @@ def test_colocated_embedded_engines_on_cpu_start_inside_the_built_ranks_by_defau
         ("refit", "0", URLS),
     ]
     assert not system.choreography.released
+    if engine == "local":  # no SGLang engine can start: Ray's runtime-env agent is not needed
+        assert ("ray", False) in log
 
 
 def test_colocated_critic_builds_after_the_release_too_and_sleeps(monkeypatch):
@@ -231,7 +236,7 @@ def test_replay_starts_trainers_only_and_refits_nothing(monkeypatch):
     assert isinstance(system, ReplaySystem) and isinstance(system.choreography, TrainerOnly)
     assert system.rollouts == "saved" and system.critic_group is not None
     # colocated, the critic sleeps until it trains (as in a training run)
-    assert log == [("trainers build", "actor"), ("trainers build", "critic"), ("sleep", "critic")]
+    assert _events(log) == [("trainers build", "actor"), ("trainers build", "critic"), ("sleep", "critic")]
 
 
 def test_rollout_only_starts_engines_only(monkeypatch):

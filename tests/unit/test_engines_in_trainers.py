@@ -152,3 +152,25 @@ def test_a_local_actor_answers_remote_calls_at_once_and_raises_from_remote(monke
     assert handle.add.remote(1, b=2) == ("ref", 3) and Thing.calls == [(1, 2)]  # ran before any get
     with pytest.raises(ValueError, match="no"):
         handle.fail.remote()
+
+
+@pytest.mark.parametrize(
+    ("extra", "sglang_installed", "may_ask"),
+    [
+        (["--colocate"], False, False),  # auto without sglang: the embedded engine, no runtime env
+        (["--colocate"], True, True),  # auto with sglang: SGLang wherever Ray finds GPUs
+        (["--colocate", "--rollout-engine", "local"], True, False),
+        (["--colocate", "--rollout-engine", "sglang"], False, True),
+        (["--rollout-engine", "sglang", "--rollout-external-engine-addrs", "127.0.0.1:30000"], True, False),
+    ],
+)
+def test_which_runs_may_give_an_engine_actor_a_runtime_env(monkeypatch, extra, sglang_installed, may_ask):
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, *args):
+        return (object() if sglang_installed else None) if name == "sglang" else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert engine_fleet.engines_may_ask_runtime_env(_cfg(*extra)) is may_ask

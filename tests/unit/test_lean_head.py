@@ -55,3 +55,59 @@ def test_the_lean_head_puts_rays_methods_back(monkeypatch):
         assert services.start_ray_process is not before[1]
         raise RuntimeError("ray.init failed")
     assert (node.Node.start_log_monitor, services.start_ray_process) == before
+
+
+def test_without_runtime_envs_the_raylets_runtime_env_agent_becomes_its_stub_too():
+    import ray
+
+    agent = os.path.join(os.path.dirname(ray.__file__), "dashboard", "agent.py")
+    env_agent = os.path.join(os.path.dirname(ray.__file__), "_private", "runtime_env", "agent", "main.py")
+    here = os.path.dirname(utils.__file__)
+    command = ["/ray/raylet", f"--dashboard_agent_command=/bin/python3 -u {agent} --node-id=abc",
+               f"--runtime_env_agent_command=/bin/python3 -u {env_agent} --node-id=abc"]  # fmt: skip
+    started: list = []
+    start = utils._with_agent_stub(lambda cmd, kind, *a, **k: started.append(cmd), runtime_env_agent=False)
+    start(command, "raylet")
+    assert started[-1] == [
+        "/ray/raylet",
+        f"--dashboard_agent_command=/bin/python3 -u -S {here}/agent_stub.py --node-id=abc",
+        f"--runtime_env_agent_command=/bin/python3 -u -S {here}/runtime_env_stub.py --node-id=abc",
+    ]
+    utils._with_agent_stub(lambda cmd, kind, *a, **k: started.append(cmd))(command, "raylet")  # the default
+    assert started[-1][2] == command[2]  # Ray's runtime-env agent stays
+
+
+@pytest.mark.parametrize(
+    ("runtime_envs", "env_vars", "environ", "agent"),
+    [
+        (False, None, {}, False),  # the only case without Ray's runtime-env agent
+        (True, None, {}, True),
+        (False, {"A": "1"}, {}, True),  # the job's own runtime env
+        (False, None, {"RAY_RUNTIME_ENV_HOOK": "my.hook"}, True),  # Ray would give the job one
+        (False, None, {"RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"}, True),  # a `ray job submit` job
+    ],
+)
+def test_a_local_head_keeps_rays_runtime_env_agent_unless_the_run_asks_for_no_runtime_env(
+    monkeypatch, runtime_envs, env_vars, environ, agent
+):
+    import contextlib
+
+    import ray
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for name in ("RAY_RUNTIME_ENV_HOOK", "RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    heads: list = []
+
+    @contextlib.contextmanager
+    def lean_head(runtime_env_agent: bool = True):
+        heads.append(runtime_env_agent)
+        yield []
+
+    monkeypatch.setattr(utils, "_lean_head", lean_head)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: None)
+    assert utils.init_ray(min_cpus=1, env_vars=env_vars, runtime_envs=runtime_envs)
+    assert heads == [agent]
