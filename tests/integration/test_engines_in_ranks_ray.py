@@ -75,7 +75,9 @@ def test_colocated_cpu_engines_run_inside_the_training_ranks(tmp_path):
         assert not _engine_processes(str(model))  # no `python -m miles.engines.local` of this run
         # nor an engine fleet actor: the fleet, which only started the engines in the ranks, is the driver's
         assert isinstance(system.engines.fleet, LocalActor)
-        live = [a for a in ray._private.state.actors().values() if a["State"] != "DEAD"]  # an earlier test's too
+        live = [
+            a for a in ray._private.state.actors().values() if a["State"] != "DEAD"
+        ]  # an earlier test's too
         assert not [a for a in live if a["ActorClassName"] == "EngineFleet"]
         samples, _ = system.generate(0)
         assert len(samples) == 8 and all(s.response_length >= 1 for s in samples)
