@@ -17,8 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -27,6 +26,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from miles.utils.meta_init import parameters_on_meta
 
 if TYPE_CHECKING:
     from safetensors import safe_open
@@ -41,26 +42,6 @@ def _check_attn(attn_implementation: str) -> None:
         raise ValueError(
             f"--attn-implementation={attn_implementation!r} is not supported; allowed: {_ATTN_IMPLEMENTATIONS}"
         )
-
-
-@contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Inside the block, every parameter a module registers goes to the meta device as it is registered (its
-    initialisation then runs on meta: no memory, no time), while buffers stay real: a model built here has
-    the non-persistent buffers it computes in its constructor (rotary ``inv_freq``) and no weights. Each
-    parameter is allocated (uninitialised) for the instant of its registration only."""
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
-
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
 
 
 def load_hf_model(
