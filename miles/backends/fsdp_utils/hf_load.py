@@ -165,6 +165,18 @@ class _SafetensorsSource:
         self._open.clear()
 
 
+_FileId = tuple[int, int, int, int]
+
+
+def _file_identity(path: str) -> _FileId | None:
+    """(device, inode, size, mtime) of `path`; None when it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) if os.access(path, os.R_OK) else None
+
+
 class _LoadedModelSource:
     """The whole model as ``from_pretrained`` loads it, in host memory: for checkpoints whose tensors transformers
     converts on load (names, fused layouts) or that are not safetensors."""
@@ -307,21 +319,27 @@ class CheckpointWeights:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def _agree_local_reads(self) -> _SafetensorsSource | None:
-        """The checkpoint's safetensors files when every rank runs on global rank 0's host and can read them: each
-        rank then reads its own rows of every checkpoint tensor itself (the same bytes, nothing broadcast, no rank
-        waits for another's reads). None: rank 0 reads and broadcasts each tensor (other hosts, a checkpoint
-        loaded by ``from_pretrained``). Collective."""
+        """The checkpoint's safetensors files when every rank runs on global rank 0's host and finds there the
+        very files rank 0 opened (same absolute path, device, inode, size and mtime): each rank then reads its own
+        rows of every checkpoint tensor itself (the same bytes, nothing broadcast, no rank waits for another's
+        reads). None: rank 0 reads and broadcasts each tensor (other hosts, a checkpoint loaded by
+        ``from_pretrained``). Collective."""
         mine = self._source if isinstance(self._source, _SafetensorsSource) else None
-        files = mine.files if mine is not None else None
         if dist.get_world_size() == 1:
             return mine
-        offer: list[tuple[str, dict[str, str] | None] | None] = [(socket.gethostname(), files)]
+        files = {n: os.path.abspath(f) for n, f in mine.files.items()} if mine is not None else None
+        ids = {f: _file_identity(f) for f in set(files.values())} if files is not None else None
+        offer: list[tuple[str, dict[str, str] | None, dict[str, _FileId | None] | None] | None] = [
+            (socket.gethostname(), files, ids)
+        ]
         dist.broadcast_object_list(offer, src=0)
         assert offer[0] is not None
-        host, files = offer[0]
-        readable = files is not None and all(os.access(f, os.R_OK) for f in set(files.values()))
+        host, files, ids = offer[0]
+        same = ids is not None and None not in ids.values() and host == socket.gethostname()
+        if same and ids is not None:
+            same = all(_file_identity(f) == i for f, i in ids.items())
         votes: list[bool | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(votes, readable and host == socket.gethostname())
+        dist.all_gather_object(votes, same)
         if files is None or not all(votes):
             return None
         return mine if mine is not None else _SafetensorsSource(files)
