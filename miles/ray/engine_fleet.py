@@ -279,6 +279,8 @@ class EngineFleet:
         for i, rank in enumerate(self.hosts):
             kwargs = self._engine_kwargs("local", i, False, log_dir)
             kwargs.pop("sglang_args"), kwargs.pop("env")  # the embedded engine's flags are `local_args`
+            # the start-up releases it and refits it from the rank's own weights: it reads no checkpoint
+            kwargs["local_args"] = {**kwargs["local_args"], "start-released": True}
             calls.append(rank.launch_engine.remote(kwargs))
         self.engine_urls = ray_get(
             calls, self.startup_timeout, f"starting {len(calls)} embedded engine(s) inside the training ranks"

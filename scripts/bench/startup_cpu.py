@@ -11,6 +11,11 @@ the CPU-seconds per kind of process (training ranks, engine servers, Ray actors 
 processes) and their total. On 2 cores start-up is bound by that total: compare it between checkouts.
 
     python scripts/bench/startup_cpu.py --rank-parts --code /tmp/base --code .   # one training rank, part by part
+    python scripts/bench/startup_cpu.py --workload compute                # vs_trl.py's compute workload instead
+
+`--workload compute` (or varlen) runs that `vs_trl.py` workload's miles command instead of the quickstart (its
+model and prompts built into --artifacts/<workload> if missing; 2 rollouts, the default placement, logging at INFO
+for the `start-up:` line).
 
 `--rank-parts` runs, per repeat and checkout, two training ranks without Ray (two processes with `ray` imported
 before the clock starts, as a Ray worker has it, joined by gloo on loopback) through what a rank does from its
@@ -86,14 +91,37 @@ def quickstart_flags(artifacts: Path) -> list[str]:
            "--run-dir", tempfile.mkdtemp(prefix="startup-cpu-"), "--seed", "1"]  # fmt: skip
 
 
+def workload_flags(name: str, artifacts: Path) -> list[str]:
+    """`vs_trl.py`'s miles flags for workload `name` (its model and prompts under `artifacts`, built if missing),
+    with 2 rollouts and INFO logging; the quickstart's own flags for "quickstart"."""
+    if name == "quickstart":
+        return quickstart_flags(artifacts)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import vs_trl
+    from bench_workloads import build_model, get_workload, make_rows, write_rows
+
+    w = get_workload(name)
+    model, data = artifacts / name / "model", artifacts / name / "prompts.jsonl"
+    if not (model / "config.json").exists():
+        build_model(w, model)
+    if not data.exists():
+        write_rows(make_rows(w, 4000, seed=0), data)
+    run_dir = Path(tempfile.mkdtemp(prefix="startup-cpu-"))
+    cmd = vs_trl.miles_command(w, model, data, run_dir, vs_trl.DEFAULT_PLACEMENT[name])
+    flags = cmd[3:]  # after `python -m miles.train`
+    flags[flags.index("--num-rollout") + 1] = "2"
+    flags[flags.index("--log-level") + 1] = "INFO"
+    return flags
+
+
 def child_env(code: Path) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(code), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                 PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="1")  # fmt: skip
 
 
-def run_once(code: Path, artifacts: Path) -> tuple[str, dict[str, float]]:
+def run_once(code: Path, flags: list[str]) -> tuple[str, dict[str, float]]:
     env = child_env(code)
-    cmd = [sys.executable, "-m", "miles.train", *quickstart_flags(artifacts)]
+    cmd = [sys.executable, "-m", "miles.train", *flags]
     proc = subprocess.Popen(
         cmd, cwd=code, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -124,7 +152,7 @@ def run_once(code: Path, artifacts: Path) -> tuple[str, dict[str, float]]:
     return (found[0] if found else "no start-up line"), by_role
 
 
-def rank_child(rank: int, port: int, artifacts: Path) -> None:
+def rank_child(rank: int, port: int, flags: list[str]) -> None:
     """One training rank's start-up, part by part (see the module doc); prints its CPU-seconds per part as JSON."""
     import ray  # noqa: F401  - a Ray worker has it imported before its actor starts
 
@@ -146,7 +174,7 @@ def rank_child(rank: int, port: int, artifacts: Path) -> None:
 
     get_policy_class("fsdp")
     mark("import backend")
-    cfg = parse_config(quickstart_flags(artifacts))
+    cfg = parse_config(flags)
     worker = TrainWorker(cfg, rank, 2, {"OMP_NUM_THREADS": "1"})
     worker.init("127.0.0.1", port, "actor", False)
     mark("init")
@@ -157,6 +185,8 @@ def rank_child(rank: int, port: int, artifacts: Path) -> None:
         "request-timeout": 600.0,
         "num-threads": 1,
     }  # as EngineFleet._engine_kwargs on CPU
+    if engine_starts_released():
+        local["start-released"] = True  # as EngineFleet.host_engines
     launch = engine_launch_kwargs("local", rank, cfg.rollout.rollout_seed, True, {}, local)
     url = worker.launch_engine({"model_path": cfg.model.hf_checkpoint, "local_args": launch["local_args"]})
     mark("engine")
@@ -176,7 +206,14 @@ def rank_child(rank: int, port: int, artifacts: Path) -> None:
     worker.shutdown_engine()
 
 
-def rank_parts(code: Path, artifacts: Path) -> dict[str, float]:
+def engine_starts_released() -> bool:
+    """Whether this checkout's engine has `--start-released` (its fleet then starts the hosted engines so)."""
+    from miles.engines.local.engine import LocalEngineConfig
+
+    return "start_released" in LocalEngineConfig.__dataclass_fields__
+
+
+def rank_parts(code: Path, artifacts: Path, workload: str) -> dict[str, float]:
     """Two ranks of `code` through `rank_child`: CPU-seconds per part, averaged over the ranks."""
     port = free_port()
     env = dict(child_env(code), OMP_NUM_THREADS="1")
@@ -190,6 +227,8 @@ def rank_parts(code: Path, artifacts: Path) -> dict[str, float]:
                 str(port),
                 "--artifacts",
                 str(artifacts),
+                "--workload",
+                workload,
             ],
             cwd=code,
             env=env,
@@ -223,10 +262,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--artifacts", type=Path, default=REPO / "artifacts" / "tiny")
     p.add_argument("--rank-parts", action="store_true", help="one training rank's start-up, part by part")
+    p.add_argument("--workload", default="quickstart", choices=["quickstart", "compute", "varlen"],
+                   help="the quickstart, or a vs_trl.py workload")  # fmt: skip
     p.add_argument("--rank-child", nargs=2, type=int, help=argparse.SUPPRESS)  # rank, port (internal)
     a = p.parse_args()
     if a.rank_child:
-        rank_child(a.rank_child[0], a.rank_child[1], a.artifacts.resolve())
+        rank_child(a.rank_child[0], a.rank_child[1], workload_flags(a.workload, a.artifacts.resolve()))
         return
     if not (a.artifacts / "model" / "config.json").exists():
         subprocess.run([sys.executable, "-m", "miles.tools.tiny_model", "--out", str(a.artifacts / "model"),
@@ -234,14 +275,15 @@ def main() -> None:
     if not (a.artifacts / "echo.jsonl").exists():
         subprocess.run([sys.executable, "-m", "miles.tools.toy_data", "--task", "echo", "--out",
                         str(a.artifacts / "echo.jsonl"), "--n", "2000", "--seed", "0"], check=True, cwd=REPO)  # fmt: skip
+    workload_flags(a.workload, a.artifacts.resolve())  # builds its model and prompts before any run
     for r in range(a.repeats):
         for code in a.code or [REPO]:
             if a.rank_parts:
-                parts = rank_parts(code.resolve(), a.artifacts.resolve())
+                parts = rank_parts(code.resolve(), a.artifacts.resolve(), a.workload)
                 text = ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
                 print(f"[{code} run {r + 1}] rank CPU-s {sum(parts.values()):.2f}: {text}", flush=True)
                 continue
-            phases, by_role = run_once(code.resolve(), a.artifacts.resolve())
+            phases, by_role = run_once(code.resolve(), workload_flags(a.workload, a.artifacts.resolve()))
             cpu = ", ".join(f"{k} {v:.2f}" for k, v in sorted(by_role.items(), key=lambda kv: -kv[1]))
             print(f"[{code} run {r + 1}] {phases}\n    CPU-s {sum(by_role.values()):.1f}: {cpu}", flush=True)
 

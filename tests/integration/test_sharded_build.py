@@ -158,3 +158,48 @@ def test_a_transform_that_adds_parameters_without_initial_values_is_refused():
     net[1] = model_mod.ValueHead(2)
     values = hf_load._transform_initial_values(net, known)
     assert sorted(values) == ["1.bias", "1.weight"] and all(v.abs().sum() == 0 for v in values.values())
+
+
+def _local_reads_body(rank: int, world_size: int, path: str, other_host: bool) -> None:
+    """Ranks on one host read their own rows (no checkpoint tensor is broadcast); a rank on another host makes
+    every rank take rank 0's broadcast. The values are `from_pretrained`'s bitwise either way."""
+    import socket
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    if other_host and rank == 1:
+        socket.gethostname = lambda: "another-host"
+    sent: list[int] = []
+    real_broadcast = dist.broadcast
+
+    def counting_broadcast(tensor, *args, **kwargs):
+        sent.append(tensor.numel())
+        return real_broadcast(tensor, *args, **kwargs)
+
+    dist.broadcast = counting_broadcast
+    try:
+        model = model_mod.build_fsdp_model(path, mesh, transform=model_mod.attach_value_head)
+    finally:
+        dist.broadcast = real_broadcast
+    plain = hf_load.load_hf_model(path)
+    checkpoint = sum(p.numel() for n, p in plain.named_parameters() if not n.startswith("lm_head."))
+    head = sum(p.numel() for n, p in model.named_parameters() if n.startswith("lm_head."))
+    buffers = sum(b.numel() for b in model.buffers())
+    if other_host:
+        assert sum(sent) >= checkpoint, (sum(sent), checkpoint)
+    else:  # only the value head (rank 0's initial values) and the buffers
+        assert sum(sent) == head + buffers, (sum(sent), head, buffers)
+    for name, p in model.named_parameters():
+        if name.startswith("lm_head."):
+            assert p.full_tensor().abs().max().item() == 0.0, name
+            continue
+        torch.testing.assert_close(p.full_tensor(), plain.get_parameter(name), atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("other_host", [False, True])
+def test_ranks_on_one_host_read_their_own_rows_of_the_checkpoint(tmp_path, other_host):
+    from _util import save_tiny_qwen3
+
+    path = save_tiny_qwen3(str(tmp_path / "tiny"), tie_word_embeddings=False)
+    run_distributed(_local_reads_body, 2, path, other_host)

@@ -5,7 +5,8 @@ Sharded materialisation: every rank builds the model with its parameters on the 
 such as rotary ``inv_freq`` are computed for real, they are small), shards it, and allocates only its own shards
 on its device. Then the weights are filled one tensor at a time: rank 0 reads each tensor from the checkpoint's
 safetensors files (memory-mapped, so only that tensor is read), casts it to fp32 and broadcasts it; every rank
-copies its own rows into its shard. No rank ever holds more than its shards plus one full tensor (the largest: the
+copies its own rows into its shard. When every rank runs on rank 0's host (and can read the files), each reads
+just its own rows of each tensor itself instead: the same bytes, with no broadcast. No rank ever holds more than its shards plus one full tensor (the largest: the
 embedding), on the device or in host memory. A checkpoint whose tensors do not match the model by name and shape
 (a layout transformers converts on load, ``.bin`` files) is loaded whole by ``from_pretrained`` on rank 0, in host
 memory (never on the device), and streamed the same way. Non-persistent buffers are not part of the state dict;
@@ -17,8 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import socket
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -27,6 +28,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from miles.utils.meta_init import parameters_on_meta
 
 if TYPE_CHECKING:
     from safetensors import safe_open
@@ -41,26 +44,6 @@ def _check_attn(attn_implementation: str) -> None:
         raise ValueError(
             f"--attn-implementation={attn_implementation!r} is not supported; allowed: {_ATTN_IMPLEMENTATIONS}"
         )
-
-
-@contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Inside the block, every parameter a module registers goes to the meta device as it is registered (its
-    initialisation then runs on meta: no memory, no time), while buffers stay real: a model built here has
-    the non-persistent buffers it computes in its constructor (rotary ``inv_freq``) and no weights. Each
-    parameter is allocated (uninitialised) for the instant of its registration only."""
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
-
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
 
 
 def load_hf_model(
@@ -169,8 +152,29 @@ class _SafetensorsSource:
             self._open[file] = safe_open(file, framework="pt", device="cpu")
         return self._open[file].get_tensor(name)
 
+    def get_rows(self, name: str, rows: tuple[slice, ...]) -> torch.Tensor:
+        """Only the block ``rows`` of tensor ``name`` (one slice per dimension): only its bytes are read."""
+        from safetensors import safe_open
+
+        file = self.files[name]
+        if file not in self._open:
+            self._open[file] = safe_open(file, framework="pt", device="cpu")
+        return self._open[file].get_slice(name)[rows]
+
     def close(self) -> None:
         self._open.clear()
+
+
+_FileId = tuple[int, int, int, int]
+
+
+def _file_identity(path: str) -> _FileId | None:
+    """(device, inode, size, mtime) of `path`; None when it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) if os.access(path, os.R_OK) else None
 
 
 class _LoadedModelSource:
@@ -239,14 +243,34 @@ def _transform_initial_values(model: nn.Module, known: set[int]) -> dict[str, to
     return out
 
 
+def _own_rows(param: torch.Tensor) -> tuple[slice, ...]:
+    """The block of the full tensor that this rank's shard of `param` holds (all of it when not a DTensor)."""
+    if not isinstance(param, DTensor):
+        return tuple(slice(0, n) for n in param.shape)
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
 def _fill_shards(
-    model: nn.Module, full_value: Callable[[str], torch.Tensor] | None, comm_device: torch.device, src: int
+    model: nn.Module,
+    full_value: Callable[[str], torch.Tensor] | None,
+    comm_device: torch.device,
+    src: int,
+    own_rows: Callable[[str, tuple[slice, ...]], torch.Tensor | None] | None = None,
 ) -> None:
     """Every parameter of the sharded `model`, in order: global rank `src` gives its full value
     (`full_value(fqn)`; None on the other ranks), it is broadcast, and each rank copies its own rows into its
-    shard. Each rank holds one full tensor at a time besides its shards."""
+    shard. Each rank holds one full tensor at a time besides its shards. With `own_rows` (every rank has it, or
+    none), each rank reads its rows itself (`own_rows(fqn, rows)`) and only the parameters it answers None for
+    are broadcast."""
     with torch.no_grad():
         for fqn, param in model.named_parameters():
+            if own_rows is not None:
+                part = own_rows(fqn, _own_rows(param))
+                if part is not None:
+                    local = param.to_local() if isinstance(param, DTensor) else param
+                    local.copy_(part.to(device=comm_device, dtype=param.dtype))
+                    continue
             if full_value is not None:
                 full = full_value(fqn).to(device=comm_device, dtype=param.dtype)
                 if full.shape != param.shape:
@@ -257,11 +281,7 @@ def _fill_shards(
                 full = torch.empty(param.shape, dtype=param.dtype, device=comm_device)
             dist.broadcast(full, src=src)
             if isinstance(param, DTensor):
-                shape, offset = compute_local_shape_and_global_offset(
-                    param.shape, param.device_mesh, param.placements
-                )
-                rows = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
-                param.to_local().copy_(full[rows])
+                param.to_local().copy_(full[_own_rows(param)])
             else:
                 param.copy_(full)
             del full
@@ -291,11 +311,38 @@ class CheckpointWeights:
             wanted = {n: p.shape for n, p in model.named_parameters()}
             wanted.update({n: b.shape for n, b in self._persistent.items()})
             self._source = _open_checkpoint(path, wanted, attn_implementation, flag)
+        self._local = self._agree_local_reads()
         self._names: dict[
             str, str | None
         ] = {}  # parameter -> its checkpoint name (None: added by the transform)
         self._initial: dict[str, torch.Tensor] = {}
         self._buffers: dict[str, torch.Tensor] = {}
+
+    def _agree_local_reads(self) -> _SafetensorsSource | None:
+        """The checkpoint's safetensors files when every rank runs on global rank 0's host and finds there the
+        very files rank 0 opened (same absolute path, device, inode, size and mtime): each rank then reads its own
+        rows of every checkpoint tensor itself (the same bytes, nothing broadcast, no rank waits for another's
+        reads). None: rank 0 reads and broadcasts each tensor (other hosts, a checkpoint loaded by
+        ``from_pretrained``). Collective."""
+        mine = self._source if isinstance(self._source, _SafetensorsSource) else None
+        if dist.get_world_size() == 1:
+            return mine
+        files = {n: os.path.abspath(f) for n, f in mine.files.items()} if mine is not None else None
+        ids = {f: _file_identity(f) for f in set(files.values())} if files is not None else None
+        offer: list[tuple[str, dict[str, str] | None, dict[str, _FileId | None] | None] | None] = [
+            (socket.gethostname(), files, ids)
+        ]
+        dist.broadcast_object_list(offer, src=0)
+        assert offer[0] is not None
+        host, files, ids = offer[0]
+        same = ids is not None and None not in ids.values() and host == socket.gethostname()
+        if same and ids is not None:
+            same = all(_file_identity(f) == i for f, i in ids.items())
+        votes: list[bool | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(votes, same)
+        if files is None or not all(votes):
+            return None
+        return mine if mine is not None else _SafetensorsSource(files)
 
     def after_transform(self, model: nn.Module) -> None:
         """Record the module tree as the transform left it (call before sharding)."""
@@ -320,12 +367,25 @@ class CheckpointWeights:
             if mesh.device_type == "cuda"
             else torch.device(mesh.device_type)
         )
+        own_rows = self._own_rows if self._local is not None else None
         try:
-            _fill_shards(model, self._full_value if self.is_src else None, comm_device, src=0)
+            _fill_shards(model, self._full_value if self.is_src else None, comm_device, 0, own_rows)
         finally:
-            if self._source is not None:
-                self._source.close()
+            for source in (self._source, self._local):
+                if source is not None:
+                    source.close()
         _broadcast_buffers(model, mesh.get_group())
+
+    def _own_rows(self, fqn: str, rows: tuple[slice, ...]) -> torch.Tensor | None:
+        """This rank's block of parameter `fqn` read from the checkpoint; None when a transform added it."""
+        ckpt = self._names[fqn]
+        if ckpt is None:
+            return None
+        assert self._local is not None
+        try:
+            return self._local.get_rows(ckpt, rows)
+        except Exception as e:  # noqa: BLE001 - safetensors errors do not name the directory
+            raise ValueError(f"{self.flag}={self.path!r}: cannot read {ckpt}: {type(e).__name__}: {e}") from e
 
     def _full_value(self, fqn: str) -> torch.Tensor:
         ckpt = self._names[fqn]

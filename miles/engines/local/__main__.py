@@ -88,6 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="test aid (MoE): on positions 0, N, 2N, ... route to the 2nd..(k+1)-th best experts instead of the "
         "top k, so that the engine's expert choice differs from a trainer's; 0 = off",
     )
+    p.add_argument(
+        "--start-released",
+        action="store_true",
+        help="read no weights: start with them released (as after /release_memory_occupation of 'weights'); "
+        "generation is refused until /resume_memory_occupation and a refit load every tensor (miles-only)",
+    )
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a /generate call may take")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -132,6 +138,7 @@ def engine_config(args: argparse.Namespace) -> LocalEngineConfig:
         trim_after_release=args.trim_after_release,
         enable_return_routed_experts=args.enable_return_routed_experts,
         test_off_top_k_every=args.test_off_top_k_every,
+        start_released=args.start_released,
     )
 
 

@@ -167,6 +167,9 @@ class LocalEngineConfig:
     )
     enable_return_routed_experts: bool = False  # SGLang's flag: MoE routing per token (routing_capture.py)
     test_off_top_k_every: int = 0  # test aid: route positions 0, N, 2N.. off the top-k (routing_capture.py)
+    # read no weights: start with them released (as after /release_memory_occupation of "weights"); a resume
+    # and a refit bring them (a colocated engine in a training rank: the start-up refit sends the rank's own)
+    start_released: bool = False
 
 
 def _context_length(requested: int | None, model_config: PretrainedConfig) -> int:
@@ -196,7 +199,8 @@ class LocalEngine(WeightControl):
         self.dtype = DTYPES[config.dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
         self.device = _device(config.device)
-        model, self.vl = load_model(config.model_path, self.dtype)  # vl: a VL model's image processing
+        # vl: a VL model's image processing
+        model, self.vl = load_model(config.model_path, self.dtype, weights=not config.start_released)
         self.model = model.to(self.device).eval()
         self.weights = WeightStore(self.model)
         self.context_len = _context_length(config.context_length, self.model.config.get_text_config())
@@ -238,6 +242,9 @@ class LocalEngine(WeightControl):
             chunked_prefill_size=config.chunked_prefill_size,
             random_seed=config.random_seed,
         )
+        if config.start_released:  # nothing was read; generation is refused until a refit loads every tensor
+            self.weights.release(unloaded=True)
+            self.released_tags.add("weights")
 
     def _eos_ids(self) -> set[int]:
         ids = set()

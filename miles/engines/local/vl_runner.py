@@ -47,16 +47,36 @@ def is_vl_checkpoint(path: str) -> bool:
         return "vision_config" in json.load(f)
 
 
-def load_model(path: str, dtype: torch.dtype) -> tuple[nn.Module, VLProcessor | None]:
-    """The engine's HF model of `path` and, for a VL checkpoint, its image processing (`VLProcessor`)."""
+def load_model(path: str, dtype: torch.dtype, weights: bool = True) -> tuple[nn.Module, VLProcessor | None]:
+    """The engine's HF model of `path` and, for a VL checkpoint, its image processing (`VLProcessor`).
+    ``weights=False`` (an engine whose first refit brings its weights): a text model is built from its config
+    alone, its parameters uninitialised (`unloaded_model`); a VL model, or one with persistent buffers, loads as
+    usual."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     if not is_vl_checkpoint(path):
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), None
+        model = None if weights else unloaded_model(path, dtype)
+        return model or AutoModelForCausalLM.from_pretrained(path, dtype=dtype), None
     from miles.rollout.multimodal import VLProcessor
 
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
     return model, VLProcessor.from_pretrained(path, flag="--model-path")
+
+
+def unloaded_model(path: str, dtype: torch.dtype) -> nn.Module | None:
+    """The causal LM of `path` built from its config.json only: no weight is read or initialised (parameters on
+    meta, then uninitialised CPU storage, `miles.utils.meta_init`), buffers computed by the constructors as
+    `from_pretrained` computes them. None when the model has persistent buffers (the checkpoint holds those)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from miles.utils.meta_init import has_persistent_buffers, materialize_parameters, parameters_on_meta
+
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    if has_persistent_buffers(model):
+        return None
+    materialize_parameters(model, "cpu")
+    return model
 
 
 @dataclass

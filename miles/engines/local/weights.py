@@ -43,6 +43,7 @@ class WeightStore:
         self._meta = {n: (tuple(p.shape), p.dtype) for n, p in self._params.items()}
         self.device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
         self.released = False
+        self.unloaded = False  # released before any weights were loaded (`release(unloaded=True)`)
         self.pending: set[str] = set()
         # a pending stacked expert tensor -> the (expert, block) pieces loaded since resume (done when all are)
         self._pieces: dict[str, set[tuple[int, int]]] = {}
@@ -166,6 +167,7 @@ class WeightStore:
         """Copy a validated tensor into parameter ``canon`` (a per-expert piece into its view of the stacked
         tensor); the parameter stops being pending when whole, or when all its pieces have arrived."""
         _, piece = self._target(name)
+        self.unloaded = False
         if piece is None:
             self._storage(canon).copy_(tensor)
             self.pending.discard(canon)
@@ -198,17 +200,21 @@ class WeightStore:
                 )
         for name, view in views.items():
             self._params[name].data = view
+        self.unloaded = False
         self.pending.clear()
         self._pieces.clear()
         self.fp8_checksums.clear()
         self._changed()
         return len(views)
 
-    def release(self) -> None:
-        """Free the storage of every parameter (each becomes an empty tensor); buffers are kept."""
+    def release(self, unloaded: bool = False) -> None:
+        """Free the storage of every parameter (each becomes an empty tensor); buffers are kept. ``unloaded``:
+        the parameters never held weights (an engine started released), so the next `resume` has nothing to
+        re-allocate for: the loads that follow allocate what they write."""
         for p in self._params.values():
             p.data = torch.empty(0, dtype=p.dtype, device=self.device)
         self.released = True
+        self.unloaded = self.unloaded or unloaded
         self._changed()
 
     def _storage(self, canon: str) -> torch.Tensor:
@@ -221,14 +227,15 @@ class WeightStore:
         return p.data
 
     def resume(self, allocate: bool = True) -> None:
-        """Mark every parameter pending until loaded; with ``allocate``, re-allocate each zero-filled first (the
+        """Mark every parameter pending until loaded; with ``allocate`` (unless `unloaded`: there was nothing
+        to give back), re-allocate each zero-filled first (the
         memory is occupied again, as SGLang's resume does). Without, they stay empty until a load: an engine whose
         weights are views of a weight window gets them back as views, so zero-filled storage would be thrown
         away (on a 100 MB model: a memset and fresh pages, tens of ms per refit); a copying load allocates what
         it writes."""
         if not self.released:
             return
-        if allocate:
+        if allocate and not self.unloaded:
             for name, p in self._params.items():
                 shape, dtype = self._meta[name]
                 p.data = torch.zeros(shape, dtype=dtype, device=self.device)
