@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from miles.engines.sglang_args import flag_args
 from miles.utils.engine_control_http import health_problem
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import uvicorn
 
     from miles.engines.local.engine import LocalEngine
+    from miles.utils.types import JSON
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +180,7 @@ class InProcessEngine:
             raise RuntimeError(f"the engine at {self.url} is not running")
         self.engine.run("release_memory_occupation", tags=list(tags)).result(timeout)
 
-    def admin_call(self, op: str, body: Mapping[str, object], timeout: float) -> dict[str, object]:
+    def admin_call(self, op: str, body: Mapping[str, Any], timeout: float) -> dict[str, JSON]:
         """Admin operation `op` (its endpoint's JSON `body`) called directly, for the process serving the engine
         (no HTTP round trip: the client's and the server's CPU in this same process): the answer as the endpoint
         sends it (through JSON), which must report success; raises what the endpoint answers as an error."""
