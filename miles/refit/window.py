@@ -336,9 +336,14 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
             body["resume_tags"] = resume_tags
         if checksums is not None:
             body["checksums"] = True
-        answer = post_engine(
-            url, "update_weights_from_window", body, self.headers, self.timeout_s, f"refit {weight_version}"
-        )
+        from miles.engines.local.in_process import served_here
+
+        own = served_here(url)
+        if own is not None:  # the engine this process serves (a CPU rank's): called directly, not over HTTP
+            answer = own.admin_call("update_weights_from_window", body, self.timeout_s)
+        else:
+            what = f"refit {weight_version}"
+            answer = post_engine(url, "update_weights_from_window", body, self.headers, self.timeout_s, what)
         if answer.get("weight_version") != weight_version:
             raise RuntimeError(
                 f"engine {url} serves weight version {answer.get('weight_version')!r} after refit {weight_version}"

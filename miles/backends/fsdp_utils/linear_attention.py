@@ -43,6 +43,8 @@ _KERNELS = {"flash-linear-attention": "fla", "causal-conv1d": "causal_conv1d"}
 # the packed-row kwargs a single sequence's forward must not see
 _ROW_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "miles_layout")
 _SEGMENTED = "_miles_segmented"
+# on the model: how many layers `segment_linear_attention` covered
+_COVERED = "_miles_linear_attention_layers"
 
 
 def linear_attention_layers(model: nn.Module) -> list[nn.Module]:
@@ -102,7 +104,11 @@ def _segmented(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
 
 def segment_linear_attention(model: nn.Module) -> int:
     """Make every linear-attention layer of `model` reset its state at the packed row's sequence boundaries (see
-    the module docstring). Idempotent; returns how many layers it covers (0 for a model without any)."""
+    the module docstring). Idempotent; returns how many layers it covers (0 for a model without any). The count
+    is kept on the model: later calls (every packed forward's) return it without walking the modules again."""
+    covered = model.__dict__.get(_COVERED)
+    if covered is not None:
+        return int(covered)
     layers = linear_attention_layers(model)
     for layer in layers:
         if not getattr(layer, _SEGMENTED, False):
@@ -118,4 +124,5 @@ def segment_linear_attention(model: nn.Module) -> int:
                 ", ".join(missing),
                 KERNELS_EXTRA,
             )
+    model.__dict__[_COVERED] = len(layers)
     return len(layers)

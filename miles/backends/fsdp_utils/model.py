@@ -24,6 +24,7 @@ from miles.backends.fsdp_utils.hf_load import CheckpointWeights, load_hf_model
 
 _OPTIMIZERS = ("adam", "sgd")
 _FUSED_ADAM_DEVICES = ("cpu", "cuda")
+_FSDP_MODULES = "_miles_fsdp_modules"  # on a wrapped model: its FSDP modules, for `sync_gradients_after`
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -208,8 +209,15 @@ def sync_gradients_after(model: nn.Module, last_micro_batch: bool, defer: bool) 
     not FSDP-wrapped, nothing changes."""
     if not defer or not isinstance(model, FSDPModule):
         return
-    model.set_requires_gradient_sync(last_micro_batch)
-    model.set_reshard_after_backward(last_micro_batch)
+    # what `set_requires_gradient_sync` / `set_reshard_after_backward` do with recurse, without walking every
+    # module of the model twice per micro-batch: its FSDP modules are listed once (the wrap does not change)
+    fsdp_modules = model.__dict__.get(_FSDP_MODULES)
+    if fsdp_modules is None:
+        fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        model.__dict__[_FSDP_MODULES] = fsdp_modules
+    for module in fsdp_modules:
+        module.set_requires_gradient_sync(last_micro_batch, recurse=False)
+        module.set_reshard_after_backward(last_micro_batch, recurse=False)
 
 
 def clip_grad_norm_sharded(params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:

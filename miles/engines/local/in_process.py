@@ -15,11 +15,12 @@ What the host process keeps to itself:
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from miles.engines.sglang_args import flag_args
 from miles.utils.engine_control_http import health_problem
@@ -29,10 +30,19 @@ if TYPE_CHECKING:
     import uvicorn
 
     from miles.engines.local.engine import LocalEngine
+    from miles.utils.types import JSON
 
 logger = logging.getLogger(__name__)
 
 _ENGINE_LOGGER = "miles.engines.local"
+
+# the engines this process serves, by URL: a caller in this process (the refit's window load) calls them directly
+_SERVED: dict[str, InProcessEngine] = {}
+
+
+def served_here(url: str) -> InProcessEngine | None:
+    """The running engine this process serves at `url` (None: none, or another process's)."""
+    return _SERVED.get(url)
 
 
 def set_thread_count(engine: LocalEngine, num_threads: int, timeout: float = 60.0) -> None:
@@ -100,6 +110,7 @@ class InProcessEngine:
         except BaseException:
             self.shutdown()  # do not leave a half-started server behind
             raise
+        _SERVED[self.url] = self
         return self
 
     def _start(self, port: int) -> None:
@@ -169,8 +180,23 @@ class InProcessEngine:
             raise RuntimeError(f"the engine at {self.url} is not running")
         self.engine.run("release_memory_occupation", tags=list(tags)).result(timeout)
 
+    def admin_call(self, op: str, body: Mapping[str, Any], timeout: float) -> dict[str, JSON]:
+        """Admin operation `op` (its endpoint's JSON `body`) called directly, for the process serving the engine
+        (no HTTP round trip: the client's and the server's CPU in this same process): the answer as the endpoint
+        sends it (through JSON), which must report success; raises what the endpoint answers as an error."""
+        if self.engine is None:
+            raise RuntimeError(f"the engine at {self.url} is not running")
+        reply = self.engine.run(op, **body).result(timeout)
+        answer = json.loads(json.dumps(reply, allow_nan=False))
+        if not isinstance(answer, dict) or not answer.get("success", False):
+            message = answer.get("message", answer) if isinstance(answer, dict) else answer
+            raise RuntimeError(f"engine {self.url}, {op}: success=false: {message}")
+        return answer
+
     def shutdown(self, timeout: float = 15.0) -> None:
         """Stop the HTTP server, then the engine's scheduler (in-flight requests are aborted)."""
+        if self.port is not None and _SERVED.get(self.url) is self:
+            del _SERVED[self.url]
         if self._server is not None:
             self._server.should_exit = True
         if self._thread is not None:
