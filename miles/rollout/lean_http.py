@@ -9,7 +9,8 @@ longer than `keepalive_expiry` or closed by the server is dropped, not reused), 
 `json=` (compact, UTF-8, no NaN), headers plus body in one write; the answer read by Content-Length, chunked, or
 to the end of the stream. Its failures are httpx's exception types (`httpx.ConnectError`, `httpx.ReadError`,
 `httpx.RemoteProtocolError`, `httpx.ReadTimeout`), so the caller's retry and set-aside rules are unchanged. No
-redirects (httpx follows none by default either), no TLS: https URLs stay on httpx.
+redirects (httpx follows none by default either), no TLS: https URLs stay on httpx. `--log-level DEBUG` logs each
+request, as httpx does.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from typing import Any
 from urllib.parse import urlsplit
@@ -25,6 +27,8 @@ from miles.utils.httpx_import import lean_httpx
 
 with lean_httpx():
     import httpx
+
+logger = logging.getLogger(__name__)  # DEBUG: each request, as httpx logs its own (docs/monitoring.md)
 
 _Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter, float]  # reader, writer, idle since (monotonic)
 
@@ -81,6 +85,8 @@ class LeanPoster:
         except BaseException:
             _close(conn)
             raise
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("HTTP Request: POST %s %d", url, status)
         if keep:
             self._idle.setdefault((host, port), []).append((reader, writer, time.monotonic()))
         else:
