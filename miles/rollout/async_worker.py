@@ -349,8 +349,9 @@ class AsyncGenerationWorker:
                 with self._lock:
                     self.waiting_put += 1
                     self.clock.tick(self._state())
-                try:
-                    await asyncio.to_thread(self.buffer.put, group)
+                try:  # a thread hop only when the buffer is full (put blocks then)
+                    if not self.buffer.put(group, timeout=0):
+                        await asyncio.to_thread(self.buffer.put, group)
                 finally:
                     with self._lock:
                         self.waiting_put -= 1

@@ -329,3 +329,53 @@ def test_groups_share_a_batch_request_only_with_bound_zero(bound, shared):
         assert seen[0] is not None and seen[0] is seen[1] and seen[0].per_engine
     else:
         assert seen == [None, None]  # generate_group then opens one batch per group
+
+
+def test_a_finished_group_goes_straight_into_a_buffer_with_room_and_waits_when_it_is_full(monkeypatch):
+    """`_run_group` puts a finished group without a thread hop while the buffer has room, and waits (off the
+    event loop) for room when it is full: both groups arrive, in order, and nothing is left waiting."""
+    import asyncio
+    import dataclasses
+    import threading
+
+    from miles.rollout import async_worker as aw
+
+    @dataclasses.dataclass(frozen=True)
+    class GenCtx:
+        request_id_prefix: str = ""
+
+    async def generate_group(ctx, gen_ctx, group):
+        return group
+
+    async def score(group):
+        return 0
+
+    monkeypatch.setattr(aw, "generate_group", generate_group)
+    monkeypatch.setattr(aw, "group_verdict", lambda ctx, group: SimpleNamespace(keep=True, reason=None))
+    settings = aw.AsyncSettings(
+        batch=1, group_size=1, max_concurrent_samples=2, capacity=1, max_staleness=None, retry=False
+    )
+    worker = aw.AsyncGenerationWorker(SimpleNamespace(), settings, start_version=0)
+    ctx = SimpleNamespace(generate_ctx=GenCtx(), scorer=SimpleNamespace(score=score))
+    groups = [
+        [Sample(prompt=p, metadata={"start_rollout_id": 0, aw.GROUP_KEY: i})] for i, p in enumerate("ab")
+    ]
+    taken = []
+
+    async def main():
+        worker._resumed = asyncio.Event()
+        worker._resumed.set()
+        worker.in_flight = 2
+        await worker._run_group(ctx, groups[0])  # room: put at once
+        assert len(worker.buffer) == 1 and worker.waiting_put == 0
+        second = asyncio.ensure_future(worker._run_group(ctx, groups[1]))
+        await asyncio.sleep(0.2)
+        assert not second.done() and worker.waiting_put == 1  # full: waits for the trainer's take
+        taker = threading.Thread(target=lambda: taken.append(worker.buffer.take(5.0)))
+        taker.start()
+        await asyncio.wait_for(second, 5.0)
+        taker.join()
+
+    asyncio.run(main())
+    assert taken == [groups[0]] and worker.buffer.snapshot() == [groups[1]]
+    assert worker.waiting_put == 0 and worker.in_flight == 0
