@@ -132,13 +132,17 @@ async def _read_response(reader: asyncio.StreamReader, url: str) -> tuple[int, b
             name, value = line.split(":", 1)
             headers[name.strip().lower()] = value.strip()
     keep = headers.get("connection", "").lower() != "close" and status_line[0] == "HTTP/1.1"
+    status = int(status_line[1])
+    # no body by definition (RFC 9112 6.3), whatever the headers
+    if status in (204, 304) or 100 <= status < 200:
+        return status, b"", keep
     if "chunked" in headers.get("transfer-encoding", "").lower():
         content = await _read_chunked(reader)
     elif "content-length" in headers:
         content = await reader.readexactly(int(headers["content-length"]))
     else:
         content, keep = await reader.read(), False
-    return int(status_line[1]), content, keep
+    return status, content, keep
 
 
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:

@@ -129,3 +129,17 @@ def test_generate_client_post_uses_it_with_the_same_rules() -> None:
             assert "Authorization: Bearer key\r\n" in srv.requests[0][0]
 
     asyncio.run(go())
+
+
+def test_no_body_status_is_read_without_waiting_for_the_server_to_close() -> None:
+    # a 204 carries no length: reading to the end would wait for the server's idle close
+    async def go() -> None:
+        async with RawServer([b"HTTP/1.1 204 No Content\r\n\r\n", ok({"next": 1})]) as srv:
+            poster = LeanPoster({}, keepalive_expiry=2.0)
+            answer = await poster.post(srv.url + "/g", {}, 2.0)
+            assert answer.status_code == 204 and answer.content == b""
+            assert (await poster.post(srv.url + "/g", {}, 2.0)).json() == {"next": 1}
+            assert poster.connections_opened == 1  # the connection stayed usable
+            await poster.aclose()
+
+    asyncio.run(go())
