@@ -292,6 +292,7 @@ def test_fused_projections_follow_refits_and_weight_release():
     assert torch.equal(runner.layers[1].qkv(x)[:, : attn.q_proj.weight.shape[0]], attn.q_proj(x))  # as HF
     del w, b
     store = WeightStore(model)
+    store.on_change(runner.forget_views)  # as LocalEngine wires them: the kept weight views go at a release
     gen = torch.Generator().manual_seed(5)
     fresh = {n: torch.randn(p.shape, generator=gen) * 0.3 for n, p in model.named_parameters()}
     store.load(fresh.items())

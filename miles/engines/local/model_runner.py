@@ -311,6 +311,13 @@ class PoolRunner:
             p.unpack()
         self._prepacked = False
 
+    def forget_views(self) -> None:
+        """Drop the weight views the projections keep between forwards (`FusedLinear.weight`): the engine calls
+        it at every change of its `WeightStore`, so that released weights free their memory."""
+        for refs in self.layers:
+            for p in refs.projections():
+                p.forget_views()
+
     def _prepack_weights(self) -> None:
         for p in self._prepack:
             p.pack()
