@@ -276,6 +276,29 @@ def test_kv_pool_release_frees_and_resume_reallocates():
     _check_against_forward(model, again, seen)
 
 
+def test_fused_weight_views_follow_a_swapped_parameter_without_notice():
+    """`FusedLinear.weight()` keeps its views between calls; a parameter given other data (no store told it, so
+    nothing dropped them) is noticed by where the data lies: the next call multiplies by the new weights."""
+    from torch import nn
+
+    from miles.engines.local.fused import FusedLinear
+
+    gen = torch.Generator().manual_seed(3)
+    lins = [nn.Linear(8, n, bias=True) for n in (8, 4)]
+    fused = FusedLinear(lins)
+    x = torch.randn(3, 8, generator=gen)
+    w1, _ = fused.weight()
+    assert fused.weight()[0] is w1  # kept
+    with torch.no_grad():
+        lins[1].weight.data = torch.randn(4, 8, generator=gen)  # own storage: the blocks are laid out again
+        lins[0].bias.data = torch.randn(8, generator=gen)
+    w2, _ = fused.weight()
+    assert w2 is not w1 and w2.data_ptr() == lins[0].weight.data_ptr()
+    assert torch.equal(fused(x), torch.cat([lin(x) for lin in lins], -1))
+    fused.forget_views()
+    assert fused.weight()[0] is not w2 and torch.equal(fused(x), torch.cat([lin(x) for lin in lins], -1))
+
+
 def test_fused_projections_follow_refits_and_weight_release():
     """q/k/v (with biases here) and gate/up run as one matmul each, over one [in, out] buffer whose blocks are
     the parameters: a refit (a copy into the parameters) reaches it, releasing the weights leaves no tensor
@@ -292,6 +315,7 @@ def test_fused_projections_follow_refits_and_weight_release():
     assert torch.equal(runner.layers[1].qkv(x)[:, : attn.q_proj.weight.shape[0]], attn.q_proj(x))  # as HF
     del w, b
     store = WeightStore(model)
+    store.on_change(runner.forget_views)  # as LocalEngine wires them: the kept weight views go at a release
     gen = torch.Generator().manual_seed(5)
     fresh = {n: torch.randn(p.shape, generator=gen) * 0.3 for n, p in model.named_parameters()}
     store.load(fresh.items())

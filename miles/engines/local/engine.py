@@ -216,6 +216,8 @@ class LocalEngine(WeightControl):
                 decode_kernel=config.cpu_decode_kernel,
             )
         )
+        if isinstance(self.runner, PoolRunner):  # its projections keep views of the weights between forwards
+            self.weights.on_change(self.runner.forget_views)
         record, off_every = config.enable_return_routed_experts, config.test_off_top_k_every
         self.runner = routing_runner(self.runner, self.model, record, off_every) or self.runner
         self.weight_version = config.weight_version

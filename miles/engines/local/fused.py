@@ -38,6 +38,11 @@ class FusedLinear:
             start += w.shape[0]
         self.out_features = start
         self.packed: torch.Tensor | None = None  # oneDNN-blocked copy of the matrix (CPU), see `pack`
+        # (where the parameters lay, the matrix and bias views) as `weight()` last made them: it runs at every
+        # matmul, and the layout check and the views cost more than a decode-sized matmul, so they are made again
+        # only when a pointer, stride or size moved (the views keep their storage alive, so a new one can never
+        # reuse its address unnoticed); `forget_views` drops them so that released weights free their memory
+        self._views: tuple[tuple[int, ...], torch.Tensor, torch.Tensor | None] | None = None
         self.layout()
 
     @torch.no_grad()
@@ -89,6 +94,15 @@ class FusedLinear:
                 return None
         return orientation
 
+    def _where(self) -> tuple[int, ...]:
+        """Where the parameters' data lie (pointers, the first weight's strides and size): a `.data` swap (load
+        into a window, release, resume) or a storage resized in place changes it."""
+        first = self.weights[0]
+        ptrs = [w.data_ptr() for w in self.weights]
+        if self.biases is not None:
+            ptrs += [b.data_ptr() for b in self.biases]
+        return (*ptrs, *first.stride(), first.numel(), first.untyped_storage().nbytes())
+
     def _laid_out(self) -> bool:
         """Whether the parameters still are the blocks of one buffer (and the biases of one vector)."""
         return self._orientation() is not None
@@ -96,6 +110,9 @@ class FusedLinear:
     def weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The `[in, out]` matrix (strided over the column or row buffer) and the bias `[out]` (None without
         bias), as views of the parameters."""
+        views = self._views
+        if views is not None and views[0] == self._where():
+            return views[1], views[2]
         orientation = self._orientation()
         if orientation is None:
             self.layout()
@@ -103,7 +120,12 @@ class FusedLinear:
         stride = (self.out_features, 1) if orientation == "cols" else (1, self.in_features)
         w = self.weights[0].as_strided((self.in_features, self.out_features), stride)
         b = None if self.biases is None else self.biases[0].as_strided((self.out_features,), (1,))
+        self._views = (self._where(), w, b)
         return w, b
+
+    def forget_views(self) -> None:
+        """Drop the views `weight()` keeps (call when the weights change or are released)."""
+        self._views = None
 
     def pack(self) -> None:
         """Copy the current weights into oneDNN's blocked layout (CPU only); `__call__` then multiplies by the
@@ -115,11 +137,12 @@ class FusedLinear:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous())
 
     def unpack(self) -> None:
-        """Drop the packed copy (the weights changed, or are released)."""
+        """Drop the packed copy and the kept views (the weights changed, or are released)."""
         self.packed = None
+        self._views = None
 
     def _packed_bias(self) -> torch.Tensor | None:
-        return None if self.biases is None else self.biases[0].as_strided((self.out_features,), (1,))
+        return self.weight()[1]
 
     def _use_packed(self, x: torch.Tensor) -> bool:
         return self.packed is not None and x.shape[0] >= PACKED_MIN_ROWS

@@ -311,6 +311,13 @@ class PoolRunner:
             p.unpack()
         self._prepacked = False
 
+    def forget_views(self) -> None:
+        """Drop the weight views the projections keep between forwards (`FusedLinear.weight`): the engine calls
+        it at every change of its `WeightStore`, so that released weights free their memory."""
+        for refs in self.layers:
+            for p in refs.projections():
+                p.forget_views()
+
     def _prepack_weights(self) -> None:
         for p in self._prepack:
             p.pack()
@@ -380,7 +387,8 @@ class PoolRunner:
         # row of (position, slot) in a layer's pool viewed as [capacity * slots, kv_heads * D]
         kv_index = positions * self.pool.num_slots + slots
         kernel = self.active_decode_kernel() is not None
-        groups = [self._decode_group(decode, positions[: len(decode)], kernel)] if decode else []
+        nd = len(decode)
+        groups = [self._decode_group(decode, positions[:nd], slots[:nd], kernel)] if decode else []
         groups += [self._prefill_group(b) for b in buckets]
         # the logits wanted: last token of each sampling row, in batch order (the scheduler's order); a shared
         # prompt's copies take its logits
@@ -444,10 +452,12 @@ class PoolRunner:
         half = self.head_dim // 2
         return torch.stack((cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)), dim=1)
 
-    def _decode_group(self, rows: list[BatchRow], positions: torch.Tensor, kernel: bool) -> _Group:
+    def _decode_group(
+        self, rows: list[BatchRow], positions: torch.Tensor, slot_index: torch.Tensor, kernel: bool
+    ) -> _Group:
+        """Attention metadata of the decode rows; `positions`, `slot_index`: int64 [rows], packed by `_pack`."""
         key_len = max(r.start for r in rows) + 1
-        if kernel:
-            slot_index = torch.tensor([r.slot for r in rows], device=self.device)  # the kernel takes indices
+        if kernel:  # the kernel takes the slots as indices
             return _Group(len(rows), len(rows), slot_index, key_len, None, 1, None, positions + 1)
         visible = self._arange[:key_len][None, :] <= positions[:, None]  # [rows, key_len]
         mask = torch.zeros(visible.shape, dtype=torch.float32, device=self.device).masked_fill_(
