@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -82,16 +83,15 @@ def tree_memory(root: int) -> tuple[int, int, int]:
     return rss, pss, n
 
 
-class MemorySampler:
-    """Samples `tree_memory(pid)` every `interval` seconds in a thread; keeps the peaks."""
+class _Sampler:
+    """A daemon thread that calls `sample()` every `interval` seconds while the `with` block runs."""
 
-    def __init__(self, pid: int, interval: float = 0.5) -> None:
-        self.pid, self.interval = pid, interval
-        self.peak_rss = self.peak_pss = self.peak_procs = 0
+    def __init__(self, name: str, interval: float) -> None:
+        self.interval = interval
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"mem-{pid}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
-    def __enter__(self) -> MemorySampler:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -101,10 +101,25 @@ class MemorySampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            rss, pss, n = tree_memory(self.pid)
-            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
-            self.peak_procs = max(self.peak_procs, n)
+            self.sample()
             self._stop.wait(self.interval)
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+
+class MemorySampler(_Sampler):
+    """Samples `tree_memory(pid)` every `interval` seconds in a thread; keeps the peaks."""
+
+    def __init__(self, pid: int, interval: float = 0.5) -> None:
+        super().__init__(f"mem-{pid}", interval)
+        self.pid = pid
+        self.peak_rss = self.peak_pss = self.peak_procs = 0
+
+    def sample(self) -> None:
+        rss, pss, n = tree_memory(self.pid)
+        self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+        self.peak_procs = max(self.peak_procs, n)
 
 
 # ------------------------------------------------------------------------------------------------ CPU time
@@ -161,7 +176,7 @@ def cpu_delta(
     return {pid: at(pts, end) - at(pts, start) for pid, pts in series.items()}
 
 
-class CpuSampler:
+class CpuSampler(_Sampler):
     """Samples `tree_cpu(pid)` every `interval` seconds in a thread: `history` holds (seconds after `t0`,
     {pid: CPU-s}), `machine` (seconds after `t0`, the whole machine's busy CPU-s: the tree's and everyone
     else's), `own` (seconds after `t0`, this process's CPU-s: the sampler, and whatever else the caller runs)
@@ -169,33 +184,22 @@ class CpuSampler:
     actor)."""
 
     def __init__(self, pid: int, t0: float, interval: float = 0.5) -> None:
-        self.pid, self.t0, self.interval = pid, t0, interval
+        super().__init__(f"cpu-{pid}", interval)
+        self.pid, self.t0 = pid, t0
         self.history: list[tuple[float, dict[int, float]]] = []
         self.cmdlines: dict[int, str] = {}
         self.machine: list[tuple[float, float]] = []
         self.own: list[tuple[float, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"cpu-{pid}", daemon=True)
 
-    def __enter__(self) -> CpuSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            cpu, busy = tree_cpu(self.pid), _read("/proc/stat")
-            self.history.append((time.time() - self.t0, cpu))
-            if busy:
-                self.machine.append((time.time() - self.t0, parse_busy_cpu_s(busy)))
-            self.own.append((time.time() - self.t0, time.process_time()))
-            for pid in cpu:  # read each time: a few dozen small reads
-                cmd = (_read(f"/proc/{pid}/cmdline") or "").replace("\0", " ").strip()
-                self.cmdlines[pid] = cmd or self.cmdlines.get(pid, "")
-            self._stop.wait(self.interval)
+    def sample(self) -> None:
+        cpu, busy = tree_cpu(self.pid), _read("/proc/stat")
+        self.history.append((time.time() - self.t0, cpu))
+        if busy:
+            self.machine.append((time.time() - self.t0, parse_busy_cpu_s(busy)))
+        self.own.append((time.time() - self.t0, time.process_time()))
+        for pid in cpu:  # read each time: a few dozen small reads
+            cmd = (_read(f"/proc/{pid}/cmdline") or "").replace("\0", " ").strip()
+            self.cmdlines[pid] = cmd or self.cmdlines.get(pid, "")
 
 
 # ------------------------------------------------------------------------------------------------ processes
