@@ -55,7 +55,7 @@ from miles.refit.engine_endpoints import LAYOUT_ENDPOINT, check_engine, checksum
 from miles.refit.session import RefitSetup
 from miles.refit.tensor_handles import ColocatedWeightUpdater
 from miles.refit.window_layout import WINDOW_PREFIX, MappedWindow, WindowLayout
-from miles.utils.engine_control_http import post_engine
+from miles.utils.engine_control_http import post_engine, served_here
 
 
 def _shm_dir() -> str:
@@ -336,11 +336,11 @@ class WindowWeightUpdater(ColocatedWeightUpdater):
             body["resume_tags"] = resume_tags
         if checksums is not None:
             body["checksums"] = True
-        from miles.engines.local.in_process import served_here
-
-        own = served_here(url)
-        if own is not None:  # the engine this process serves (a CPU rank's): called directly, not over HTTP
-            answer = own.admin_call("update_weights_from_window", body, self.timeout_s)
+        direct = served_here(url)
+        if (
+            direct is not None
+        ):  # the engine this process serves (a CPU rank's): called directly, not over HTTP
+            answer = direct("update_weights_from_window", body, self.timeout_s)
         else:
             what = f"refit {weight_version}"
             answer = post_engine(url, "update_weights_from_window", body, self.headers, self.timeout_s, what)

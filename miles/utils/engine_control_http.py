@@ -31,6 +31,32 @@ from miles.utils.types import JSON
 with lean_httpx():  # not its command-line client's imports (~0.1 s of CPU per process)
     import httpx
 
+# The engines this very process serves (a CPU training rank's in-process engine), by URL: an admin call a caller
+# in this process makes to one of them skips HTTP (the client's and the server's CPU in one process). The engine
+# side registers its direct call (`miles.engines.local.in_process`); the refit looks it up (`miles.refit.window`),
+# so neither imports the other.
+AdminCall = Callable[
+    [str, Mapping[str, object], float], dict[str, JSON]
+]  # (op, the endpoint's body, timeout)
+_SERVED_HERE: dict[str, AdminCall] = {}
+
+
+def serve_here(url: str, call: AdminCall) -> None:
+    """Register `call` as the direct admin call of the engine this process serves at `url`."""
+    _SERVED_HERE[url] = call
+
+
+def unserve_here(url: str, call: AdminCall) -> None:
+    """Drop `url`'s registration if it still is `call` (an engine launched since at the same URL keeps its own)."""
+    if _SERVED_HERE.get(url) == call:
+        del _SERVED_HERE[url]
+
+
+def served_here(url: str) -> AdminCall | None:
+    """The direct admin call of the engine this process serves at `url` (None: none, or another process's)."""
+    return _SERVED_HERE.get(url)
+
+
 # Endpoints SGLang marks ADMIN_OPTIONAL (sglang/srt/entrypoints/http_server.py): an admin key unlocks them.
 ADMIN_ENDPOINTS = frozenset(
     "/" + name

@@ -9,10 +9,11 @@ import httpx
 import pytest
 
 import miles.refit.window as refit_window
-from miles.engines.local.in_process import InProcessEngine, served_here
+from miles.engines.local.in_process import InProcessEngine
 from miles.refit.window import TrainerWindow, WindowWeightUpdater
 from miles.refit.window_layout import WindowLayout
 from miles.tools.tiny_model import build_word_model
+from miles.utils.engine_control_http import served_here
 
 ARGS = {"num-threads": 1, "random-seed": 7, "max-running-requests": 2}
 
@@ -23,7 +24,7 @@ def test_window_load_of_the_engine_served_here_skips_http(tmp_path, monkeypatch)
     url = eng.url
     window = None
     try:
-        assert served_here(url) is eng and served_here("http://127.0.0.1:1") is None
+        assert served_here(url) == eng.admin_call and served_here("http://127.0.0.1:1") is None
         direct = eng.admin_call("weight_window_layout", {}, 30)
         over_http = httpx.post(url + "/weight_window_layout", headers={"Authorization": "Bearer k"}).json()
         assert direct == over_http  # the endpoint's answer, through JSON

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from miles.engines.sglang_args import flag_args
-from miles.utils.engine_control_http import health_problem
+from miles.utils.engine_control_http import health_problem, serve_here, unserve_here
 from miles.utils.net import free_port, node_ip
 
 if TYPE_CHECKING:
@@ -35,14 +35,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _ENGINE_LOGGER = "miles.engines.local"
-
-# the engines this process serves, by URL: a caller in this process (the refit's window load) calls them directly
-_SERVED: dict[str, InProcessEngine] = {}
-
-
-def served_here(url: str) -> InProcessEngine | None:
-    """The running engine this process serves at `url` (None: none, or another process's)."""
-    return _SERVED.get(url)
 
 
 def set_thread_count(engine: LocalEngine, num_threads: int, timeout: float = 60.0) -> None:
@@ -110,7 +102,7 @@ class InProcessEngine:
         except BaseException:
             self.shutdown()  # do not leave a half-started server behind
             raise
-        _SERVED[self.url] = self
+        serve_here(self.url, self.admin_call)  # the refit's window load in this process calls it directly
         return self
 
     def _start(self, port: int) -> None:
@@ -195,8 +187,8 @@ class InProcessEngine:
 
     def shutdown(self, timeout: float = 15.0) -> None:
         """Stop the HTTP server, then the engine's scheduler (in-flight requests are aborted)."""
-        if self.port is not None and _SERVED.get(self.url) is self:
-            del _SERVED[self.url]
+        if self.port is not None:
+            unserve_here(self.url, self.admin_call)
         if self._server is not None:
             self._server.should_exit = True
         if self._thread is not None:
