@@ -145,21 +145,20 @@ class _SafetensorsSource:
         self._open: dict[str, safe_open] = {}
 
     def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        file = self.files[name]
-        if file not in self._open:
-            self._open[file] = safe_open(file, framework="pt", device="cpu")
-        return self._open[file].get_tensor(name)
+        return self._file_of(name).get_tensor(name)
 
     def get_rows(self, name: str, rows: tuple[slice, ...]) -> torch.Tensor:
         """Only the block ``rows`` of tensor ``name`` (one slice per dimension): only its bytes are read."""
+        return self._file_of(name).get_slice(name)[rows]
+
+    def _file_of(self, name: str) -> safe_open:
+        """The open file holding tensor ``name`` (opened on first use)."""
         from safetensors import safe_open
 
         file = self.files[name]
         if file not in self._open:
             self._open[file] = safe_open(file, framework="pt", device="cpu")
-        return self._open[file].get_slice(name)[rows]
+        return self._open[file]
 
     def close(self) -> None:
         self._open.clear()
