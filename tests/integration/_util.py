@@ -116,3 +116,16 @@ def save_tiny_qwen3(path: str, seed: int = 0, tie_word_embeddings: bool = True, 
 
     tiny_qwen3(seed, vocab_size, tie_word_embeddings).save_pretrained(path)
     return path
+
+
+def wait_until_gone(pid: int, what: str, timeout: float = 30.0) -> None:
+    """Wait up to `timeout` s for process `pid` to exit; past it, kill it and fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, 9)
+    raise AssertionError(f"{what} outlived its parent")

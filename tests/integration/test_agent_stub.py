@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import miles.ray
+from tests.integration._util import wait_until_gone
 
 STUB = Path(miles.ray.__file__).parent / "agent_stub.py"
 NODE = "ab" * 28
@@ -39,13 +40,4 @@ def test_the_stub_persists_the_minimal_agents_ports_and_exits_with_its_parent(tm
     os.kill(stub, 0)  # still there while its parent lives
     parent.stdin.close()
     parent.wait(timeout=30)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.kill(stub, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        os.kill(stub, 9)
-        raise AssertionError("the stub outlived its parent")
+    wait_until_gone(stub, "the stub")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import miles.ray
+from tests.integration._util import wait_until_gone
 
 STUB = Path(miles.ray.__file__).parent / "runtime_env_stub.py"
 NODE = "cd" * 28
@@ -67,15 +68,7 @@ def test_the_stub_refuses_runtime_envs_over_http_and_exits_with_its_parent(tmp_p
     finally:
         parent.stdin.close()
         parent.wait(timeout=30)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.kill(stub, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-    os.kill(stub, 9)
-    raise AssertionError("the stub outlived its parent")
+    wait_until_gone(stub, "the stub")
 
 
 def _scripts_under(root: int) -> list[str]:
